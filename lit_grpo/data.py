@@ -1,0 +1,293 @@
+"""Prompt data for GRPO: a ``LightningDataModule`` over a Hugging Face ``datasets`` dataset.
+
+GRPO needs only prompts; the completions are sampled by the policy during training. Each row of the
+dataset holds one prompt, either a plain string or a conversation (a list of chat messages
+``{"role": ..., "content": ...}``), and any number of other columns (a reference answer, test cases,
+...). Those other columns travel with their prompt in a :class:`PromptBatch` and reach every reward
+function as keyword arguments: ``reward(prompts=..., completions=..., completion_ids=..., **columns)``.
+
+Everything that can be checked about the data is checked in :meth:`GRPODataModule.setup`, before the
+first training step, and reported as a ``ValueError`` that names the offending column, row or file.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+__all__ = ["RESERVED_COLUMNS", "GRPODataModule", "PromptBatch", "collate_prompt_batch"]
+
+# Keyword arguments that reward functions receive from the trainer; a dataset column with one of
+# these names would collide with them when the columns are forwarded as ``**columns``.
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
+
+# ``datasets`` builder for a data file given directly as ``path``, by file extension.
+BUILDER_BY_EXTENSION = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+DataFiles = str | list[str] | dict[str, str | list[str]]
+
+
+@dataclass
+class PromptBatch:
+    """One batch of prompts with the other dataset columns aligned to them.
+
+    Attributes:
+        prompts: One prompt per row: a string, or a list of chat messages
+            ``[{"role": ..., "content": ...}, ...]``.
+        columns: Every other dataset column, keyed by column name; ``columns[name][i]`` belongs to
+            ``prompts[i]``.
+    """
+
+    prompts: list[str | list[dict[str, Any]]]
+    columns: dict[str, list[Any]]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+class GRPODataModule(pl.LightningDataModule):
+    """Prompts for GRPO training, loaded with ``datasets.load_dataset``.
+
+    Each training batch is a :class:`PromptBatch` of ``batch_size`` prompts; the model samples a group
+    of completions for every prompt. Every column other than the prompt column is passed to the reward
+    functions as a keyword argument, one value per completion.
+
+    Examples of sources::
+
+        path: json                       # a datasets builder with local files
+        data_files: prompts.jsonl
+
+        path: prompts.parquet            # a single local .json/.jsonl/.parquet/.csv file
+
+        path: openai/gsm8k               # a dataset on the Hugging Face Hub
+        name: main
+
+    Args:
+        path: Hugging Face Hub dataset id (``openai/gsm8k``), ``datasets`` builder name (``json``,
+            ``parquet``, ``csv``, ...) or local directory, exactly as for ``datasets.load_dataset``.
+            A single local ``.json``, ``.jsonl``, ``.parquet`` or ``.csv`` file may also be given
+            here directly, in which case ``data_files`` must be left unset.
+        data_files: Data file(s) for a builder: a path, a list of paths (globs allowed), or a mapping
+            from split name to path(s). Files given without a split name form the split ``train``.
+        name: Dataset configuration name (the ``name`` argument of ``datasets.load_dataset``).
+        split: Split to train on; slicing syntax such as ``train[:1000]`` is allowed.
+        prompt_column: Column holding the prompts: non-empty strings, or lists of chat messages
+            ``{"role": ..., "content": ...}`` (then the model's chat template is applied).
+        batch_size: Number of prompts per training step; each yields a group of completions. Rows
+            that do not fill a last complete batch are skipped in each epoch.
+        shuffle: Whether to shuffle the training prompts every epoch.
+        seed: Seed of the shuffling order, so that a run sees its prompts in a reproducible order.
+        val_split: Split to validate on, from the same source as training unless ``val_data_files``
+            is given. Validation is skipped when this is unset.
+        val_data_files: Data file(s) for validation, in the same forms as ``data_files``; requires
+            ``val_split`` (``train`` for files given without a split name).
+        num_workers: Number of ``DataLoader`` worker processes (0 loads in the main process).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        data_files: DataFiles | None = None,
+        name: str | None = None,
+        split: str = "train",
+        prompt_column: str = "prompt",
+        batch_size: int = 4,
+        shuffle: bool = True,
+        seed: int = 0,
+        val_split: str | None = None,
+        val_data_files: DataFiles | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if val_data_files is not None and val_split is None:
+            raise ValueError(
+                f"val_data_files={val_data_files!r} is set but val_split is not; set val_split to "
+                "the split to validate on ('train' for files given without a split name)"
+            )
+        self.path = path
+        self.data_files = data_files
+        self.name = name
+        self.split = split
+        self.prompt_column = prompt_column
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.val_split = val_split
+        self.val_data_files = val_data_files
+        self.num_workers = num_workers
+        self.train_dataset: datasets.Dataset | None = None
+        self.val_dataset: datasets.Dataset | None = None
+        if val_split is None:
+            # Lightning runs validation only if `val_dataloader` is overridden; putting the base
+            # class's method back on the instance makes it skip validation without a warning. (A
+            # partial rather than a bound method, which would unpickle as this class's method.)
+            self.val_dataloader = functools.partial(pl.LightningDataModule.val_dataloader, self)
+
+    def prepare_data(self) -> None:
+        """Download and cache the data once per node, before :meth:`setup` runs on every process."""
+        self._load_train()
+        if self.val_split is not None:
+            self._load_val()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the training (and validation) split and check it; raises ``ValueError`` on bad data."""
+        if stage in (None, "fit") and self.train_dataset is None:
+            dataset = self._load_train()
+            source = _describe_source(self.path, self.name, self.data_files, self.split)
+            _check_dataset(dataset, prompt_column=self.prompt_column, source=source)
+            if dataset.num_rows < self.batch_size:
+                raise ValueError(
+                    f"the {source} has {dataset.num_rows} rows, fewer than batch_size={self.batch_size}, "
+                    "so not one complete training batch can be formed"
+                )
+            self.train_dataset = dataset
+        if stage in (None, "fit", "validate") and self.val_split is not None and self.val_dataset is None:
+            dataset = self._load_val()
+            source = _describe_source(self.path, self.name, self._val_source_files(), self.val_split)
+            _check_dataset(dataset, prompt_column=self.prompt_column, source=source)
+            self.val_dataset = dataset
+
+    def train_dataloader(self) -> DataLoader:
+        """Batches of ``batch_size`` prompts, in an order fixed by ``seed``; incomplete batches dropped."""
+        if self.train_dataset is None:
+            raise RuntimeError("GRPODataModule.setup() must run before train_dataloader()")
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            generator=torch.Generator().manual_seed(self.seed) if self.shuffle else None,
+            drop_last=True,
+            num_workers=self.num_workers,
+            collate_fn=functools.partial(collate_prompt_batch, prompt_column=self.prompt_column),
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches in dataset order; only defined when ``val_split`` is set."""
+        if self.val_dataset is None:
+            raise RuntimeError("GRPODataModule.setup() must run before val_dataloader()")
+        return DataLoader(
+            self.val_dataset,
+            batch_size=self.batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            collate_fn=functools.partial(collate_prompt_batch, prompt_column=self.prompt_column),
+        )
+
+    def _load_train(self) -> datasets.Dataset:
+        return _load_split(self.path, name=self.name, data_files=self.data_files, split=self.split)
+
+    def _load_val(self) -> datasets.Dataset:
+        return _load_split(
+            self.path, name=self.name, data_files=self._val_source_files(), split=self.val_split
+        )
+
+    def _val_source_files(self) -> DataFiles | None:
+        return self.val_data_files if self.val_data_files is not None else self.data_files
+
+
+def collate_prompt_batch(rows: list[dict[str, Any]], prompt_column: str) -> PromptBatch:
+    """Turn dataset rows into a :class:`PromptBatch`: prompts apart, other columns as aligned lists."""
+    other_columns = [column for column in rows[0] if column != prompt_column]
+    return PromptBatch(
+        prompts=[row[prompt_column] for row in rows],
+        columns={column: [row[column] for row in rows] for column in other_columns},
+    )
+
+
+def _load_split(
+    path: str, *, name: str | None, data_files: DataFiles | None, split: str
+) -> datasets.Dataset:
+    """``datasets.load_dataset`` for one split, with errors that say which source failed."""
+    source = _describe_source(path, name, data_files, split)
+    builder = BUILDER_BY_EXTENSION.get(Path(path).suffix.lower())
+    if builder is not None:
+        if data_files is not None:
+            raise ValueError(
+                f"path={path!r} is a data file, so data_files={data_files!r} must be unset; to use "
+                f"data_files, set path to a builder name such as {builder!r}"
+            )
+        path, data_files = builder, path
+    for data_file in _local_files(data_files):
+        if data_file.stat().st_size == 0:
+            raise ValueError(f"data file {str(data_file)!r} of the {source} is empty")
+    try:
+        return datasets.load_dataset(path, name=name, data_files=data_files, split=split)
+    except Exception as error:  # datasets raises many types, even a bare StopIteration
+        raise ValueError(f"could not load the {source}: {type(error).__name__}: {error}") from error
+
+
+def _local_files(data_files: DataFiles | None) -> list[Path]:
+    """The entries of ``data_files`` that name existing local files (globs and URLs are skipped)."""
+    if data_files is None:
+        return []
+    if isinstance(data_files, str):
+        entries = [data_files]
+    elif isinstance(data_files, dict):
+        entries = []
+        for split_files in data_files.values():
+            entries.extend([split_files] if isinstance(split_files, str) else split_files)
+    else:
+        entries = list(data_files)
+    return [Path(entry) for entry in entries if Path(entry).is_file()]
+
+
+def _check_dataset(dataset: datasets.Dataset, *, prompt_column: str, source: str) -> None:
+    """Raise ``ValueError`` naming the problem if ``dataset`` cannot feed GRPO training."""
+    if dataset.num_rows == 0:
+        raise ValueError(f"the {source} has no rows")
+    if prompt_column not in dataset.column_names:
+        raise ValueError(
+            f"prompt_column={prompt_column!r} is not a column of the {source}; "
+            f"its columns are {dataset.column_names}"
+        )
+    reserved = [
+        column for column in dataset.column_names if column in RESERVED_COLUMNS and column != prompt_column
+    ]
+    if reserved:
+        raise ValueError(
+            f"the {source} has column(s) {reserved} whose names are reserved: every column other than "
+            f"the prompt column is passed to reward functions as a keyword argument, next to "
+            f"{list(RESERVED_COLUMNS)}; rename the column(s) in the data"
+        )
+    for row_index, prompt in enumerate(dataset[prompt_column]):
+        if not _is_valid_prompt(prompt):
+            shown = repr(prompt)
+            if len(shown) > 200:
+                shown = shown[:200] + "..."
+            raise ValueError(
+                f"row {row_index} of the {source}: column {prompt_column!r} must hold a non-empty "
+                f"string or a non-empty list of chat messages {{'role': str, 'content': str}}, got {shown}"
+            )
+
+
+def _is_valid_prompt(prompt: Any) -> bool:
+    """A non-empty string, or a non-empty list of ``{"role": str, "content": str}`` messages."""
+    if isinstance(prompt, str):
+        return prompt != ""
+    return (
+        isinstance(prompt, list)
+        and len(prompt) > 0
+        and all(
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+            for message in prompt
+        )
+    )
+
+
+def _describe_source(path: str, name: str | None, data_files: DataFiles | None, split: str) -> str:
+    """How error messages name a dataset: ``dataset path='json' (data_files=..., split='train')``."""
+    optional = {"name": name, "data_files": data_files}
+    details = [f"{key}={value!r}" for key, value in optional.items() if value is not None]
+    details.append(f"split={split!r}")
+    return f"dataset path={path!r} ({', '.join(details)})"
