@@ -1,0 +1,715 @@
+"""Reward plugins: the hookspec, entry-point discovery and the reward registry.
+
+Every reward, first-party or not, lives in a pip-installable *plugin package* that declares an
+entry point in the ``lit_grpo`` group and implements one pluggy hook::
+
+    # pyproject.toml of the plugin package
+    [project.entry-points.lit_grpo]
+    my_plugin = "my_plugin_module"
+
+    # my_plugin_module.py
+    import lit_grpo
+
+    def shouts(prompts, completions, **kwargs):
+        "1.0 if the completion is all upper case, else 0.0."
+        return [1.0 if c.isupper() else 0.0 for c in completions]
+
+    @lit_grpo.hookimpl
+    def register_rewards(register):
+        register(shouts)            # name defaults to shouts.__name__
+
+Discovery is lazy and happens once per process (the first :func:`get_rewards`, :func:`get_reward`
+or :func:`build_reward` call); :func:`reset_plugins` forgets it (for tests, or after changing the
+environment variables below).
+
+Environment variables, read when plugins are first loaded:
+
+``LIT_GRPO_PLUGINS=a,b``
+    Load only these plugin packages (entry-point names or distribution names, compared
+    case-insensitively with ``-``, ``_`` and ``.`` treated alike). Empty or unset: load all.
+``LIT_GRPO_STRICT_PLUGINS=1``
+    A plugin package that fails to import (or whose hook raises) is an error instead of a
+    warning. ``load_plugins(strict=True)`` does the same.
+
+The registry records, for every reward, the distribution (name and version) that registered it, so
+error messages and ``lit-grpo rewards`` can say where a reward comes from.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import json
+import os
+import re
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+import pluggy
+
+from lit_grpo import hookimpl, hookspec  # noqa: F401  (hookimpl re-exported for convenience)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "DuplicateRewardError",
+    "Hookspecs",
+    "PluginError",
+    "PluginInfo",
+    "PluginLoadWarning",
+    "RewardArgumentError",
+    "RewardInfo",
+    "UnknownRewardError",
+    "build_reward",
+    "format_rewards_table",
+    "get_plugin_manager",
+    "get_plugins",
+    "get_reward",
+    "get_rewards",
+    "load_plugins",
+    "register_plugin",
+    "reset_plugins",
+    "rewards_as_json",
+    "unregister_plugin",
+]
+
+ENTRY_POINT_GROUP = "lit_grpo"
+PLUGINS_ENV = "LIT_GRPO_PLUGINS"
+STRICT_ENV = "LIT_GRPO_STRICT_PLUGINS"
+
+# Arguments the trainer passes to every reward call; YAML ``args`` must not bind them.
+RESERVED_ARGS = ("prompts", "completions", "completion_ids")
+
+INSTALL_HINT = (
+    "Rewards come from plugin packages: install one (e.g. `pip install lit-grpo-rewards`, or "
+    "`pip install -e rewards` from a lit-grpo checkout) and run `lit-grpo rewards` to list what is "
+    "installed."
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Hook specification
+# --------------------------------------------------------------------------------------------------
+
+
+class Hookspecs:
+    """The hooks a lit-grpo plugin may implement."""
+
+    @hookspec
+    def register_rewards(self, register: Callable[..., None]) -> None:
+        """Register reward functions or classes.
+
+        Call ``register(obj, name=None)`` once per reward. ``obj`` is a function called as
+        ``obj(prompts=..., completions=..., completion_ids=..., **columns)`` returning one
+        ``float | None`` per completion, or a class whose constructor takes the reward's YAML
+        ``args`` and whose instances are such callables. ``name`` (the name used in YAML)
+        defaults to ``obj.__name__``.
+        """
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors and records
+# --------------------------------------------------------------------------------------------------
+
+
+class PluginError(RuntimeError):
+    """A plugin package could not be loaded (strict mode) or registered something invalid."""
+
+
+class DuplicateRewardError(PluginError):
+    """Two plugin packages registered the same reward name."""
+
+
+class PluginLoadWarning(UserWarning):
+    """A plugin package failed to load and was skipped (see ``LIT_GRPO_STRICT_PLUGINS``)."""
+
+
+class UnknownRewardError(ValueError):
+    """No installed plugin registered a reward of this name."""
+
+
+class RewardArgumentError(ValueError):
+    """A reward's YAML ``args`` do not fit its constructor or function signature."""
+
+
+@dataclass
+class RewardInfo:
+    """One registered reward."""
+
+    name: str  # the name used in YAML (`model.rewards[].name`)
+    obj: Any  # the registered function or class
+    package: str  # distribution name of the plugin package (module name if registered directly)
+    version: str  # distribution version ("" if registered directly)
+    doc: str  # first line of the docstring ("" if none)
+
+    @property
+    def kind(self) -> str:
+        """``"class"`` or ``"function"``."""
+        return "class" if inspect.isclass(self.obj) else "function"
+
+    @property
+    def source(self) -> str:
+        """``"module:qualname"`` of the registered object."""
+        target = self.obj.func if isinstance(self.obj, functools.partial) else self.obj
+        module = getattr(target, "__module__", None) or "?"
+        qualname = getattr(target, "__qualname__", None) or type(target).__qualname__
+        return f"{module}:{qualname}"
+
+    @property
+    def label(self) -> str:
+        """``"package version"`` (or just the package), as shown in messages."""
+        return _package_label(self.package, self.version)
+
+
+@dataclass
+class PluginInfo:
+    """One plugin package (an entry point, or a module registered with :func:`register_plugin`)."""
+
+    name: str  # entry-point name, or the plugin's pluggy name when registered directly
+    package: str
+    version: str
+    rewards: list[str] = field(default_factory=list)
+    error: str | None = None  # why it failed to load, if it did
+
+
+def _package_label(package: str, version: str) -> str:
+    return f"{package} {version}" if version else package
+
+
+def _first_doc_line(obj: Any) -> str:
+    target = obj.func if isinstance(obj, functools.partial) else obj
+    doc = inspect.getdoc(target) or ""
+    for line in doc.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).strip().lower()
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+# --------------------------------------------------------------------------------------------------
+# The registry (process-wide, lazily loaded once)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Source:
+    """Where a registered pluggy plugin came from."""
+
+    name: str
+    package: str
+    version: str
+    entry_point: str | None = None  # "name = value" for entry-point plugins
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+        self.pm.add_hookspecs(Hookspecs)
+        self.sources: dict[str, _Source] = {}  # pluggy plugin name -> source
+        self.failures: dict[str, tuple[_Source, str]] = {}  # plugin name -> (source, message)
+        self.entry_points_loaded = False
+        self.rewards: dict[str, RewardInfo] | None = None
+        self.rewards_key: tuple | None = None  # identity of the hookimpls `rewards` was built from
+        self.rewards_by_plugin: dict[str, list[str]] = {}
+        self.quiet = False  # strict mode raises instead of warning
+
+
+_lock = threading.RLock()
+_registry: _Registry | None = None
+
+
+def reset_plugins() -> None:
+    """Forget every loaded plugin and reward; the next lookup discovers entry points again."""
+    global _registry
+    with _lock:
+        _registry = None
+
+
+def _get_registry() -> _Registry:
+    global _registry
+    with _lock:
+        if _registry is None:
+            _registry = _Registry()
+        return _registry
+
+
+def _strict(strict: bool | None) -> bool:
+    return _truthy(os.environ.get(STRICT_ENV)) if strict is None else strict
+
+
+def _record_failure(reg: _Registry, source: _Source, message: str) -> None:
+    if source.name in reg.failures:
+        return
+    reg.failures[source.name] = (source, message)
+    if reg.quiet:
+        return
+    warnings.warn(message + f" (set {STRICT_ENV}=1 to make this an error)", PluginLoadWarning, stacklevel=4)
+
+
+def _iter_entry_points() -> list:
+    eps = list(importlib_metadata.entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(eps, key=lambda ep: (_dist_name_version(ep)[0].lower(), ep.name))
+
+
+def _dist_name_version(ep: Any) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return ep.name, ""
+    name = getattr(dist, "name", None)
+    if not name:
+        try:
+            name = dist.metadata["Name"]
+        except Exception:  # pragma: no cover - exotic metadata
+            name = None
+    return (name or ep.name), (getattr(dist, "version", None) or "")
+
+
+def _allowed_filter() -> set[str] | None:
+    raw = os.environ.get(PLUGINS_ENV, "")
+    names = {_normalize(part) for part in raw.split(",") if part.strip()}
+    return names or None
+
+
+def _load_entry_points(reg: _Registry) -> None:
+    """Import every ``lit_grpo`` entry point (allowed by LIT_GRPO_PLUGINS) and register it."""
+    if reg.entry_points_loaded:
+        return
+    reg.entry_points_loaded = True
+    allowed = _allowed_filter()
+    matched: set[str] = set()
+    available: list[str] = []
+    for ep in _iter_entry_points():
+        dist_name, version = _dist_name_version(ep)
+        available.append(f"{ep.name} ({dist_name})" if _normalize(ep.name) != _normalize(dist_name) else dist_name)
+        if allowed is not None:
+            keys = {_normalize(ep.name), _normalize(dist_name)}
+            if not keys & allowed:
+                continue
+            matched |= keys & allowed
+        source = _Source(
+            name=ep.name, package=dist_name, version=version, entry_point=f"{ep.name} = {ep.value}"
+        )
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # ImportError, SyntaxError, anything the module raises on import
+            _record_failure(
+                reg,
+                source,
+                f"lit-grpo plugin entry point '{source.entry_point}' from distribution "
+                f"{_package_label(dist_name, version)} failed to load: {type(exc).__name__}: {exc}",
+            )
+            continue
+        _register(reg, plugin, source)
+    if allowed is not None:
+        missing = sorted(allowed - matched)
+        if missing:
+            warnings.warn(
+                f"{PLUGINS_ENV} names {', '.join(repr(m) for m in missing)} but no installed lit-grpo "
+                f"plugin package matches; installed: {', '.join(available) or 'none'}",
+                PluginLoadWarning,
+                stacklevel=4,
+            )
+
+
+def _register(reg: _Registry, plugin: Any, source: _Source) -> None:
+    """Register ``plugin`` with the plugin manager, recording where it came from."""
+    if reg.pm.is_registered(plugin):
+        return  # e.g. two entry points naming the same module
+    name = source.name
+    if reg.pm.has_plugin(name) or name in reg.failures:
+        name = f"{source.name}[{source.package}]"
+        source = _Source(name, source.package, source.version, source.entry_point)
+    unknown = [
+        attr
+        for attr in dir(plugin)
+        if reg.pm.parse_hookimpl_opts(plugin, attr) is not None and not hasattr(Hookspecs, attr)
+    ]
+    where = (
+        f"entry point '{source.entry_point}' from distribution "
+        f"{_package_label(source.package, source.version)}"
+        if source.entry_point
+        else f"plugin {source.package}"
+    )
+    if unknown:
+        hint = difflib.get_close_matches(unknown[0], ["register_rewards"], n=1)
+        _record_failure(
+            reg,
+            source,
+            f"lit-grpo {where} implements unknown hook(s) {', '.join(unknown)}"
+            + (f" (did you mean {hint[0]}?)" if hint else "")
+            + "; the only hook is register_rewards(register)",
+        )
+        return
+    try:
+        reg.pm.register(plugin, name=name)
+    except Exception as exc:  # pluggy.PluginValidationError: bad hookimpl signature
+        _record_failure(reg, source, f"lit-grpo {where} is not a valid plugin: {exc}")
+        return
+    reg.sources[name] = source
+    reg.rewards = None
+
+
+def _source_for(reg: _Registry, plugin_name: str, plugin: Any) -> _Source:
+    source = reg.sources.get(plugin_name)
+    if source is None:  # registered straight on the PluginManager by someone else
+        package = getattr(plugin, "__name__", None) or type(plugin).__name__
+        source = _Source(plugin_name, package, "")
+    return source
+
+
+def _collect_rewards(reg: _Registry) -> dict[str, RewardInfo]:
+    impls = reg.pm.hook.register_rewards.get_hookimpls()
+    key = tuple((impl.plugin_name, id(impl.plugin)) for impl in impls)
+    if reg.rewards is not None and reg.rewards_key == key:
+        return reg.rewards
+    rewards: dict[str, RewardInfo] = {}
+    by_plugin: dict[str, list[str]] = {}
+    for impl in impls:
+        source = _source_for(reg, impl.plugin_name, impl.plugin)
+        if impl.plugin_name in reg.failures:
+            continue
+        mine: dict[str, RewardInfo] = {}
+
+        def register(obj: Any, name: str | None = None, *, _mine=mine, _source=source) -> None:
+            if not callable(obj):
+                raise PluginError(
+                    f"plugin {_package_label(_source.package, _source.version)} registered "
+                    f"{obj!r}, which is not callable; register a function or a class"
+                )
+            if name is None:
+                name = getattr(obj, "__name__", None)
+                if not name:
+                    raise PluginError(
+                        f"plugin {_package_label(_source.package, _source.version)} registered "
+                        f"{obj!r}, which has no __name__; pass register(obj, name='...')"
+                    )
+            if not isinstance(name, str) or not name.strip() or name != name.strip():
+                raise PluginError(
+                    f"plugin {_package_label(_source.package, _source.version)} registered a reward "
+                    f"with invalid name {name!r}; names are non-empty strings without surrounding "
+                    "whitespace"
+                )
+            if name in _mine:
+                raise DuplicateRewardError(
+                    f"Reward '{name}' is registered twice by plugin package "
+                    f"{_package_label(_source.package, _source.version)}"
+                )
+            _mine[name] = RewardInfo(
+                name=name,
+                obj=obj,
+                package=_source.package,
+                version=_source.version,
+                doc=_first_doc_line(obj),
+            )
+
+        try:
+            impl.function(**{arg: register for arg in impl.argnames})
+        except DuplicateRewardError:
+            raise
+        except Exception as exc:
+            _record_failure(
+                reg,
+                source,
+                f"lit-grpo plugin {_package_label(source.package, source.version)} "
+                f"(register_rewards in {getattr(impl.plugin, '__name__', impl.plugin_name)}) "
+                f"raised {type(exc).__name__}: {exc}",
+            )
+            continue
+        for name, info in mine.items():
+            if name in rewards:
+                other = rewards[name]
+                raise DuplicateRewardError(
+                    f"Reward '{name}' is registered by two plugin packages: {other.label} and "
+                    f"{info.label}. Uninstall one of them, or load only one with "
+                    f"{PLUGINS_ENV}=<package>[,<package>...]."
+                )
+            rewards[name] = info
+        by_plugin[impl.plugin_name] = sorted(mine)
+    reg.rewards = dict(sorted(rewards.items()))
+    reg.rewards_key = key
+    reg.rewards_by_plugin = by_plugin
+    return reg.rewards
+
+
+def load_plugins(strict: bool | None = None) -> pluggy.PluginManager:
+    """Discover and load plugin packages (once) and collect their rewards.
+
+    A package that fails to import, or whose ``register_rewards`` raises, is skipped with a
+    :class:`PluginLoadWarning`; with ``strict=True`` (default: the ``LIT_GRPO_STRICT_PLUGINS``
+    environment variable) a :class:`PluginError` listing every failure is raised instead.
+    Two packages registering the same reward name always raise :class:`DuplicateRewardError`.
+    """
+    with _lock:
+        reg = _get_registry()
+        strict = _strict(strict)
+        reg.quiet = strict
+        try:
+            _load_entry_points(reg)
+            _collect_rewards(reg)
+        finally:
+            reg.quiet = False
+        if reg.failures and strict:
+            raise PluginError(
+                "lit-grpo plugins failed to load (strict mode):\n"
+                + "\n".join(f"  - {message}" for _, message in reg.failures.values())
+            )
+        return reg.pm
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide ``pluggy.PluginManager("lit_grpo")``, with entry points loaded."""
+    return load_plugins()
+
+
+def register_plugin(plugin: Any, name: str | None = None, *, package: str | None = None, version: str = "") -> None:
+    """Register a module (or any object) with ``@lit_grpo.hookimpl`` functions directly.
+
+    Meant for tests and notebooks. Its rewards are attributed to ``package`` (default: the module's
+    ``__name__``) with version ``version`` (default ``""``). Entry points are loaded first, so the
+    directly registered rewards join the installed ones.
+    """
+    with _lock:
+        reg = _get_registry()
+        _load_entry_points(reg)
+        module_name = getattr(plugin, "__name__", None) or type(plugin).__name__
+        source = _Source(name=name or module_name, package=package or module_name, version=version)
+        before = set(reg.failures)
+        _register(reg, plugin, source)
+        new = [reg.failures[n][1] for n in reg.failures if n not in before]
+        if new:
+            raise PluginError(new[0])
+
+
+def unregister_plugin(plugin: Any) -> None:
+    """Undo :func:`register_plugin`."""
+    with _lock:
+        reg = _get_registry()
+        name = reg.pm.get_name(plugin)
+        if name is None:
+            return
+        reg.pm.unregister(plugin)
+        reg.sources.pop(name, None)
+        reg.rewards = None
+
+
+def get_rewards() -> dict[str, RewardInfo]:
+    """Every installed reward, by name (sorted)."""
+    with _lock:
+        load_plugins()
+        return dict(_collect_rewards(_get_registry()))
+
+
+def get_plugins() -> list[PluginInfo]:
+    """Every plugin package seen, including those that failed to load (``error`` set)."""
+    with _lock:
+        load_plugins()
+        reg = _get_registry()
+        out = []
+        for name, plugin in reg.pm.list_name_plugin():
+            if name in reg.failures:
+                continue
+            source = _source_for(reg, name, plugin)
+            out.append(
+                PluginInfo(source.name, source.package, source.version, list(reg.rewards_by_plugin.get(name, [])))
+            )
+        for source, message in reg.failures.values():
+            out.append(PluginInfo(source.name, source.package, source.version, [], message))
+        return sorted(out, key=lambda p: (p.package.lower(), p.name))
+
+
+def _unknown_reward_message(name: str, rewards: Mapping[str, RewardInfo]) -> str:
+    parts = [f"Unknown reward {name!r}."]
+    close = difflib.get_close_matches(name, list(rewards), n=1, cutoff=0.6)
+    if not close:  # case-insensitive fallback: 'Accuracy' -> 'accuracy'
+        close = [n for n in rewards if n.lower() == name.lower()]
+    if close:
+        parts.append(f"Did you mean {close[0]!r}?")
+    if rewards:
+        listing = ", ".join(f"{info.name} ({info.label})" for info in rewards.values())
+        parts.append(f"Installed rewards: {listing}.")
+    else:
+        parts.append("No rewards are installed.")
+    reg = _get_registry()
+    if reg.failures:
+        parts.append(
+            "Plugin packages that failed to load: "
+            + "; ".join(message for _, message in reg.failures.values())
+            + "."
+        )
+    if os.environ.get(PLUGINS_ENV, "").strip():
+        parts.append(f"Note: {PLUGINS_ENV}={os.environ[PLUGINS_ENV]!r} restricts which plugin packages load.")
+    parts.append(INSTALL_HINT)
+    return " ".join(parts)
+
+
+def get_reward(name: str) -> RewardInfo:
+    """The installed reward called ``name``; :class:`UnknownRewardError` lists the installed ones."""
+    rewards = get_rewards()
+    try:
+        return rewards[name]
+    except (KeyError, TypeError):
+        raise UnknownRewardError(_unknown_reward_message(str(name), rewards)) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Building a configured reward callable
+# --------------------------------------------------------------------------------------------------
+
+
+class _BoundReward(functools.partial):
+    """``functools.partial`` whose bound keywords win over call keywords.
+
+    The trainer passes every dataset column as a keyword argument; a column that happens to share
+    its name with a YAML ``args`` entry must not silently override the configured value.
+    """
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        return self.func(*args, **{**kwargs, **self.keywords})
+
+
+def _signature(obj: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(obj)
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
+
+
+def _check_args(info: RewardInfo, args: dict[str, Any], sig: inspect.Signature | None, what: str) -> None:
+    """Raise :class:`RewardArgumentError` for args the signature cannot take."""
+    reserved = [a for a in args if a in RESERVED_ARGS]
+    if reserved:
+        raise RewardArgumentError(
+            f"Reward '{info.name}' ({info.label}): args may not set {reserved[0]!r}; "
+            f"{', '.join(RESERVED_ARGS)} are supplied by the trainer on every call"
+        )
+    if sig is None:
+        return
+    params = sig.parameters.values()
+    named = [
+        p.name
+        for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in RESERVED_ARGS
+    ]
+    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    for arg in args:
+        if arg in named:
+            continue
+        close = difflib.get_close_matches(arg, named, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        if not has_var_kw:
+            raise RewardArgumentError(
+                f"Reward '{info.name}' ({info.label}) got an unexpected argument {arg!r} in args"
+                f"{hint}; its {what} accepts: {', '.join(named) or 'no arguments'}"
+            )
+        if close:
+            warnings.warn(
+                f"Reward '{info.name}' ({info.label}): argument {arg!r} in args is not a named "
+                f"parameter of its {what}; it goes to **kwargs{hint}",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+def build_reward(name: str, args: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+    """Resolve reward ``name`` and configure it with ``args`` (the YAML ``args`` mapping).
+
+    * a class is instantiated with ``**args`` (constructor arguments);
+    * a function with non-empty ``args`` is bound with a ``functools.partial`` (keeping the
+      function's ``__name__`` and ``__doc__``); configured ``args`` take precedence over dataset
+      columns of the same name;
+    * a function with no ``args`` is returned as is.
+
+    Raises :class:`UnknownRewardError` for an unknown name and :class:`RewardArgumentError` for
+    ``args`` the reward cannot take (or a constructor that raises).
+    """
+    info = get_reward(name)
+    if args is None:
+        args = {}
+    if not isinstance(args, Mapping):
+        raise RewardArgumentError(
+            f"Reward '{name}' ({info.label}): args must be a mapping of keyword arguments, "
+            f"got {type(args).__name__}: {args!r}"
+        )
+    args = dict(args)
+    bad_keys = [k for k in args if not isinstance(k, str)]
+    if bad_keys:
+        raise RewardArgumentError(f"Reward '{name}' ({info.label}): argument names must be strings, got {bad_keys[0]!r}")
+    obj = info.obj
+    if inspect.isclass(obj):
+        sig = _signature(obj)
+        _check_args(info, args, sig, "constructor")
+        if sig is not None:
+            try:
+                sig.bind(**args)
+            except TypeError as exc:
+                raise RewardArgumentError(
+                    f"Reward '{name}' ({info.label}) cannot be constructed with args {args!r}: {exc}"
+                ) from None
+        try:
+            return obj(**args)
+        except Exception as exc:
+            raise RewardArgumentError(
+                f"Reward '{name}' ({info.label}): constructing {obj.__qualname__}(**{args!r}) raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+    if not args:
+        return obj
+    _check_args(info, args, _signature(obj), "function")
+    bound = _BoundReward(obj, **args)
+    bound.__name__ = getattr(obj, "__name__", name)
+    bound.__qualname__ = getattr(obj, "__qualname__", name)
+    bound.__doc__ = getattr(obj, "__doc__", None)
+    bound.__module__ = getattr(obj, "__module__", None)
+    return bound
+
+
+# --------------------------------------------------------------------------------------------------
+# Listing (``lit-grpo rewards [--json]``)
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_list(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> list[RewardInfo]:
+    return list(infos.values()) if isinstance(infos, Mapping) else list(infos)
+
+
+def format_rewards_table(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> str:
+    """An aligned plain-text table with columns NAME, PACKAGE, VERSION, DESCRIPTION."""
+    rows = [(i.name, i.package, i.version, i.doc) for i in _as_list(infos)]
+    if not rows:
+        return "No rewards installed. " + INSTALL_HINT
+    header = ("NAME", "PACKAGE", "VERSION", "DESCRIPTION")
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(3)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3]
+        for row in [header, *rows]
+    ]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def rewards_as_json(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> str:
+    """A JSON list of ``{name, package, version, description, kind, object}``."""
+    return json.dumps(
+        [
+            {
+                "name": i.name,
+                "package": i.package,
+                "version": i.version,
+                "description": i.doc,
+                "kind": i.kind,
+                "object": i.source,
+            }
+            for i in _as_list(infos)
+        ],
+        indent=2,
+    )

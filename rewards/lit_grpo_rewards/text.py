@@ -1,0 +1,109 @@
+"""Rewards that compare the completion's text with a target."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["char_fraction", "completion_text", "exact_match"]
+
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion: the string itself, or the last message's ``content``.
+
+    Conversational completions are lists of messages (``[{"role": "assistant", "content": ...}]``);
+    a content given as a list of parts keeps the ``text`` of its text parts.
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        message = completion
+    elif isinstance(completion, (list, tuple)):
+        if not completion:
+            return ""
+        message = completion[-1]
+        if not isinstance(message, dict):
+            raise TypeError(f"expected a chat message dict, got {type(message).__name__}: {message!r}")
+    else:
+        raise TypeError(
+            f"expected a completion string or a list of chat messages, got {type(completion).__name__}"
+        )
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):  # [{"type": "text", "text": ...}, ...]
+        return "".join(
+            part.get("text", "") for part in content if isinstance(part, dict) and part.get("type", "text") == "text"
+        )
+    return str(content)
+
+
+def char_fraction(completions, target=None, chars=None, **kwargs) -> list[float | None]:
+    """Fraction (0..1) of the completion's characters that belong to a character set.
+
+    The set is ``chars`` when given in YAML ``args`` (one set for every sample), otherwise the
+    per-sample dataset column ``target`` (a string whose characters form the set; a sample whose
+    ``target`` is None scores None). Every character counts, whitespace included; an empty
+    completion scores 0.0.
+
+    args:
+        chars (str, optional): the characters that count, for all samples.
+
+    columns:
+        target (str): the characters that count for this sample (used when ``chars`` is not set).
+
+    Example (the quickstart): ``{name: char_fraction, args: {chars: "a"}}`` rewards completions
+    made only of ``a``; a random character-level model scores about 1/vocab.
+    """
+    n = len(completions)
+    if chars is not None:
+        targets = [chars] * n
+    elif target is None:
+        raise TypeError(
+            "char_fraction needs the character set: set `args: {chars: ...}` in the reward config "
+            "or provide a `target` dataset column"
+        )
+    elif isinstance(target, str):  # a single set given directly, not a column
+        targets = [target] * n
+    else:
+        targets = list(target)
+    scores: list[float | None] = []
+    for completion, charset in zip(completions, targets):
+        if charset is None:
+            scores.append(None)
+            continue
+        text = completion_text(completion)
+        if not text:
+            scores.append(0.0)
+            continue
+        allowed = set(str(charset))
+        scores.append(sum(ch in allowed for ch in text) / len(text))
+    return scores
+
+
+def exact_match(completions, answer, **kwargs) -> list[float | None]:
+    """1.0 if the completion's answer equals the ``answer`` column, else 0.0 (None without answer).
+
+    The completion's answer is the text inside its last ``<answer>...</answer>`` when there is one,
+    otherwise the whole completion; both sides are compared after stripping surrounding whitespace.
+    Non-string answers (e.g. the integer 42 read from JSON) are compared as ``str(answer)``.
+
+    args: none.
+
+    columns:
+        answer (str | number | None): the reference answer; None scores None (not applicable).
+    """
+    scores: list[float | None] = []
+    for completion, ref in zip(completions, answer):
+        if ref is None:
+            scores.append(None)
+            continue
+        text = completion_text(completion)
+        tagged = _ANSWER_RE.findall(text)
+        predicted = tagged[-1] if tagged else text
+        scores.append(1.0 if predicted.strip() == str(ref).strip() else 0.0)
+    return scores
