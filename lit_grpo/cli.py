@@ -1,0 +1,120 @@
+"""The ``lit-grpo`` command.
+
+- ``lit-grpo fit|validate --config FILE [--key value ...]``: LightningCLI over :class:`GRPOModule`
+  and :class:`GRPODataModule` (``--print_config`` shows the full resolved configuration).
+- ``lit-grpo rewards [--json]``: every installed reward with its package and version.
+- ``lit-grpo init-tiny DIR``: a tiny random Llama model and character tokenizer for offline runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
+
+TRAINER_DEFAULTS = {
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+        "init_args": {"save_dir": "runs", "name": "lit-grpo"},
+    },
+}
+
+
+class GRPOCLI(LightningCLI):
+    """LightningCLI with two adaptations for GRPO.
+
+    The ``optimizer:`` and ``lr_scheduler:`` blocks are linked to the module's lazy factories.
+
+    ``trainer.gradient_clip_val``: Lightning refuses it under manual optimization, which GRPO needs (one batch
+    drives several optimizer steps), so the usual Trainer setting is handed to the module, which
+    clips before every optimizer step (``model.max_grad_norm``).
+    """
+
+    def add_arguments_to_parser(self, parser) -> None:
+        # The top-level optimizer:/lr_scheduler: blocks are handed to the module as factories, so
+        # the optimizer is created in configure_optimizers, after the policy has been loaded.
+        parser.add_optimizer_args((torch.optim.Optimizer,), link_to="model.optimizer")
+        parser.add_lr_scheduler_args(LRSchedulerTypeTuple, link_to="model.lr_scheduler")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        clip_value = config.trainer.get("gradient_clip_val")
+        if clip_value is None:
+            return
+        algorithm = config.trainer.get("gradient_clip_algorithm") or "norm"
+        if algorithm != "norm":
+            raise ValueError(
+                f"trainer.gradient_clip_algorithm={algorithm!r} is not supported; GRPO clips the gradient norm "
+                "(use gradient_clip_algorithm: norm or model.max_grad_norm)"
+            )
+        config.model.max_grad_norm = float(clip_value)
+        config.trainer.gradient_clip_val = None
+        config.trainer.gradient_clip_algorithm = None
+
+
+def run_cli(args: list[str] | None = None) -> GRPOCLI:
+    from lit_grpo.data import GRPODataModule
+    from lit_grpo.module import GRPOModule
+
+    return GRPOCLI(
+        GRPOModule,
+        GRPODataModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+def init_tiny_main(argv: list[str]) -> None:
+    from lit_grpo.tiny import build_tiny_model
+
+    parser = argparse.ArgumentParser(
+        prog="lit-grpo init-tiny",
+        description="Write a tiny random-weight Llama model and a character-level tokenizer to DIR "
+        "(loadable with AutoModelForCausalLM/AutoTokenizer.from_pretrained), for offline runs and tests.",
+    )
+    parser.add_argument("dir", help="output directory")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--intermediate-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    options = parser.parse_args(argv)
+    path = build_tiny_model(
+        options.dir,
+        hidden_size=options.hidden_size,
+        intermediate_size=options.intermediate_size,
+        num_hidden_layers=options.num_layers,
+        num_attention_heads=options.num_heads,
+        seed=options.seed,
+    )
+    print(f"Wrote a tiny Llama model and character tokenizer to {path}")
+
+
+def rewards_main(argv: list[str]) -> None:
+    from lit_grpo import plugins
+
+    parser = argparse.ArgumentParser(prog="lit-grpo rewards", description="List the installed reward functions.")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    options = parser.parse_args(argv)
+    infos = list(plugins.get_rewards().values())
+    print(plugins.rewards_as_json(infos) if options.json else plugins.format_rewards_table(infos))
+
+
+SUBCOMMANDS = {"init-tiny": init_tiny_main, "rewards": rewards_main}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        SUBCOMMANDS[argv[0]](argv[1:])
+        return
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n")
+    run_cli(argv)
+
+
+if __name__ == "__main__":
+    main()
