@@ -107,13 +107,14 @@ SUBCOMMANDS = {"init-tiny": init_tiny_main, "rewards": rewards_main}
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in SUBCOMMANDS:
-        SUBCOMMANDS[argv[0]](argv[1:])
+    """Entry point of the ``lit-grpo`` command; ``argv`` defaults to the command line."""
+    words = sys.argv[1:] if argv is None else argv
+    if words and words[0] in SUBCOMMANDS:
+        SUBCOMMANDS[words[0]](words[1:])
         return
-    if not argv or argv[0] in ("-h", "--help"):
+    if not words or words[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n")
-    run_cli(argv)
+    run_cli(argv)  # None: LightningCLI reads sys.argv itself
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ class GRPOModule(pl.LightningModule):
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
 
         # Rewards are resolved now, so a misspelt name fails before any model is loaded.
-        self.scorer = RewardScorer([_as_reward_spec(spec) for spec in rewards])
+        self.scorer = RewardScorer(rewards)
         self.tokenizer = load_tokenizer(model_name_or_path)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
@@ -445,17 +445,6 @@ def _cell(value) -> str:
     if isinstance(value, list):
         value = value[-1]["content"] if value and isinstance(value[-1], dict) else str(value)
     return str(value).replace("|", "\\|").replace("\n", "⏎")
-
-
-def _as_reward_spec(spec) -> RewardSpec:
-    if isinstance(spec, RewardSpec):
-        return spec
-    if isinstance(spec, dict):
-        unknown = set(spec) - {"name", "weight", "args"}
-        if unknown:
-            raise ValueError(f"rewards entry {spec!r} has unknown keys {sorted(unknown)}; use name, weight, args")
-        return RewardSpec(**spec)
-    raise TypeError(f"rewards entries must be {{name, weight, args}} mappings, got {spec!r}")
 
 
 def _check_settings(hp) -> None:

@@ -161,3 +161,14 @@ def test_first_party_rewards_through_the_scorer_conversational():
     assert out[:, 0].tolist() == [1.0, 0.0]
     assert out[0, 1].item() == 1.0 and math.isnan(out[1, 1].item())
     assert out[:, 2].tolist() == [pytest.approx(8 / 37), 0.0]  # 8 angle brackets in 37 characters
+
+
+def test_exact_match_answer_pattern_extracts_gsm8k_final_answer():
+    from lit_grpo_rewards import exact_match
+
+    gold = ["Natalia sold 48/2 = 24 clips in May.\n#### 72", "no final answer here"]
+    completions = ["<think>48+24</think><answer>72</answer>", "72"]
+    assert exact_match(completions, answer=gold, answer_pattern=r"####\s*(.+)$") == [1.0, None]
+    # without a group the whole match is the reference
+    assert exact_match(["ab"], answer=["xx ab yy"], answer_pattern=r"a\w") == [1.0]
+    assert exact_match(["72 "], answer=["#### 71"], answer_pattern=r"####\s*(.+)$") == [0.0]

@@ -85,20 +85,27 @@ def char_fraction(completions, target=None, chars=None, **kwargs) -> list[float 
     return scores
 
 
-def exact_match(completions, answer, **kwargs) -> list[float | None]:
+def exact_match(completions, answer, answer_pattern: str | None = None, **kwargs) -> list[float | None]:
     """1.0 if the completion's answer equals the ``answer`` column, else 0.0 (None without answer).
 
     The completion's answer is the text inside its last ``<answer>...</answer>`` when there is one,
     otherwise the whole completion; both sides are compared after stripping surrounding whitespace.
     Non-string answers (e.g. the integer 42 read from JSON) are compared as ``str(answer)``.
 
-    args: none.
+    args:
+        answer_pattern (str, optional): a regular expression that extracts the reference from the
+            ``answer`` column (its first group, or the whole match): ``"####\\s*(.+)$"`` takes
+            GSM8K's final answer out of its worked solution. A reference it does not match scores None.
 
     columns:
         answer (str | number | None): the reference answer; None scores None (not applicable).
     """
+    gold_re = re.compile(answer_pattern, re.MULTILINE) if answer_pattern else None
     scores: list[float | None] = []
     for completion, ref in zip(completions, answer):
+        if ref is not None and gold_re is not None:
+            match = gold_re.search(str(ref))
+            ref = (match.group(1) if match and match.groups() else match.group(0)) if match else None
         if ref is None:
             scores.append(None)
             continue
