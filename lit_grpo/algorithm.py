@@ -166,12 +166,18 @@ def group_advantages(
     if rewards.numel() % num_generations != 0:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {num_generations}")
     grouped = rewards.view(-1, num_generations)  # [B, G]
+    valid = ~torch.isnan(grouped)
     mean = grouped.nanmean(dim=1, keepdim=True)  # [B, 1], NaN for a group with no reward at all
     mean = torch.nan_to_num(mean, nan=0.0)
-    std = _nanstd(grouped, dim=1).unsqueeze(1)  # [B, 1]
+    # Equal rewards are detected exactly (max == min), not through a float mean that may be off by
+    # an ulp (six rewards of 0.3 in float32), so such a group gets advantage exactly 0.
+    highest = torch.where(valid, grouped, -torch.inf).amax(dim=1, keepdim=True)  # [B, 1]
+    lowest = torch.where(valid, grouped, torch.inf).amin(dim=1, keepdim=True)  # [B, 1]
+    all_equal = highest <= lowest  # [B, 1], also True for a group with at most one valid reward
+    std = torch.where(all_equal, 0.0, _nanstd(grouped, dim=1).unsqueeze(1))  # [B, 1]
     zero_std = torch.isclose(std, torch.zeros_like(std)).expand_as(grouped)  # [B, G]
 
-    centered = grouped - mean  # [B, G]
+    centered = torch.where(all_equal, 0.0, grouped - mean)  # [B, G]
     if scale_rewards == "group":
         advantages = centered / (std + eps)
     elif scale_rewards == "batch":

@@ -241,7 +241,8 @@ class GRPOModule(pl.LightningModule):
             self.log(name, value.float(), on_step=True, prog_bar=name == "reward", batch_size=len(batch.prompts))
         self._maybe_log_completions(batch, scored, completions)
 
-    def _generate_and_score(self, batch: PromptBatch) -> tuple[ScoredRollout, list]:
+    def _generate_and_score(self, batch: PromptBatch, training: bool = True) -> tuple[ScoredRollout, list]:
+        """Steps 1-4 for one generation batch; ``training=False`` skips the log-prob passes."""
         hp = self.hparams
         G = hp.num_generations
 
@@ -272,9 +273,9 @@ class GRPOModule(pl.LightningModule):
 
         # 4. Log-probs of the policy that sampled (only if the policy moves before it is used) and
         #    of the reference model (only with a KL penalty).
-        needs_old_logps = hp.num_iterations > 1 or hp.steps_per_generation > 1
+        needs_old_logps = training and (hp.num_iterations > 1 or hp.steps_per_generation > 1)
         old_logps = self._logps_no_grad(self.policy, rollout) if needs_old_logps else None
-        ref_logps = self._logps_no_grad(self.ref_model, rollout) if hp.beta > 0 else None
+        ref_logps = self._logps_no_grad(self.ref_model, rollout) if training and hp.beta > 0 else None
 
         scored = ScoredRollout(
             rollout=rollout,
@@ -380,11 +381,11 @@ class GRPOModule(pl.LightningModule):
         return torch.nn.utils.clip_grad_norm_(params, self.hparams.max_grad_norm)
 
     # ------------------------------------------------------------------------------------------
-    # Validation: sample once per prompt and report the mean reward
+    # Validation: sample G completions per prompt and report their mean reward
     # ------------------------------------------------------------------------------------------
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        scored, _ = self._generate_and_score(batch)
+        scored, _ = self._generate_and_score(batch, training=False)
         self.log("val/reward", scored.rewards.nanmean(), batch_size=len(batch.prompts), sync_dist=True)
 
     # ------------------------------------------------------------------------------------------
