@@ -70,7 +70,9 @@ def entropy_from_logits(
         z = logits[start : start + rows_per_chunk].float() / temperature  # [b, T, V]
         log_z = torch.logsumexp(z, dim=-1, keepdim=True)  # [b, T, 1]
         probs = torch.exp(z - log_z)
-        entropies.append(log_z.squeeze(-1) - (probs * z).sum(-1))
+        # a -inf logit (a masked token) has probability 0 and contributes 0, not 0 * -inf = NaN
+        weighted = torch.where(probs > 0, probs * z, torch.zeros_like(z))
+        entropies.append(log_z.squeeze(-1) - weighted.sum(-1))
     return torch.cat(entropies, dim=0)
 
 

@@ -20,3 +20,84 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_model_dir_no_pad(tmp_path_factory):
     """Like ``tiny_model_dir`` but without a pad token (``tokenizer.pad_token is None``)."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model-no-pad"), pad_token=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fixtures for the training tests (test_module.py, test_cli.py, test_bad_input.py)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def write_jsonl(tmp_path):
+    """``write_jsonl(rows, name="prompts.jsonl") -> path``: a small JSON-lines data file in tmp_path."""
+    import json
+
+    def write(rows, name="prompts.jsonl"):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return path
+
+    return write
+
+
+@pytest.fixture
+def say_a_or_b_file(write_jsonl):
+    """The quickstart task: 16 prompts "Say a:" / "Say b:" with the character in a ``target`` column."""
+    return write_jsonl([{"prompt": f"Say {c}:", "target": c} for c in "ab" * 8])
+
+
+@pytest.fixture
+def fast_trainer():
+    """``fast_trainer(**overrides) -> lightning Trainer`` on CPU without logger, bars or checkpoints."""
+    import lightning.pytorch as pl
+
+    def make(**overrides):
+        kwargs = dict(
+            accelerator="cpu",
+            devices=1,
+            max_steps=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            log_every_n_steps=1,
+        )
+        kwargs.update(overrides)
+        return pl.Trainer(**kwargs)
+
+    return make
+
+
+@pytest.fixture
+def reward_plugin(monkeypatch):
+    """``reward_plugin(name=fn, ...)`` registers rewards under those names for one test.
+
+    They are registered with ``lit_grpo.plugins.register_plugin`` as a plugin module attributed to the
+    package ``test-rewards``; the registry is reset before and after the test.
+    """
+    import types
+
+    import lit_grpo
+    from lit_grpo import plugins
+
+    monkeypatch.delenv("LIT_GRPO_PLUGINS", raising=False)
+    plugins.reset_plugins()
+    registered = []
+
+    def register(**rewards):
+        module = types.ModuleType(f"lit_grpo_test_rewards_{len(registered)}")
+
+        @lit_grpo.hookimpl
+        def register_rewards(register):
+            for name, obj in rewards.items():
+                register(obj, name=name)
+
+        module.register_rewards = register_rewards
+        plugins.register_plugin(module, package="test-rewards")
+        registered.append(module)
+        return module
+
+    yield register
+    for module in registered:
+        plugins.unregister_plugin(module)
+    plugins.reset_plugins()

@@ -529,3 +529,9 @@ def test_grpo_loss_sequence_level_importance_sampling():
     # token level on the same inputs: ratios differ per token, so the losses do too
     token = grpo_loss(logps.detach(), old, adv, mask, importance_sampling_level="token", max_completion_length=3)
     assert not torch.allclose(token.loss, out.loss)
+
+
+def test_entropy_with_masked_logits_is_finite():
+    # two tokens allowed with equal logits, two masked with -inf: entropy = log 2
+    logits = torch.tensor([[[0.0, 0.0, -math.inf, -math.inf]]])
+    close(entropy_from_logits(logits), [[LOG2]])
