@@ -46,6 +46,16 @@ from lit_grpo.generation import (
 from lit_grpo.scoring import RewardScorer, RewardSpec
 
 
+
+def ignore_expected_lightning_warnings() -> None:
+    """Validation is optional (``data.val_split``): without it Lightning skips the loop, as intended,
+    so its warning about a ``validation_step`` without a ``val_dataloader`` is noise."""
+    warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
+
+
+ignore_expected_lightning_warnings()
+
+
 @dataclass
 class ScoredRollout:
     """A rollout with everything the update needs. N = B * G completions, C completion tokens."""
@@ -88,7 +98,7 @@ class GRPOModule(pl.LightningModule):
         scale_rewards: ``group`` | ``batch`` | ``none``, the std that divides advantages.
         importance_sampling_level: ``token`` (GRPO) or ``sequence`` (GSPO).
         mask_truncated_completions: leave completions that never emitted EOS out of the loss.
-        max_grad_norm: clip the gradient norm to this before each optimizer step; None disables.
+        max_grad_norm: clip the gradient norm to this before each optimizer step; None or 0 disables.
         log_completions_every_n_steps: write a table of completions to TensorBoard every this many
             training steps (generation batches); 0 disables.
         num_completions_to_log: rows of that table.
@@ -177,6 +187,9 @@ class GRPOModule(pl.LightningModule):
                 self.hparams.steps_per_generation,
                 self.hparams.micro_batch_size,
             )
+
+    def teardown(self, stage: str) -> None:
+        self.scorer.close()  # stop reward worker processes and the async-reward event loop
 
     def configure_optimizers(self):
         """The configured optimizer (AdamW at lr 1e-6 by default) over the trainable parameters.
@@ -375,7 +388,7 @@ class GRPOModule(pl.LightningModule):
         return full
 
     def _clip_gradients(self) -> torch.Tensor | None:
-        if self.hparams.max_grad_norm is None:
+        if not self.hparams.max_grad_norm:  # None or 0: no clipping, as in Lightning and TRL
             return None
         params = [p for p in self.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, self.hparams.max_grad_norm)
@@ -409,6 +422,7 @@ class GRPOModule(pl.LightningModule):
             valid = values[~torch.isnan(values)]
             metrics[f"rewards/{name}/mean"] = valid.mean() if valid.numel() else torch.tensor(float("nan"))
             metrics[f"rewards/{name}/std"] = valid.std() if valid.numel() > 1 else torch.tensor(0.0)
+            metrics[f"rewards/{name}/errors"] = torch.tensor(float(self.scorer.last_error_counts.get(name, 0)))
         return metrics
 
     def _maybe_log_completions(self, batch: PromptBatch, scored: ScoredRollout, completions: list) -> None:
@@ -429,7 +443,8 @@ class GRPOModule(pl.LightningModule):
             ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
             + ["| " + " | ".join(row) + " |" for row in rows]
         )
-        experiment.add_text("completions", table, global_step=self.global_step)
+        # the step of this batch's scalars (Lightning logs them at the batch counter)
+        experiment.add_text("completions", table, global_step=batch_idx_of(self))
 
 
 # ----------------------------------------------------------------------------------------------
