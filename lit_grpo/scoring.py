@@ -19,15 +19,61 @@ reward):
 * ``bool`` values are accepted as 1.0 / 0.0 (handy for pass/fail checks);
 * strings and other objects are errors, and so are NaN (return ``None`` instead) and ±inf.
 
-The scorer calls rewards one after another in the calling process. Each reward call goes through
-:meth:`RewardScorer.call_reward` and its result through :meth:`RewardScorer.validate`, so running
-calls concurrently (threads, processes, async rewards) can later be added in ``__call__`` alone.
+Where a reward runs (``model.rewards[i]`` keys ``num_workers`` and ``timeout``)::
+
+    rewards:
+      - {name: exact_match}                                    # in-process, once per batch
+      - {name: code_execution, num_workers: 4, timeout: 10, on_error: zero}
+
+* ``num_workers: 0`` (default), synchronous reward: called once per batch in the training
+  process. Right for fast pure functions: no pickling, no process hop.
+* ``num_workers: N > 0``: called once per *sample* (every argument a list of length 1) in a pool of
+  N worker processes that the scorer owns and keeps between steps, so a slow CPU-bound reward uses
+  N cores. The reward object must pickle (module-level functions and classes do, lambdas and
+  closures do not); this is checked when the scorer is built. Workers start with ``forkserver``
+  (``spawn`` where that is missing), never ``fork``, which is unsafe once torch runs threads.
+* ``async def`` reward (a coroutine function, or an object with ``async def __call__``) and
+  ``num_workers: 0``: awaited on an event loop the scorer keeps in a thread of its own (one loop
+  for the scorer's life, so a client bound to a loop keeps working between steps). All async
+  rewards of a batch are awaited concurrently.
+
+Pool rewards, async rewards and in-process rewards of one batch all run at the same time.
+``timeout`` (seconds, default none) bounds every call of a pool or async reward; a pool sample that
+runs over has its worker process killed and replaced, so a hung sample cannot hang training. An
+in-process call cannot be interrupted, so ``timeout`` on a synchronous ``num_workers: 0`` reward is
+a configuration error.
+
+``on_error`` (``raise`` | ``none`` | ``zero``) says what a reward that raises, times out, or whose
+worker process dies does to the step:
+
+* ``raise`` (default): :class:`RewardError` naming the reward and showing the sample, with the
+  traceback (chained, or as text from a worker process);
+* ``none`` / ``zero``: only the failing samples score ``None`` (NaN) / ``0.0``. After a failed
+  batch call, an in-process or async reward is called again one sample at a time to find them.
+  Failures are logged (one warning per reward per call, the first traceback of each error type
+  in full) and counted in :attr:`RewardScorer.last_error_counts`, which the module logs as
+  ``rewards/<name>/errors``.
+
+Return values that break the rules above are a :class:`RewardError` whatever ``on_error`` says:
+they are bugs in the reward, which would misbehave the same way on every batch, not failures of
+one sample, and turning them into ``None`` or ``0.0`` would hide a broken reward behind a constant
+score. A reward that cannot score a sample returns ``None`` for it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import concurrent.futures
+import inspect
+import logging
 import math
 import numbers
+import pickle
+import threading
+import traceback
+import weakref
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,15 +81,20 @@ from typing import Any
 import torch
 
 from lit_grpo import plugins
+from lit_grpo._reward_pool import PoolCancelled, PoolInitError, WorkerPool
 
 try:  # numpy comes with torch in practice, but the scorer does not require it
     import numpy as np
 except ImportError:  # pragma: no cover
     np = None
 
-__all__ = ["RewardError", "RewardScorer", "RewardSpec"]
+__all__ = ["ON_ERROR", "RewardError", "RewardScorer", "RewardSpec"]
+
+logger = logging.getLogger(__name__)
 
 _PREVIEW_CHARS = 200
+ON_ERROR = ("raise", "none", "zero")
+_SPEC_KEYS = ("name", "weight", "args", "on_error", "num_workers", "timeout")
 
 
 class RewardError(RuntimeError):
@@ -52,11 +103,23 @@ class RewardError(RuntimeError):
 
 @dataclass
 class RewardSpec:
-    """One entry of ``model.rewards`` in YAML: ``{name: ..., weight: 1.0, args: {...}}``."""
+    """One entry of ``model.rewards`` in YAML.
+
+    ``{name: ..., weight: 1.0, args: {...}, on_error: raise, num_workers: 0, timeout: null}``:
+
+    * ``on_error``: ``raise`` | ``none`` | ``zero``, what a sample the reward fails on (raises,
+      times out, kills its worker) scores: an error, ``None`` (NaN), or ``0.0``;
+    * ``num_workers``: 0 scores in the training process; N > 0 scores one sample per call in a
+      pool of N worker processes;
+    * ``timeout``: seconds per call of a pool or async reward; ``None`` waits forever.
+    """
 
     name: str
     weight: float = 1.0
     args: dict[str, Any] = field(default_factory=dict)
+    on_error: str = "raise"
+    num_workers: int = 0
+    timeout: float | None = None
 
 
 def _preview(value: Any) -> str:
@@ -68,31 +131,206 @@ def _as_spec(spec: Any, index: int) -> RewardSpec:
     if isinstance(spec, RewardSpec):
         return spec
     if isinstance(spec, Mapping):
-        unknown = set(spec) - {"name", "weight", "args"}
+        unknown = [key for key in spec if key not in _SPEC_KEYS]
         if unknown or "name" not in spec:
+            problem = f"unknown key {unknown[0]!r}" if unknown else "no 'name'"
             raise ValueError(
-                f"model.rewards[{index}] must look like {{name: ..., weight: 1.0, args: {{...}}}}; "
-                f"got {dict(spec)!r}"
+                f"model.rewards[{index}] must look like {{name: ..., weight: 1.0, args: {{...}}}} "
+                "(optional: on_error: raise|none|zero, num_workers: 0, timeout: null); "
+                f"got {dict(spec)!r} ({problem})"
             )
         return RewardSpec(
             name=spec["name"],
             weight=spec.get("weight", 1.0),
             args=dict(spec.get("args") or {}),
+            on_error=spec.get("on_error", "raise"),
+            num_workers=spec.get("num_workers", 0),
+            timeout=spec.get("timeout"),
         )
     if isinstance(spec, str):
         return RewardSpec(name=spec)
     raise ValueError(f"model.rewards[{index}] must be a mapping with a 'name', got {spec!r}")
 
 
+def _check_spec(i: int, spec: RewardSpec) -> None:
+    """Raise ValueError for an ``on_error``, ``num_workers`` or ``timeout`` the scorer cannot use."""
+    where = f"model.rewards[{i}]"
+    if not isinstance(spec.on_error, str) or spec.on_error not in ON_ERROR:
+        hint = " (YAML null is not the string 'none': write on_error: none)" if spec.on_error is None else ""
+        raise ValueError(
+            f"{where}.on_error ({spec.name!r}) must be one of {', '.join(ON_ERROR)}, got {spec.on_error!r}{hint}"
+        )
+    workers = spec.num_workers
+    if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 0:
+        raise ValueError(
+            f"{where}.num_workers ({spec.name!r}) must be a whole number >= 0 (0 scores in the training "
+            f"process), got {workers!r}"
+        )
+    timeout = spec.timeout
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) or timeout <= 0
+    ):
+        raise ValueError(
+            f"{where}.timeout ({spec.name!r}) must be a number of seconds > 0, or null for no limit; got {timeout!r}"
+        )
+
+
+def _is_async(reward: Any) -> bool:
+    """An ``async def`` function (or partial of one), or an object whose ``__call__`` is ``async def``."""
+    return inspect.iscoroutinefunction(reward) or inspect.iscoroutinefunction(getattr(type(reward), "__call__", None))
+
+
+def _one(kwargs: dict[str, Any], i: int) -> dict[str, Any]:
+    """The keyword arguments of sample ``i`` alone: every list sliced to ``[i:i+1]``."""
+    return {key: values[i : i + 1] for key, values in kwargs.items()}
+
+
+def _format_exception(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.rstrip().splitlines())
+
+
+@dataclass
+class _SampleError:
+    """One sample a reward failed on. ``kind``: ``exception``, ``timeout`` or ``crash``."""
+
+    index: int
+    kind: str
+    type_name: str
+    message: str
+    traceback: str = ""
+
+    @classmethod
+    def from_exception(cls, index: int, exc: BaseException) -> _SampleError:
+        if isinstance(exc, _CallTimeout):
+            return cls(index, "timeout", "TimeoutError", str(exc))
+        return cls(index, "exception", type(exc).__name__, str(exc), _format_exception(exc))
+
+    @property
+    def summary(self) -> str:
+        return f"{self.type_name}: {self.message}" if self.message else self.type_name
+
+
+@dataclass
+class _Scored:
+    """What one reward gave for a batch: one float per sample (NaN for None) and its failures."""
+
+    values: list[float]
+    errors: list[_SampleError]
+
+
+class _CallTimeout(Exception):
+    """An async reward call ran past its ``timeout``."""
+
+    def __init__(self, timeout: float):
+        super().__init__(f"no result within the {timeout:g} s timeout")
+        self.timeout = timeout
+
+
+async def _await_call(reward: Any, kwargs: dict[str, Any], timeout: float | None) -> Any:
+    """Call an async reward and await it, for at most ``timeout`` seconds (:class:`_CallTimeout`).
+
+    The call runs as a task that is cancelled, not awaited, after the timeout, so a coroutine that
+    ignores cancellation cannot hold the step up (it keeps running on the scorer's loop).
+    """
+    result = reward(**kwargs)
+    if not inspect.isawaitable(result):
+        return result
+    task = asyncio.ensure_future(result)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # no "never retrieved" noise
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise _CallTimeout(timeout)
+    return task.result()
+
+
+class _EventLoopThread:
+    """An asyncio loop running forever in a daemon thread; the scorer's async rewards run on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="lit-grpo-async-rewards", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Any) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=1)
+            await self.loop.shutdown_asyncgens()
+
+        try:
+            self.submit(shutdown()).result(timeout=2)
+        except Exception:  # noqa: BLE001  (best effort)
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=2)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class _Job(threading.Thread):
+    """Runs ``fn(*args)`` in a thread, keeping its result or exception."""
+
+    def __init__(self, name: str, fn: Any, *args: Any):
+        super().__init__(name=name, daemon=True)
+        self.fn, self.args = fn, args
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as exc:  # noqa: BLE001  (re-raised by the scorer's thread)
+            self.error = exc
+
+
+_LIVE_SCORERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_scorers() -> None:
+    for scorer in list(_LIVE_SCORERS):
+        try:
+            scorer.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 class RewardScorer:
     """Scores completions with a fixed list of rewards.
 
     ``scorer(prompts, completions, completion_ids, columns)`` returns a float32 tensor
-    ``[N, K]``: column k holds reward ``names[k]``, NaN where that reward returned ``None``.
-    ``weights`` (``[K]``) holds the configured weights; combining is the caller's business.
+    ``[N, K]``: column k holds reward ``names[k]``, NaN where that reward returned ``None`` (or
+    failed on the sample with ``on_error: none``). ``weights`` (``[K]``) holds the configured
+    weights; combining is the caller's business. After each call, ``last_error_counts`` maps every
+    reward name to the number of samples it failed on in that call.
+
+    A scorer with ``num_workers > 0`` rewards owns worker processes, and one with async rewards an
+    event-loop thread; both start on first use and stop with :meth:`close` (also called when the
+    scorer is garbage-collected and at interpreter exit). Pickling or deep-copying a scorer leaves
+    them behind: the copy starts its own.
     """
 
     def __init__(self, specs: Sequence[RewardSpec | Mapping[str, Any]]):
+        self._pools: dict[int, WorkerPool] = {}
+        self._loop: _EventLoopThread | None = None
         specs = [_as_spec(spec, i) for i, spec in enumerate(specs or [])]
         if not specs:
             raise ValueError(
@@ -115,11 +353,40 @@ class RewardScorer:
                 raise ValueError(
                     f"model.rewards[{i}] ({spec.name!r}): weight must be a finite number, got {spec.weight!r}"
                 )
+            _check_spec(i, spec)
         self.specs: list[RewardSpec] = specs
         self.names: list[str] = [spec.name for spec in specs]
         self.infos: list[plugins.RewardInfo] = [plugins.get_reward(spec.name) for spec in specs]
         self.rewards: list[Any] = [plugins.build_reward(spec.name, spec.args) for spec in specs]
         self.weights: torch.Tensor = torch.tensor([float(spec.weight) for spec in specs], dtype=torch.float32)  # [K]
+        # How each reward runs: "pool" (num_workers > 0), "async" (awaited) or "local" (called here).
+        self.modes: list[str] = []
+        self._payloads: dict[int, bytes] = {}
+        for k, (spec, reward) in enumerate(zip(specs, self.rewards)):
+            if spec.num_workers > 0:
+                self.modes.append("pool")
+                try:
+                    self._payloads[k] = pickle.dumps(reward, protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception as exc:
+                    raise ValueError(
+                        f"model.rewards[{k}].num_workers ({spec.name!r}): {self._who(k)} cannot run in worker "
+                        f"processes because it cannot be pickled ({type(exc).__name__}: {exc}). Functions and "
+                        "classes defined at the top level of an importable module pickle; lambdas, closures and "
+                        "functions defined inside other functions do not. Use num_workers: 0 for this reward."
+                    ) from exc
+            elif _is_async(reward):
+                self.modes.append("async")
+            else:
+                self.modes.append("local")
+                if spec.timeout is not None:
+                    raise ValueError(
+                        f"model.rewards[{k}].timeout ({spec.name!r}): a timeout needs num_workers > 0 (or an async "
+                        "reward); a synchronous reward called in the training process cannot be interrupted. Set "
+                        "num_workers: 1 or more, or remove timeout."
+                    )
+        self.last_error_counts: dict[str, int] = {name: 0 for name in self.names}
+        self._tracebacks_shown: set[tuple[int, str]] = set()
+        _LIVE_SCORERS.add(self)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -127,6 +394,47 @@ class RewardScorer:
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}*{w:g}" for n, w in zip(self.names, self.weights.tolist()))
         return f"RewardScorer({parts})"
+
+    # ---------------------------------------------------------------------------------------------
+    # Lifecycle: worker pools and the event-loop thread
+    # ---------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the worker processes and the event-loop thread. The scorer stays usable: they
+        start again on the next call that needs them."""
+        pools, self._pools = getattr(self, "_pools", {}), {}
+        for pool in pools.values():
+            pool.close()
+        loop, self._loop = getattr(self, "_loop", None), None
+        if loop is not None:
+            loop.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pools"] = {}
+        state["_loop"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _LIVE_SCORERS.add(self)
+
+    def _pool(self, k: int) -> WorkerPool:
+        pool = self._pools.get(k)
+        if pool is None:
+            pool = self._pools[k] = WorkerPool(self._payloads[k], self.specs[k].num_workers, name=self.names[k])
+        return pool
+
+    def _event_loop(self) -> _EventLoopThread:
+        if self._loop is None:
+            self._loop = _EventLoopThread()
+        return self._loop
 
     # ---------------------------------------------------------------------------------------------
 
@@ -140,13 +448,60 @@ class RewardScorer:
         columns = dict(columns or {})
         n = len(completions)
         self._check_inputs(prompts, completions, completion_ids, columns)
+        self.last_error_counts = {name: 0 for name in self.names}
         scores = torch.full((n, len(self.rewards)), float("nan"), dtype=torch.float32)  # [N, K]
         if n == 0:
             return scores
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+
+        # Start pool rewards (one thread each, waiting on its workers) and async rewards (on the
+        # event loop), then score in-process rewards here while they run.
+        cancel = threading.Event()
+        jobs = [
+            _Job(f"lit-grpo-reward-{self.names[k]}", self._score_pool, k, kwargs, cancel)
+            for k, mode in enumerate(self.modes)
+            if mode == "pool"
+        ]
+        async_ks = [k for k, mode in enumerate(self.modes) if mode == "async"]
+        outcomes: dict[int, _Scored] = {}
+        errors: dict[int, BaseException] = {}
+        async_future = None
+        try:
+            for job in jobs:
+                job.start()
+            if async_ks:
+                async_future = self._event_loop().submit(self._score_async_all(async_ks, kwargs))
+            for k, mode in enumerate(self.modes):
+                if mode == "local":
+                    outcomes[k] = self._score_local(k, kwargs)
+            for job in jobs:
+                job.join()
+            if async_future is not None:
+                for k, result in async_future.result().items():
+                    (errors if isinstance(result, BaseException) else outcomes)[k] = result
+        except BaseException:
+            cancel.set()
+            if async_future is not None:
+                async_future.cancel()
+            for job in jobs:
+                if job.is_alive():
+                    job.join()
+            raise
+        for job in jobs:
+            k = job.args[0]
+            if job.error is not None:
+                errors[k] = job.error
+            else:
+                outcomes[k] = job.result
+        if errors:
+            raise errors[min(errors)]
+
         for k in range(len(self.rewards)):
-            raw = self.call_reward(k, kwargs)
-            scores[:, k] = torch.tensor(self.validate(k, raw, prompts, completions), dtype=torch.float32)
+            outcome = outcomes[k]
+            scores[:, k] = torch.tensor(outcome.values, dtype=torch.float32)
+            self.last_error_counts[self.names[k]] = len(outcome.errors)
+            if outcome.errors:
+                self._warn(k, outcome.errors, kwargs)
         return scores
 
     def _check_inputs(self, prompts: list, completions: list, completion_ids: list, columns: dict) -> None:
@@ -164,27 +519,205 @@ class RewardScorer:
             if len(values) != n:
                 raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
 
+    def _fill(self, k: int) -> float:
+        return 0.0 if self.specs[k].on_error == "zero" else float("nan")
+
+    # ---------------------------------------------------------------------------------------------
+    # In-process rewards
+    # ---------------------------------------------------------------------------------------------
+
     def call_reward(self, k: int, kwargs: dict[str, Any]) -> Any:
         """Call reward ``k`` with the shared keyword arguments; wraps any exception in RewardError."""
         try:
             return self.rewards[k](**kwargs)
         except Exception as exc:
-            prompts, completions = kwargs["prompts"], kwargs["completions"]
-            raise RewardError(
-                f"{self._who(k)} raised {type(exc).__name__}: {exc}\n"
-                f"  while scoring {len(completions)} completions; the first was\n"
-                f"  prompt:     {_preview(prompts[0])}\n"
-                f"  completion: {_preview(completions[0])}"
-            ) from exc
+            raise self._batch_error(k, f"raised {type(exc).__name__}: {exc}", kwargs) from exc
 
-    def validate(self, k: int, raw: Any, prompts: list, completions: list) -> list[float]:
-        """Check reward ``k``'s return value; one float per completion, NaN for ``None``."""
+    def _score_local(self, k: int, kwargs: dict[str, Any]) -> _Scored:
+        prompts, completions = kwargs["prompts"], kwargs["completions"]
+        if self.specs[k].on_error == "raise":
+            return _Scored(self.validate(k, self.call_reward(k, kwargs), prompts, completions), [])
+        try:
+            raw = self.rewards[k](**kwargs)
+        except Exception:
+            return self._score_local_per_sample(k, kwargs)
+        return _Scored(self.validate(k, raw, prompts, completions), [])
+
+    def _score_local_per_sample(self, k: int, kwargs: dict[str, Any]) -> _Scored:
+        """After a failed batch call: call reward ``k`` once per sample to find the failing ones."""
+        values: list[float] = []
+        errors: list[_SampleError] = []
+        for i in range(len(kwargs["completions"])):
+            one = _one(kwargs, i)
+            try:
+                raw = self.rewards[k](**one)
+            except Exception as exc:
+                errors.append(_SampleError.from_exception(i, exc))
+                values.append(self._fill(k))
+                continue
+            values.extend(self.validate(k, raw, one["prompts"], one["completions"], sample=i))
+        return _Scored(values, errors)
+
+    # ---------------------------------------------------------------------------------------------
+    # Pool rewards (num_workers > 0): one sample per call, in worker processes
+    # ---------------------------------------------------------------------------------------------
+
+    def _score_pool(self, k: int, kwargs: dict[str, Any], cancel: threading.Event) -> _Scored:
+        spec = self.specs[k]
+        prompts, completions = kwargs["prompts"], kwargs["completions"]
+        tasks = []
+        for i in range(len(completions)):
+            try:
+                tasks.append(pickle.dumps((i, _one(kwargs, i)), protocol=pickle.HIGHEST_PROTOCOL))
+            except Exception as exc:
+                raise RewardError(
+                    f"{self._who(k)} runs in worker processes (num_workers={spec.num_workers}), but the "
+                    f"arguments of sample {i} cannot be pickled ({type(exc).__name__}: {exc}); "
+                    "dataset columns must hold picklable values"
+                ) from exc
+        try:
+            results = self._pool(k).run(
+                tasks, timeout=spec.timeout, stop_on_error=spec.on_error == "raise", cancel=cancel
+            )
+        except PoolInitError as exc:
+            raise RewardError(
+                f"{self._who(k)} could not be loaded in a worker process (num_workers={spec.num_workers}): {exc}"
+            ) from None
+        except PoolCancelled:
+            raise
+        values: list[float] = []
+        errors: list[_SampleError] = []
+        for i, result in enumerate(results):
+            if result is None:  # not scored: the run stopped at the first failure (on_error: raise)
+                values.append(float("nan"))
+                continue
+            status, payload = result
+            if status == "ok":
+                values.extend(self.validate(k, payload, prompts[i : i + 1], completions[i : i + 1], sample=i))
+            else:
+                errors.append(_SampleError(i, payload.kind, payload.type_name, payload.message, payload.traceback))
+                values.append(self._fill(k))
+        if errors and spec.on_error == "raise":
+            raise self._sample_error(k, errors[0], kwargs)
+        return _Scored(values, errors)
+
+    # ---------------------------------------------------------------------------------------------
+    # Async rewards: awaited concurrently on the scorer's event loop
+    # ---------------------------------------------------------------------------------------------
+
+    async def _score_async_all(self, ks: list[int], kwargs: dict[str, Any]) -> dict[int, _Scored | BaseException]:
+        results = await asyncio.gather(*(self._score_async(k, kwargs) for k in ks), return_exceptions=True)
+        return dict(zip(ks, results))
+
+    async def _score_async(self, k: int, kwargs: dict[str, Any]) -> _Scored:
+        spec = self.specs[k]
+        prompts, completions = kwargs["prompts"], kwargs["completions"]
+        try:
+            raw = await _await_call(self.rewards[k], kwargs, spec.timeout)
+        except Exception as exc:
+            if spec.on_error == "raise":
+                if isinstance(exc, _CallTimeout):
+                    raise self._batch_error(k, f"timed out after {spec.timeout:g} s", kwargs) from None
+                raise self._batch_error(k, f"raised {type(exc).__name__}: {exc}", kwargs) from exc
+            return await self._score_async_per_sample(k, kwargs)
+        return _Scored(self.validate(k, raw, prompts, completions), [])
+
+    async def _score_async_per_sample(self, k: int, kwargs: dict[str, Any]) -> _Scored:
+        """After a failed batch call: await reward ``k`` once per sample, concurrently."""
+        timeout = self.specs[k].timeout
+
+        async def one(i: int) -> tuple[Any, BaseException | None]:
+            try:
+                return await _await_call(self.rewards[k], _one(kwargs, i), timeout), None
+            except Exception as exc:
+                return None, exc
+
+        results = await asyncio.gather(*(one(i) for i in range(len(kwargs["completions"]))))
+        values: list[float] = []
+        errors: list[_SampleError] = []
+        for i, (raw, exc) in enumerate(results):
+            if exc is not None:
+                errors.append(_SampleError.from_exception(i, exc))
+                values.append(self._fill(k))
+            else:
+                values.extend(self.validate(k, raw, kwargs["prompts"][i : i + 1], kwargs["completions"][i : i + 1], sample=i))
+        return _Scored(values, errors)
+
+    # ---------------------------------------------------------------------------------------------
+    # Errors and warnings
+    # ---------------------------------------------------------------------------------------------
+
+    def _batch_error(self, k: int, what: str, kwargs: dict[str, Any]) -> RewardError:
+        """A whole-batch call of reward ``k`` failed (``what``: "raised ValueError: ...")."""
+        prompts, completions = kwargs["prompts"], kwargs["completions"]
+        return RewardError(
+            f"{self._who(k)} {what}\n"
+            f"  while scoring {len(completions)} completions; the first was\n"
+            f"  prompt:     {_preview(prompts[0])}\n"
+            f"  completion: {_preview(completions[0])}"
+        )
+
+    def _sample_error(self, k: int, error: _SampleError, kwargs: dict[str, Any]) -> RewardError:
+        """Reward ``k`` failed on one sample in a worker process, with ``on_error: raise``."""
+        spec = self.specs[k]
+        who = self._who(k)
+        if error.kind == "timeout":
+            head = f"{who} timed out after {spec.timeout:g} s"
+        elif error.kind == "crash":
+            head = f"{who} failed: {error.message}"
+        else:
+            head = f"{who} raised {error.summary}"
+        lines = [
+            head,
+            f"  while scoring sample {error.index} of {len(kwargs['completions'])} in a worker process "
+            f"(num_workers={spec.num_workers})",
+            f"  prompt:     {_preview(kwargs['prompts'][error.index])}",
+            f"  completion: {_preview(kwargs['completions'][error.index])}",
+        ]
+        if error.traceback:
+            lines += ["  worker traceback:", _indent(error.traceback)]
+        lines.append(
+            f"Set model.rewards[{k}].on_error to none or zero to score failing samples as None or 0.0 "
+            "instead of stopping."
+        )
+        return RewardError("\n".join(lines))
+
+    def _warn(self, k: int, errors: list[_SampleError], kwargs: dict[str, Any]) -> None:
+        """One warning per reward per call; the first traceback of each error type is shown in full."""
+        spec = self.specs[k]
+        first = errors[0]
+        kinds = Counter(error.type_name for error in errors)
+        fill = "None (NaN)" if spec.on_error == "none" else "0.0"
+        text = (
+            f"{self._who(k)} failed on {len(errors)} of {len(kwargs['completions'])} samples "
+            f"({', '.join(f'{count} {name}' for name, count in kinds.most_common())}); they score {fill} "
+            f"(on_error: {spec.on_error}). First, sample {first.index}: {first.summary}\n"
+            f"  prompt:     {_preview(kwargs['prompts'][first.index])}\n"
+            f"  completion: {_preview(kwargs['completions'][first.index])}"
+        )
+        key = (k, first.type_name)
+        if first.traceback and key not in self._tracebacks_shown:
+            self._tracebacks_shown.add(key)
+            text += "\n" + _indent(first.traceback)
+        logger.warning(text)
+
+    # ---------------------------------------------------------------------------------------------
+    # Validation of returned values
+    # ---------------------------------------------------------------------------------------------
+
+    def validate(self, k: int, raw: Any, prompts: list, completions: list, sample: int | None = None) -> list[float]:
+        """Check reward ``k``'s return value; one float per completion, NaN for ``None``.
+
+        ``sample`` is set when the reward was called with that one sample alone (``num_workers > 0``,
+        or the per-sample retry after a failed batch call); messages then name it.
+        """
         n = len(completions)
         who = self._who(k)
+        alone = f" when called with sample {sample} alone" if sample is not None else ""
         if isinstance(raw, torch.Tensor) or (np is not None and isinstance(raw, np.ndarray)):
             if raw.ndim != 1:
                 raise RewardError(
-                    f"{who} returned a {type(raw).__name__} of shape {tuple(raw.shape)}; "
+                    f"{who} returned a {type(raw).__name__} of shape {tuple(raw.shape)}{alone}; "
                     f"expected a 1-D sequence of {n} values (one per completion)"
                 )
             if isinstance(raw, torch.Tensor):
@@ -194,18 +727,16 @@ class RewardScorer:
             values = raw
         else:
             raise RewardError(
-                f"{who} returned {type(raw).__name__} ({_preview(raw)}); expected a list of {n} "
+                f"{who} returned {type(raw).__name__} ({_preview(raw)}){alone}; expected a list of {n} "
                 "floats or None, one per completion"
             )
         if len(values) != n:
-            raise RewardError(f"{who} returned {len(values)} values; expected {n} (one per completion)")
-        out = []
-        for i, value in enumerate(values):
-            out.append(self._to_float(who, i, value, completions))
-        return out
+            raise RewardError(f"{who} returned {len(values)} values{alone}; expected {n} (one per completion)")
+        first = 0 if sample is None else sample
+        return [self._to_float(who, first + i, value, completions[i]) for i, value in enumerate(values)]
 
     @staticmethod
-    def _to_float(who: str, i: int, value: Any, completions: list) -> float:
+    def _to_float(who: str, i: int, value: Any, completion: Any) -> float:
         if value is None:
             return float("nan")
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
@@ -217,7 +748,7 @@ class RewardScorer:
         if not isinstance(value, numbers.Real):
             raise RewardError(
                 f"{who} returned {type(value).__name__} {_preview(value)} for sample {i} "
-                f"(completion {_preview(completions[i])}); rewards must be numbers (float, int, bool) "
+                f"(completion {_preview(completion)}); rewards must be numbers (float, int, bool) "
                 "or None"
             )
         number = float(value)
@@ -227,7 +758,7 @@ class RewardScorer:
             )
         if math.isinf(number):
             raise RewardError(
-                f"{who} returned {number} for sample {i} (completion {_preview(completions[i])}); "
+                f"{who} returned {number} for sample {i} (completion {_preview(completion)}); "
                 "rewards must be finite"
             )
         return number

@@ -1,7 +1,8 @@
-"""RewardScorer: resolving configured rewards, the [N, K] matrix and return-value validation."""
+"""RewardScorer: resolving configured rewards, the [N, K] matrix, return-value validation and on_error."""
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import types
@@ -80,6 +81,20 @@ def as_mixed(completions, **kwargs):
     return (True, False, np.float64(0.5), torch.tensor(2.0), 3)[: len(completions)]
 
 
+def picky(completions, **kwargs):
+    """Fails the whole batch when any completion contains 'bad' (as a vectorised reward would)."""
+    for c in completions:
+        if "bad" in c:
+            raise ValueError(f"cannot parse {c!r}")
+    return [float(len(c)) for c in completions]
+
+
+def nan_for_bad(completions, **kwargs):
+    if len(completions) > 1:
+        raise RuntimeError("batch failed")
+    return [float("nan") if "bad" in c else 1.0 for c in completions]
+
+
 @pytest.fixture(autouse=True)
 def registry(monkeypatch):
     monkeypatch.delenv("LIT_GRPO_PLUGINS", raising=False)
@@ -89,7 +104,7 @@ def registry(monkeypatch):
     rewards = {
         f.__name__: f
         for f in (length, none_for_odd, recorder, scaled, divides, short, scalar, with_nan, with_string,
-                  with_inf, as_tensor, as_matrix, as_ndarray, as_mixed)
+                  with_inf, as_tensor, as_matrix, as_ndarray, as_mixed, picky, nan_for_bad)
     }
 
     @lit_grpo.hookimpl
@@ -269,8 +284,42 @@ def test_bad_weight_is_an_error(weight):
 
 
 def test_malformed_dict_spec_is_an_error():
-    with pytest.raises(ValueError, match=r"model\.rewards\[1\] must look like \{name: \.\.\., weight: 1\.0, args: \{\.\.\.\}\}"):
+    with pytest.raises(ValueError, match=r"model\.rewards\[1\] must look like \{name: \.\.\., weight: 1\.0, args: \{\.\.\.\}\}") as excinfo:
         RewardScorer([{"name": "length"}, {"name": "scaled", "wieght": 2}])
+    message = str(excinfo.value)
+    assert "(optional: on_error: raise|none|zero, num_workers: 0, timeout: null)" in message
+    assert "(unknown key 'wieght')" in message
+    with pytest.raises(ValueError, match=r"model\.rewards\[0\] must look like .*\(no 'name'\)"):
+        RewardScorer([{"weight": 2}])
+
+
+def test_dict_spec_accepts_on_error_num_workers_and_timeout():
+    scorer = RewardScorer([{"name": "length", "on_error": "zero"}, {"name": "scaled", "num_workers": 0, "timeout": None}])
+    assert [(s.on_error, s.num_workers, s.timeout) for s in scorer.specs] == [("zero", 0, None), ("raise", 0, None)]
+    assert scorer.modes == ["local", "local"]
+
+
+@pytest.mark.parametrize("value", ["ignore", "Raise", None, 0])
+def test_bad_on_error_names_the_key(value):
+    with pytest.raises(ValueError, match=r"^model\.rewards\[1\]\.on_error \('scaled'\) must be one of raise, none, zero, got"):
+        RewardScorer([RewardSpec("length"), RewardSpec("scaled", on_error=value)])
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "4"])
+def test_bad_num_workers_names_the_key(value):
+    with pytest.raises(ValueError, match=r"^model\.rewards\[0\]\.num_workers \('length'\) must be a whole number >= 0"):
+        RewardScorer([RewardSpec("length", num_workers=value)])
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan"), "10", True])
+def test_bad_timeout_names_the_key(value):
+    with pytest.raises(ValueError, match=r"^model\.rewards\[0\]\.timeout \('length'\) must be a number of seconds > 0"):
+        RewardScorer([RewardSpec("length", timeout=value)])
+
+
+def test_timeout_on_an_in_process_reward_is_an_error():
+    with pytest.raises(ValueError, match=r"model\.rewards\[0\]\.timeout \('length'\): a timeout needs num_workers > 0"):
+        RewardScorer([RewardSpec("length", timeout=5)])
 
 
 def test_input_length_mismatches_are_errors():
@@ -287,3 +336,69 @@ def test_installed_plugin_rewards_work_through_the_scorer():
     scorer = RewardScorer([RewardSpec("shouts"), RewardSpec("contains_word", weight=0.5, args={"word": "OK"})])
     out = scorer(["p", "p", "p"], ["OK GO", "ok", "nope OK"], [[], [], []], {})
     assert out.tolist() == [[1.0, 1.0], [0.0, 0.0], [0.0, 1.0]]
+
+
+# --------------------------------------------------------------------------------------------------
+# on_error for in-process rewards
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("on_error, fill", [("zero", 0.0), ("none", None)])
+def test_in_process_failure_scores_only_the_failing_sample(on_error, fill, caplog):
+    scorer = RewardScorer([RewardSpec("length"), RewardSpec("picky", on_error=on_error)])
+    assert scorer.last_error_counts == {"length": 0, "picky": 0}
+    prompts, completions = ["p0", "p1", "p2"], ["ab", "a bad one", "abcd"]
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.scoring"):
+        out = scorer(prompts, completions, [[], [], []], {})
+    values = [None if math.isnan(v) else v for v in out[:, 1].tolist()]
+    assert values == [2.0, fill, 4.0]
+    assert out[:, 0].tolist() == [2.0, 9.0, 4.0]
+    assert scorer.last_error_counts == {"length": 0, "picky": 1}
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.message.startswith(f"Reward 'picky' ({PLUGIN}) failed on 1 of 3 samples (1 ValueError)")
+    assert "sample 1: ValueError: cannot parse 'a bad one'" in record.message
+    assert "completion: 'a bad one'" in record.message
+    assert "Traceback (most recent call last):" in record.message and "in picky" in record.message
+
+    # Counts are per call; the full traceback of an error type is shown once per reward.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.scoring"):
+        scorer(prompts, ["bad", "bad", "ok"], [[], [], []], {})
+    assert scorer.last_error_counts == {"length": 0, "picky": 2}
+    (record,) = caplog.records
+    assert "failed on 2 of 3 samples" in record.message and "Traceback" not in record.message
+    scorer(prompts, ["a", "b", "c"], [[], [], []], {})
+    assert scorer.last_error_counts == {"length": 0, "picky": 0}
+
+
+def test_invalid_values_are_errors_whatever_on_error():
+    with pytest.raises(RewardError, match=r"'with_nan' .* returned NaN for sample 1"):
+        RewardScorer([RewardSpec("with_nan", on_error="zero")])(["p"] * 3, ["a", "b", "c"], [[]] * 3, {})
+    # Also when found by the per-sample retry after a failed batch call; the sample is named.
+    with pytest.raises(RewardError, match=r"'nan_for_bad' .* returned NaN for sample 2;"):
+        RewardScorer([RewardSpec("nan_for_bad", on_error="none")])(["p"] * 3, ["a", "b", "bad"], [[]] * 3, {})
+
+
+def test_on_error_raise_is_the_default_and_counts_nothing():
+    scorer = RewardScorer([RewardSpec("picky")])
+    assert scorer.specs[0].on_error == "raise"
+    with pytest.raises(RewardError, match=r"^Reward 'picky' .* raised ValueError: cannot parse 'bad'\n  while scoring 2"):
+        scorer(["p", "p"], ["ok", "bad"], [[], []], {})
+
+
+def test_zero_completions_counts_no_errors():
+    scorer = RewardScorer([RewardSpec("picky", on_error="zero")])
+    scorer([], [], [], {})
+    assert scorer.last_error_counts == {"picky": 0}
+
+
+def test_scorer_pickles_and_deep_copies():
+    import copy
+    import pickle
+
+    scorer = RewardScorer([RewardSpec("shouts"), RewardSpec("contains_word", args={"word": "OK"}, on_error="none")])
+    for clone in (pickle.loads(pickle.dumps(scorer)), copy.deepcopy(scorer)):
+        assert clone.specs == scorer.specs and clone.modes == ["local", "local"]
+        assert clone(["p"], ["OK"], [[]], {}).tolist() == [[1.0, 1.0]]
+        clone.close()

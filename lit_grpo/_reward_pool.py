@@ -1,0 +1,331 @@
+"""Worker processes for rewards configured with ``num_workers > 0`` (used by :mod:`lit_grpo.scoring`).
+
+Standard-library only on purpose: a worker process imports this module, and a pool worker should
+start in milliseconds, not re-import torch.
+
+Why not ``concurrent.futures.ProcessPoolExecutor`` or ``multiprocessing.Pool``? Neither can stop one
+running task: a sample that hangs would hold its worker forever, and a worker that dies takes every
+pending future down with it (``BrokenProcessPool``) or leaves its task unanswered (``Pool``). Here
+each worker runs one task at a time over its own pipe, so the pool always knows which sample a
+worker is busy with: a sample that runs past its deadline gets its worker killed and replaced, a
+worker that dies is charged to the sample it was scoring, and every other sample is unaffected.
+
+Protocol (every message is a ``pickle`` of a tuple, sent with ``send_bytes``)::
+
+    worker -> pool   ("ready", None)                       reward unpickled, waiting for work
+                     ("init_error", traceback_text)        the reward could not be unpickled
+                     ("ok", task_id, value)                the reward returned ``value``
+                     ("error", task_id, (type, message, traceback_text))
+    pool -> worker   (task_id, kwargs)                     call ``reward(**kwargs)``
+                     None                                  exit
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+# How long a new worker may take to import the reward's module before the pool gives up on it.
+STARTUP_TIMEOUT = 300.0
+# How often a waiting pool checks whether the scorer asked it to stop.
+_POLL = 0.1
+
+
+def default_start_method() -> str:
+    """``forkserver`` where available (cheap starts, and safe once torch has started threads), else ``spawn``.
+
+    Never ``fork``: forking a process that runs torch's (or CUDA's) threads can deadlock the child.
+    """
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+@dataclass
+class Failure:
+    """Why one task produced no value. ``kind`` is ``exception``, ``timeout`` or ``crash``."""
+
+    kind: str
+    type_name: str
+    message: str
+    traceback: str = ""
+
+
+class PoolInitError(RuntimeError):
+    """A worker could not load the reward (unpickling it failed, or the worker died while starting)."""
+
+
+class PoolCancelled(RuntimeError):
+    """The caller asked the pool to stop before every task finished."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker side
+# --------------------------------------------------------------------------------------------------
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _send(conn: Any, message: tuple) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def worker_main(conn: Any, payload: bytes) -> None:
+    """Entry point of a worker process: unpickle the reward, then score tasks until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which stops us
+    try:
+        reward = pickle.loads(payload)
+    except BaseException:
+        _send(conn, ("init_error", traceback.format_exc()))
+        return
+    _send(conn, ("ready", None))
+    while True:
+        try:
+            task = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the trainer went away
+            return
+        if task is None:
+            return
+        task_id, kwargs = task
+        try:
+            value = reward(**kwargs)
+            if inspect.isawaitable(value):  # an async reward in a pool: run it to completion here
+                value = asyncio.run(_await(value))
+            data = pickle.dumps(("ok", task_id, value), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException as exc:  # noqa: BLE001  (SystemExit from a reward is a failed sample too)
+            data = pickle.dumps(
+                ("error", task_id, (type(exc).__name__, str(exc), traceback.format_exc())),
+                protocol=pickle.HIGHEST_PROTOCOL,
+            )
+        conn.send_bytes(data)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pool side
+# --------------------------------------------------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self, ctx: Any, payload: bytes, name: str):
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=worker_main, args=(child, payload), name=name, daemon=True)
+        self.process.start()
+        child.close()
+        self.state = "starting"  # starting | idle | busy
+        self.task: int | None = None
+        self.deadline = time.monotonic() + STARTUP_TIMEOUT
+
+    def kill(self) -> None:
+        try:
+            self.process.kill()
+            self.process.join(timeout=5)
+        except Exception:  # noqa: BLE001  (already gone)
+            pass
+        self.conn.close()
+
+    def exit_description(self) -> str:
+        self.process.join(timeout=1)
+        code = self.process.exitcode
+        if code is None:
+            return "closed its pipe"
+        if code < 0:
+            try:
+                return f"was killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+
+class WorkerPool:
+    """``size`` persistent worker processes that each hold one unpickled copy of a reward.
+
+    Not thread-safe: one :meth:`run` at a time (the scorer runs each pool from one thread).
+    """
+
+    def __init__(self, payload: bytes, size: int, name: str = "reward", start_method: str | None = None):
+        if size < 1:
+            raise ValueError(f"a worker pool needs at least one worker, got {size}")
+        self.payload = payload
+        self.size = size
+        self.name = name
+        self.ctx = multiprocessing.get_context(start_method or default_start_method())
+        self.workers: list[_Worker] = []
+        self._started = 0
+
+    def _start_worker(self) -> _Worker:
+        self._started += 1
+        worker = _Worker(self.ctx, self.payload, f"lit-grpo-reward-{self.name}-{self._started}")
+        self.workers.append(worker)
+        return worker
+
+    def _remove(self, worker: _Worker) -> None:
+        worker.kill()
+        self.workers.remove(worker)
+
+    def close(self) -> None:
+        """Stop every worker: idle ones are asked to exit (and killed after a second), others killed."""
+        workers, self.workers = self.workers, []
+        for worker in workers:
+            if worker.state == "idle":
+                try:
+                    _send(worker.conn, None)
+                except Exception:  # noqa: BLE001  (already gone)
+                    pass
+            else:
+                worker.process.kill()
+        deadline = time.monotonic() + 1.0
+        for worker in workers:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.kill()
+            else:
+                worker.conn.close()
+
+    def run(
+        self,
+        tasks: list[bytes],
+        timeout: float | None = None,
+        stop_on_error: bool = False,
+        cancel: threading.Event | None = None,
+    ) -> list[tuple[str, Any] | None]:
+        """Run pickled ``(task_id, kwargs)`` tasks (task ids are their positions); one result per task.
+
+        A result is ``("ok", value)`` or ``("error", Failure)``. A task running longer than
+        ``timeout`` seconds (measured from when a worker picks it up) fails with kind ``timeout``
+        and its worker is killed and replaced; a worker that dies fails its task with kind
+        ``crash``. With ``stop_on_error`` the first failure ends the run: busy workers are killed
+        and unfinished tasks get ``None``. Setting ``cancel`` does the same and raises
+        :class:`PoolCancelled`. Raises :class:`PoolInitError` if a worker cannot load the reward.
+        """
+        results: list[tuple[str, Any] | None] = [None] * len(tasks)
+        pending = deque(range(len(tasks)))
+        remaining = len(tasks)
+        failed = False
+        try:
+            while remaining and not (stop_on_error and failed):
+                if cancel is not None and cancel.is_set():
+                    raise PoolCancelled(f"scoring with reward {self.name!r} was cancelled")
+                # Start workers for work that no idle or starting worker will pick up.
+                waiting = sum(w.state in ("idle", "starting") for w in self.workers)
+                for _ in range(min(len(pending) - waiting, self.size - len(self.workers))):
+                    self._start_worker()
+                # Hand out work.
+                now = time.monotonic()
+                for worker in self.workers:
+                    if worker.state == "idle" and pending:
+                        index = pending.popleft()
+                        try:
+                            worker.conn.send_bytes(tasks[index])
+                        except (OSError, ValueError):  # died while idle: retry the task elsewhere
+                            pending.appendleft(index)
+                            worker.state = "dead"
+                            continue
+                        worker.state, worker.task = "busy", index
+                        worker.deadline = now + timeout if timeout is not None else float("inf")
+                for worker in [w for w in self.workers if w.state == "dead"]:
+                    self._remove(worker)
+                if not self.workers:
+                    continue
+                # Wait for a message, a death or a deadline.
+                deadline = min(w.deadline for w in self.workers)
+                wait = max(0.0, min(deadline - time.monotonic(), _POLL))
+                ready = set(
+                    multiprocessing.connection.wait(
+                        [w.conn for w in self.workers] + [w.process.sentinel for w in self.workers], wait
+                    )
+                )
+                for worker in list(self.workers):
+                    if worker.conn in ready or worker.process.sentinel in ready:
+                        message = None
+                        try:
+                            if worker.conn.poll():
+                                data = worker.conn.recv_bytes()
+                                try:
+                                    message = pickle.loads(data)
+                                except Exception as exc:  # e.g. a value of a class this process lacks
+                                    if worker.state != "busy":
+                                        raise
+                                    message = (
+                                        "error",
+                                        worker.task,
+                                        (type(exc).__name__, f"the reward's result could not be unpickled: {exc}", ""),
+                                    )
+                        except (EOFError, OSError):
+                            message = None
+                        if message is None:  # the process died (or closed its pipe)
+                            how = worker.exit_description()
+                            if worker.state == "starting":
+                                raise PoolInitError(
+                                    f"a worker process for reward {self.name!r} {how} while loading the reward"
+                                )
+                            if worker.state == "busy":
+                                results[worker.task] = (
+                                    "error",
+                                    Failure("crash", "WorkerDied", f"the worker process {how} while scoring this sample"),
+                                )
+                                remaining -= 1
+                                failed = True
+                            self._remove(worker)
+                            continue
+                        kind = message[0]
+                        if kind == "ready":
+                            worker.state, worker.deadline = "idle", float("inf")
+                        elif kind == "init_error":
+                            raise PoolInitError(
+                                f"a worker process could not load reward {self.name!r}:\n{message[1]}"
+                            )
+                        else:
+                            _, task_id, payload = message
+                            if kind == "ok":
+                                results[task_id] = ("ok", payload)
+                            else:
+                                type_name, text, tb = payload
+                                results[task_id] = ("error", Failure("exception", type_name, text, tb))
+                                failed = True
+                            remaining -= 1
+                            worker.state, worker.task, worker.deadline = "idle", None, float("inf")
+                # Kill workers whose task ran out of time (or that never finished starting).
+                now = time.monotonic()
+                for worker in list(self.workers):
+                    if worker.deadline > now:
+                        continue
+                    if worker.state == "starting":
+                        raise PoolInitError(
+                            f"a worker process for reward {self.name!r} did not load the reward within "
+                            f"{STARTUP_TIMEOUT:g} seconds"
+                        )
+                    if worker.state == "busy":
+                        results[worker.task] = (
+                            "error",
+                            Failure("timeout", "TimeoutError", f"no result within the {timeout:g} s timeout"),
+                        )
+                        remaining -= 1
+                        failed = True
+                        self._remove(worker)
+        except BaseException:
+            self._abandon_busy()
+            raise
+        if remaining:  # stopped early: the unfinished tasks' workers are busy with unwanted work
+            self._abandon_busy()
+        return results
+
+    def _abandon_busy(self) -> None:
+        """Kill workers that are busy (their results are no longer wanted) or still starting."""
+        for worker in list(self.workers):
+            if worker.state != "idle":
+                self._remove(worker)
+
+    def __repr__(self) -> str:
+        alive = sum(w.process.is_alive() for w in self.workers)
+        return f"WorkerPool({self.name!r}, size={self.size}, alive={alive}, pid={os.getpid()})"

@@ -1,0 +1,357 @@
+"""RewardScorer: worker pools (num_workers), async rewards, per-call timeouts and on_error."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import pickle
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import lit_grpo
+from lit_grpo import plugins
+from lit_grpo.scoring import RewardError, RewardScorer, RewardSpec
+
+if str(Path(__file__).parent) not in sys.path:  # e.g. under --import-mode=importlib
+    sys.path.insert(0, str(Path(__file__).parent))
+
+import parallel_rewards as pr  # noqa: E402  (module level, so worker processes can unpickle them)
+
+PLUGIN = "parallel_test_rewards"
+REWARDS = {
+    "slow_len": pr.slow_len,
+    "scaled_len": pr.scaled_len,
+    "echo_level": pr.echo_level,
+    "hangs_on_hang": pr.hangs_on_hang,
+    "fails_on_bad": pr.fails_on_bad,
+    "dies_on_die": pr.dies_on_die,
+    "worker_pid": pr.worker_pid,
+    "two_values": pr.two_values,
+    "unloadable_for_bad": pr.unloadable_for_bad,
+    "async_sleepy": pr.async_sleepy,
+    "async_sleepy_too": pr.async_sleepy,
+    "async_hangs_on_hang": pr.async_hangs_on_hang,
+    "async_fails_on_bad": pr.async_fails_on_bad,
+    "async_length": pr.AsyncLength,
+}
+
+
+@pytest.fixture(autouse=True)
+def registry(monkeypatch):
+    monkeypatch.delenv("LIT_GRPO_PLUGINS", raising=False)
+    monkeypatch.delenv("LIT_GRPO_STRICT_PLUGINS", raising=False)
+    plugins.reset_plugins()
+    module = types.ModuleType(PLUGIN)
+
+    @lit_grpo.hookimpl
+    def register_rewards(register):
+        for name, obj in REWARDS.items():
+            register(obj, name=name)
+
+    module.register_rewards = register_rewards
+    plugins.register_plugin(module)
+    yield
+    plugins.reset_plugins()
+
+
+@pytest.fixture
+def make_scorer():
+    """``make_scorer(*specs) -> RewardScorer``, closed (worker processes stopped) after the test."""
+    scorers = []
+
+    def make(*specs):
+        scorer = RewardScorer(list(specs))
+        scorers.append(scorer)
+        return scorer
+
+    yield make
+    for scorer in scorers:
+        scorer.close()
+
+
+def call(scorer, completions, columns=None):
+    n = len(completions)
+    return scorer([f"p{i}" for i in range(n)], list(completions), [[i] for i in range(n)], columns or {})
+
+
+def column(out, k=0):
+    return [None if math.isnan(v) else v for v in out[:, k].tolist()]
+
+
+# --------------------------------------------------------------------------------------------------
+# Worker pools
+# --------------------------------------------------------------------------------------------------
+
+
+def test_pool_scores_samples_in_parallel(make_scorer):
+    scorer = make_scorer(RewardSpec("slow_len", num_workers=4))
+    assert scorer.modes == ["pool"]
+    call(scorer, ["w"] * 4)  # start the workers; their start-up is not what is measured
+    completions = ["a" * (i + 1) for i in range(8)]
+    start = time.perf_counter()
+    out = call(scorer, completions)
+    elapsed = time.perf_counter() - start
+    serial = pr.SLOW_SECONDS * len(completions)
+    assert out[:, 0].tolist() == [float(i + 1) for i in range(8)]
+    assert elapsed < 0.6 * serial, f"{elapsed:.2f} s for 8 samples on 4 workers; serial takes {serial:.2f} s"
+    assert scorer.last_error_counts == {"slow_len": 0}
+
+
+def test_pool_workers_are_kept_between_calls_and_restart_after_close(make_scorer):
+    scorer = make_scorer(RewardSpec("worker_pid", num_workers=2))
+    first = set(call(scorer, ["a", "b", "c", "d"])[:, 0].tolist())
+    second = set(call(scorer, ["a", "b", "c", "d"])[:, 0].tolist())
+    assert first == second and len(first) <= 2
+    scorer.close()
+    third = set(call(scorer, ["a", "b"])[:, 0].tolist())
+    assert third.isdisjoint(first)
+
+
+def test_pool_calls_get_one_sample_of_every_argument(make_scorer):
+    scorer = make_scorer(RewardSpec("echo_level", num_workers=2), RewardSpec("scaled_len", num_workers=1, args={"scale": 2.0}))
+    completions = [f"c{i}" for i in range(5)]
+    out = call(scorer, completions, {"level": [10, 11, 12, 13, 14]})
+    assert out[:, 0].tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]
+    assert out[:, 1].tolist() == [4.0] * 5  # bound args (a pickled functools.partial) reach the worker
+
+
+def test_async_reward_with_num_workers_runs_in_the_pool(make_scorer):
+    scorer = make_scorer(RewardSpec("async_length", num_workers=1, timeout=5, args={"scale": 3.0}))
+    assert scorer.modes == ["pool"]
+    assert call(scorer, ["a", "bb"])[:, 0].tolist() == [3.0, 6.0]
+
+
+@pytest.mark.parametrize("on_error, fill", [("none", None), ("zero", 0.0)])
+def test_timeout_fails_exactly_the_hanging_samples(make_scorer, on_error, fill, caplog):
+    timeout = 0.5
+    scorer = make_scorer(RewardSpec("hangs_on_hang", num_workers=3, timeout=timeout, on_error=on_error))
+    call(scorer, ["warm", "up", "now"])
+    completions = ["ab", "hang 1", "abcd", "hang 2", "a", "abc"]
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.scoring"):
+        out = call(scorer, completions)
+    elapsed = time.perf_counter() - start
+    assert column(out) == [2.0, fill, 4.0, fill, 1.0, 3.0]
+    assert scorer.last_error_counts == {"hangs_on_hang": 2}
+    assert elapsed < timeout + 3
+    (record,) = caplog.records
+    assert "Reward 'hangs_on_hang'" in record.message and "failed on 2 of 6 samples (2 TimeoutError)" in record.message
+    assert "sample 1: TimeoutError: no result within the 0.5 s timeout" in record.message
+    # The killed workers are replaced: the next call scores everything and counts no errors.
+    assert column(call(scorer, ["x", "yy"])) == [1.0, 2.0]
+    assert scorer.last_error_counts == {"hangs_on_hang": 0}
+
+
+def test_timeout_with_raise_stops_promptly(make_scorer):
+    scorer = make_scorer(RewardSpec("hangs_on_hang", num_workers=2, timeout=0.5))
+    start = time.perf_counter()
+    with pytest.raises(RewardError) as excinfo:
+        call(scorer, ["ok", "hang here", "fine"])
+    assert time.perf_counter() - start < 10  # worker start-up included
+    message = str(excinfo.value)
+    assert message.startswith(f"Reward 'hangs_on_hang' ({PLUGIN}) timed out after 0.5 s\n")
+    assert "while scoring sample 1 of 3 in a worker process (num_workers=2)" in message
+    assert "completion: 'hang here'" in message
+    assert "model.rewards[0].on_error" in message
+
+
+def test_worker_exception_with_raise_names_reward_sample_and_traceback(make_scorer):
+    scorer = make_scorer(RewardSpec("fails_on_bad", num_workers=2))
+    with pytest.raises(RewardError) as excinfo:
+        scorer(["q0", "q1", "q2"], ["good", "bad one", "fine"], [[], [], []], {})
+    message = str(excinfo.value)
+    assert message.startswith(f"Reward 'fails_on_bad' ({PLUGIN}) raised ValueError: cannot score 'bad one'\n")
+    assert "while scoring sample 1 of 3 in a worker process" in message
+    assert "prompt:     'q1'" in message and "completion: 'bad one'" in message
+    assert "worker traceback:" in message and "Traceback (most recent call last):" in message
+    assert "parallel_rewards.py" in message and "in fails_on_bad" in message
+
+
+def test_worker_exception_with_zero_scores_only_that_sample(make_scorer, caplog):
+    scorer = make_scorer(RewardSpec("fails_on_bad", num_workers=2, on_error="zero"))
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.scoring"):
+        out = call(scorer, ["good", "bad one", "fine", "bad two"])
+    assert column(out) == [1.0, 0.0, 1.0, 0.0]
+    assert scorer.last_error_counts == {"fails_on_bad": 2}
+    (record,) = caplog.records
+    assert "failed on 2 of 4 samples (2 ValueError); they score 0.0 (on_error: zero)" in record.message
+    assert "Traceback (most recent call last):" in record.message  # the worker's, the first time
+
+
+@pytest.mark.parametrize("on_error", ["raise", "none"])
+def test_worker_that_dies_fails_its_sample_and_the_pool_recovers(make_scorer, on_error):
+    scorer = make_scorer(RewardSpec("dies_on_die", num_workers=2, on_error=on_error))
+    completions = ["a", "b", "die now", "c"]
+    if on_error == "raise":
+        with pytest.raises(RewardError, match=r"(?s)'dies_on_die' .*failed: the worker process exited with code 1 "
+                                              r"while scoring this sample\n  while scoring sample 2 of 4"):
+            call(scorer, completions)
+    else:
+        assert column(call(scorer, completions)) == [1.0, 1.0, None, 1.0]
+        assert scorer.last_error_counts == {"dies_on_die": 1}
+    assert column(call(scorer, ["x", "y", "z"])) == [1.0, 1.0, 1.0]
+    assert scorer.last_error_counts == {"dies_on_die": 0}
+
+
+def test_bad_return_value_in_a_worker_is_an_error_whatever_on_error(make_scorer):
+    scorer = make_scorer(RewardSpec("two_values", num_workers=1, on_error="zero"))
+    with pytest.raises(RewardError, match=r"'two_values' .* returned 2 values when called with sample 0 alone; expected 1"):
+        call(scorer, ["a", "b"])
+
+
+def test_result_the_trainer_cannot_unpickle_fails_that_sample(make_scorer):
+    scorer = make_scorer(RewardSpec("unloadable_for_bad", num_workers=1, on_error="none"))
+    assert column(call(scorer, ["ok", "bad", "fine"])) == [1.0, None, 1.0]
+    assert scorer.last_error_counts == {"unloadable_for_bad": 1}
+
+
+def test_reward_that_cannot_be_pickled_is_rejected_at_construction(monkeypatch):
+    def local(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    module = types.ModuleType("local_rewards")
+
+    @lit_grpo.hookimpl
+    def register_rewards(register):
+        register(local)
+
+    module.register_rewards = register_rewards
+    plugins.register_plugin(module)
+    with pytest.raises(ValueError, match=r"model\.rewards\[1\]\.num_workers \('local'\): Reward 'local' .*cannot be pickled"):
+        RewardScorer([RewardSpec("slow_len"), RewardSpec("local", num_workers=2)])
+    assert RewardScorer([RewardSpec("local")]).modes == ["local"]  # fine in-process
+
+
+def test_reward_a_worker_cannot_import_is_a_reward_error(make_scorer, monkeypatch):
+    # Picklable here (by reference to a module that only this process has), not loadable in a worker.
+    module = types.ModuleType("only_in_the_trainer")
+    exec("def ghost(completions, **kwargs):\n    return [1.0] * len(completions)\n", module.__dict__)
+    monkeypatch.setitem(sys.modules, "only_in_the_trainer", module)
+
+    @lit_grpo.hookimpl
+    def register_rewards(register):
+        register(module.ghost)
+
+    plugin = types.ModuleType("ghost_plugin")
+    plugin.register_rewards = register_rewards
+    plugins.register_plugin(plugin)
+    scorer = make_scorer(RewardSpec("ghost", num_workers=1, on_error="zero"))
+    with pytest.raises(RewardError, match=r"(?s)Reward 'ghost' .*could not be loaded in a worker process.*No module named 'only_in_the_trainer'"):
+        call(scorer, ["a"])
+
+
+def test_pickled_or_copied_scorer_leaves_its_workers_behind(make_scorer):
+    scorer = make_scorer(RewardSpec("worker_pid", num_workers=1), RewardSpec("async_length", args={"scale": 2.0}))
+    pid = call(scorer, ["a"])[0, 0].item()
+    clone = pickle.loads(pickle.dumps(scorer))
+    twin = copy.deepcopy(scorer)
+    try:
+        assert clone._pools == {} and clone._loop is None
+        assert clone.names == scorer.names and torch.equal(clone.weights, scorer.weights)
+        assert call(clone, ["a", "bb"])[:, 1].tolist() == [2.0, 4.0]
+        assert call(clone, ["a"])[0, 0].item() != pid
+        assert call(twin, ["a"])[0, 0].item() != pid
+        assert call(scorer, ["a"])[0, 0].item() == pid  # the original's pool is untouched
+    finally:
+        clone.close()
+        twin.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Async rewards
+# --------------------------------------------------------------------------------------------------
+
+
+def test_async_rewards_are_awaited_concurrently(make_scorer):
+    scorer = make_scorer(RewardSpec("async_sleepy"), RewardSpec("async_sleepy_too", weight=2.0))
+    assert scorer.modes == ["async", "async"]
+    start = time.perf_counter()
+    out = call(scorer, ["a", "bb", "ccc"])
+    elapsed = time.perf_counter() - start
+    assert out.tolist() == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    assert elapsed < 0.9, f"two 0.5 s async rewards took {elapsed:.2f} s"
+
+
+def test_async_class_reward_uses_one_loop_across_calls(make_scorer):
+    scorer = make_scorer(RewardSpec("async_length", args={"scale": 0.5}))
+    assert scorer.modes == ["async"]
+    assert call(scorer, ["ab"]).tolist() == [[1.0]]
+    assert call(scorer, ["abcd"]).tolist() == [[2.0]]
+    assert len(scorer.rewards[0].loops) == 1
+
+
+def test_async_reward_runs_even_when_the_caller_has_a_running_loop(make_scorer):
+    import asyncio
+
+    scorer = make_scorer(RewardSpec("async_length"))
+
+    async def inside():
+        return call(scorer, ["abc"])
+
+    assert asyncio.run(inside()).tolist() == [[3.0]]
+
+
+@pytest.mark.parametrize("on_error, fill", [("none", None), ("zero", 0.0)])
+def test_async_timeout_fails_exactly_the_hanging_samples(make_scorer, on_error, fill):
+    timeout = 0.3
+    scorer = make_scorer(RewardSpec("async_hangs_on_hang", timeout=timeout, on_error=on_error))
+    start = time.perf_counter()
+    out = call(scorer, ["ab", "hang", "abc", "hang too"])
+    elapsed = time.perf_counter() - start
+    assert column(out) == [2.0, fill, 3.0, fill]
+    assert scorer.last_error_counts == {"async_hangs_on_hang": 2}
+    assert elapsed < 2 * timeout + 1  # the batch call, then one concurrent retry per sample
+
+
+def test_async_timeout_with_raise(make_scorer):
+    scorer = make_scorer(RewardSpec("async_hangs_on_hang", timeout=0.3))
+    start = time.perf_counter()
+    with pytest.raises(RewardError, match=r"^Reward 'async_hangs_on_hang' .* timed out after 0\.3 s\n  while scoring 2 completions"):
+        call(scorer, ["ab", "hang"])
+    assert time.perf_counter() - start < 1.5
+
+
+def test_async_exception_follows_on_error(make_scorer):
+    scorer = make_scorer(RewardSpec("async_fails_on_bad", on_error="none"))
+    assert column(call(scorer, ["ok", "bad", "fine"])) == [1.0, None, 1.0]
+    assert scorer.last_error_counts == {"async_fails_on_bad": 1}
+    raising = make_scorer(RewardSpec("async_fails_on_bad"))
+    with pytest.raises(RewardError, match=r"^Reward 'async_fails_on_bad' .* raised ValueError: cannot score 'bad'") as excinfo:
+        call(raising, ["ok", "bad"])
+    assert isinstance(excinfo.value.__cause__, ValueError)
+
+
+# --------------------------------------------------------------------------------------------------
+# Everything at once
+# --------------------------------------------------------------------------------------------------
+
+
+def test_pool_async_and_in_process_rewards_in_one_call(make_scorer):
+    scorer = make_scorer(
+        RewardSpec("scaled_len", args={"scale": 10.0}),
+        RewardSpec("slow_len", num_workers=2),
+        RewardSpec("async_sleepy"),
+        RewardSpec("fails_on_bad", on_error="none"),
+    )
+    assert scorer.modes == ["local", "pool", "async", "local"]
+    out = call(scorer, ["a", "bad", "ccc", "dd"])
+    assert out[:, 0].tolist() == [10.0, 30.0, 30.0, 20.0]
+    assert out[:, 1].tolist() == [1.0, 3.0, 3.0, 2.0]
+    assert out[:, 2].tolist() == [1.0, 3.0, 3.0, 2.0]
+    assert column(out, 3) == [1.0, None, 1.0, 1.0]
+    assert scorer.last_error_counts == {"scaled_len": 0, "slow_len": 0, "async_sleepy": 0, "fails_on_bad": 1}
+
+
+def test_in_process_error_stops_the_pool_and_is_raised(make_scorer):
+    scorer = make_scorer(RewardSpec("hangs_on_hang", num_workers=1), RewardSpec("fails_on_bad"))
+    start = time.perf_counter()
+    with pytest.raises(RewardError, match=r"^Reward 'fails_on_bad' .* raised ValueError"):
+        call(scorer, ["hang", "bad"])
+    assert time.perf_counter() - start < 5  # the hanging pool sample was abandoned, not awaited
+    assert call(scorer, ["ok"]).tolist() == [[2.0, 1.0]]
