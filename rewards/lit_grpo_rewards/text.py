@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["char_fraction", "completion_text", "exact_match"]
+__all__ = ["char_fraction", "compile_answer_pattern", "completion_text", "exact_match", "reference_answer"]
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -40,6 +40,33 @@ def completion_text(completion: Any) -> str:
             part.get("text", "") for part in content if isinstance(part, dict) and part.get("type", "text") == "text"
         )
     return str(content)
+
+
+def compile_answer_pattern(answer_pattern: str | re.Pattern | None) -> re.Pattern | None:
+    """The compiled ``answer_pattern`` argument (``re.MULTILINE``), or None when it is not set.
+
+    An invalid expression raises :class:`ValueError` naming the argument.
+    """
+    if answer_pattern is None or isinstance(answer_pattern, re.Pattern):
+        return answer_pattern
+    try:
+        return re.compile(answer_pattern, re.MULTILINE)
+    except re.error as exc:
+        raise ValueError(f"answer_pattern {answer_pattern!r} is not a valid regular expression: {exc}") from None
+
+
+def reference_answer(value: Any, answer_pattern: re.Pattern | None) -> Any:
+    """The reference answer taken from one value of an ``answer`` column.
+
+    Without a pattern the value is returned unchanged (None stays None). With one, the value is
+    searched as text and its first group (or whole match) returned; no match gives None.
+    """
+    if value is None or answer_pattern is None:
+        return value
+    match = answer_pattern.search(str(value))
+    if match is None:
+        return None
+    return match.group(1) if match.groups() else match.group(0)
 
 
 def char_fraction(completions, target=None, chars=None, **kwargs) -> list[float | None]:
@@ -100,12 +127,10 @@ def exact_match(completions, answer, answer_pattern: str | None = None, **kwargs
     columns:
         answer (str | number | None): the reference answer; None scores None (not applicable).
     """
-    gold_re = re.compile(answer_pattern, re.MULTILINE) if answer_pattern else None
+    gold_re = compile_answer_pattern(answer_pattern)
     scores: list[float | None] = []
     for completion, ref in zip(completions, answer):
-        if ref is not None and gold_re is not None:
-            match = gold_re.search(str(ref))
-            ref = (match.group(1) if match and match.groups() else match.group(0)) if match else None
+        ref = reference_answer(ref, gold_re)
         if ref is None:
             scores.append(None)
             continue
