@@ -1,0 +1,221 @@
+"""Building the policy: loading a causal LM, gradient checkpointing, and LoRA adapters through peft.
+
+:class:`~lit_grpo.module.GRPOModule` calls :func:`build_policy` from ``configure_model`` and the
+export (:mod:`lit_grpo.export`) calls it to rebuild the same policy from a checkpoint's
+hyperparameters, so a trained policy is assembled the same way wherever it is used.
+
+With LoRA (``model.lora``) the base weights are frozen and only the adapter trains. That gives two
+savings this module implements:
+
+* the KL reference needs no second copy of the weights: it is the policy itself with its adapter
+  switched off (:func:`reference_model`, peft's ``disable_adapter``);
+* a checkpoint needs only the adapter: the frozen base weights are those of
+  ``model.model_name_or_path`` and are loaded from there again (:func:`drop_frozen_weights` on save,
+  :func:`add_frozen_weights` on load).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+__all__ = [
+    "LORA_DEFAULTS",
+    "add_frozen_weights",
+    "build_policy",
+    "drop_frozen_weights",
+    "enable_gradient_checkpointing",
+    "load_causal_lm",
+    "lora_config",
+    "model_init_kwargs",
+    "reference_model",
+]
+
+# What ``model.lora`` adds to peft's own LoraConfig defaults (r 8, lora_alpha 8, lora_dropout 0):
+# adapters on every linear layer except the output head, for a causal LM.
+LORA_DEFAULTS: dict[str, Any] = {"target_modules": "all-linear", "task_type": "CAUSAL_LM"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+
+def model_init_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``model.model_init_kwargs`` for ``from_pretrained``, with a dtype name turned into a torch dtype."""
+    kwargs = dict(kwargs or {})
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if isinstance(dtype, str) and dtype != "auto":
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"model.model_init_kwargs.dtype {dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
+        kwargs["dtype" if "dtype" in kwargs else "torch_dtype"] = resolved
+    return kwargs
+
+
+def load_causal_lm(path: str, init_kwargs: dict[str, Any]) -> PreTrainedModel:
+    """``AutoModelForCausalLM.from_pretrained`` with an error that names ``model.model_name_or_path``."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), **init_kwargs)
+    except OSError as exc:
+        raise OSError(f"Could not load model.model_name_or_path {path!r}: {exc}") from exc
+
+
+def build_policy(
+    path: str,
+    init_kwargs: dict[str, Any],
+    lora: Mapping[str, Any] | None = None,
+    gradient_checkpointing: bool = False,
+) -> torch.nn.Module:
+    """The trainable policy, in training mode.
+
+    Args:
+        path: ``model.model_name_or_path``, a hub id or a ``save_pretrained`` directory.
+        init_kwargs: keyword arguments for ``from_pretrained`` (see :func:`model_init_kwargs`).
+        lora: ``model.lora``, :class:`peft.LoraConfig` keyword arguments on top of
+            :data:`LORA_DEFAULTS`; ``None`` trains every weight.
+        gradient_checkpointing: recompute each decoder layer's activations in the backward pass
+            instead of keeping them (less memory, one more forward per layer).
+
+    Returns:
+        The ``transformers`` model, or a :class:`peft.PeftModel` around it when ``lora`` is given
+        (its base weights frozen, only the adapter trainable).
+    """
+    policy = load_causal_lm(path, init_kwargs)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(policy)
+    if lora is not None:
+        policy = _add_lora_adapter(policy, lora, path)
+    return policy.train()
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Checkpoint every decoder layer (non-reentrant ``torch.utils.checkpoint``).
+
+    Hugging Face models checkpoint only in training mode, and a checkpointed layer drops the KV
+    cache, which is why generation runs the policy in eval mode (see ``generate_completions``).
+    """
+    if not model.supports_gradient_checkpointing:
+        raise ValueError(
+            f"model.gradient_checkpointing: {type(model).__name__} does not support gradient checkpointing"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA
+# ----------------------------------------------------------------------------------------------
+
+
+def lora_config(settings: Mapping[str, Any]) -> LoraConfig:
+    """A :class:`peft.LoraConfig` from ``model.lora`` (on top of :data:`LORA_DEFAULTS`).
+
+    Every key is a ``LoraConfig`` field (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``,
+    ``modules_to_save``, ``use_rslora``, ...); an unknown key or a value peft rejects is a
+    ``ValueError`` naming ``model.lora``.
+    """
+    if not isinstance(settings, Mapping):
+        raise ValueError(f"model.lora must be a mapping of peft LoraConfig arguments or null, got {settings!r}")
+    fields = {field.name for field in dataclasses.fields(LoraConfig) if field.init}
+    unknown = sorted(set(settings) - fields)
+    if unknown:
+        common = ["r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "use_rslora"]
+        raise ValueError(
+            f"model.lora.{unknown[0]} is not a peft LoraConfig argument (unknown: {unknown}); "
+            f"common ones are {common}"
+        )
+    try:
+        return LoraConfig(**{**LORA_DEFAULTS, **settings})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"model.lora is not a valid peft LoraConfig: {exc}") from exc
+
+
+def _add_lora_adapter(model: PreTrainedModel, settings: Mapping[str, Any], path: str) -> PeftModel:
+    config = lora_config(settings)
+    try:
+        with warnings.catch_warnings():
+            # peft asks transformers >= 5 for the old name of a property; nothing a user can change
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return get_peft_model(model, config)
+    except ValueError as exc:
+        if "not found in the base model" in str(exc):
+            target_modules = {**LORA_DEFAULTS, **settings}["target_modules"]
+            linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+            raise ValueError(
+                f"model.lora.target_modules {target_modules!r} matches no module of {path!r}; "
+                f"its linear layers are named {sorted(linear)}"
+            ) from exc
+        raise ValueError(f"model.lora could not be applied to {path!r}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def reference_model(policy: torch.nn.Module, ref_model: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
+    """The model whose log-probs are the KL reference.
+
+    The separate frozen copy when there is one; otherwise the LoRA policy with its adapter
+    disabled, which computes exactly the frozen base model without a second copy of the weights.
+    """
+    if ref_model is not None:
+        yield ref_model
+    elif isinstance(policy, PeftModel):
+        with policy.disable_adapter():
+            yield policy
+    else:
+        raise RuntimeError("model.beta > 0 needs a reference: a frozen reference model or a LoRA policy")
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints that hold only the trainable weights
+# ----------------------------------------------------------------------------------------------
+
+
+def _frozen_parameter_names(model: torch.nn.Module, prefix: str) -> set[str]:
+    # remove_duplicate=False: a tied weight (lm_head = embed_tokens) has a state-dict key per name
+    return {prefix + name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def _trainable_parameter_names(model: torch.nn.Module, prefix: str) -> set[str]:
+    return {prefix + name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def drop_frozen_weights(state_dict: dict[str, Any], model: torch.nn.Module, prefix: str = "") -> dict[str, Any]:
+    """``state_dict`` without ``model``'s frozen parameters (keys ``prefix + name``): with LoRA, the
+    base weights, which :func:`add_frozen_weights` takes back from ``model.model_name_or_path``."""
+    frozen = _frozen_parameter_names(model, prefix)
+    return {key: value for key, value in state_dict.items() if key not in frozen}
+
+
+def add_frozen_weights(state_dict: dict[str, Any], model: torch.nn.Module, prefix: str = "") -> dict[str, Any]:
+    """``state_dict`` completed with ``model``'s current frozen weights, after checking it is one of
+    ``model``'s checkpoints: it must hold every trainable parameter (the adapter) and nothing the
+    model does not have.
+
+    ``model`` has just been built by :func:`build_policy`, so its frozen weights are those of
+    ``model.model_name_or_path``, which is what training froze.
+    """
+    model_state = model.state_dict()
+    expected = {prefix + key for key in model_state}
+    saved = {key for key in state_dict if key.startswith(prefix)}
+    missing = sorted(_trainable_parameter_names(model, prefix) - saved)
+    unexpected = sorted(saved - expected)
+    if missing or unexpected:
+        raise ValueError(
+            "The checkpoint's weights do not fit the policy built from model.model_name_or_path and "
+            f"model.lora: missing trainable weights {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+            f"unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. "
+            "Was it saved with the same model.lora settings?"
+        )
+    frozen = {prefix + key: value for key, value in model_state.items() if prefix + key not in state_dict}
+    return {**frozen, **state_dict}
