@@ -145,6 +145,10 @@ class GroupAdvantages:
     group_std: torch.Tensor  # [N]  std of the completion's group (Bessel-corrected)
     zero_std: torch.Tensor  # [N] bool, True when the completion's group has equal rewards
 
+    def rows(self, index) -> "GroupAdvantages":
+        """The same statistics for a subset of the completions (e.g. one rank's rows)."""
+        return GroupAdvantages(self.advantages[index], self.group_mean[index], self.group_std[index], self.zero_std[index])
+
 
 SCALE_REWARDS = ("group", "batch", "none")
 

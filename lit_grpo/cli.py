@@ -4,6 +4,8 @@
   and :class:`GRPODataModule` (``--print_config`` shows the full resolved configuration).
 - ``lit-grpo rewards [--json]``: every installed reward with its package and version.
 - ``lit-grpo init-tiny DIR``: a tiny random Llama model and character tokenizer for offline runs.
+- ``lit-grpo export CKPT DIR [--no-merge-lora] [--overwrite]``: a checkpoint's policy as a Hugging Face
+  ``save_pretrained`` directory (LoRA merged, or as a peft adapter), with its tokenizer.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import sys
 
 import torch
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
+
+from lit_grpo.checkpointing import configure_checkpointing
 
 TRAINER_DEFAULTS = {
     "logger": {
@@ -30,6 +34,12 @@ class GRPOCLI(LightningCLI):
     ``trainer.gradient_clip_val``: Lightning refuses it under manual optimization, which GRPO needs (one batch
     drives several optimizer steps), so the usual Trainer setting is handed to the module, which
     clips before every optimizer step (``model.max_grad_norm``).
+
+    Exact resume (``--ckpt_path last``): ``fit`` checkpoints to a directory that a resumed run finds,
+    writes atomically and keeps the random and data state (``lit_grpo.checkpointing.configure_checkpointing``
+    and the ``RNGStateCheckpoint`` callback that ``GRPOModule.configure_callbacks`` always adds).
+    Lightning's ``ModelParallelStrategy`` runs as ``lit_grpo.distributed.ModelParallelStrategy``,
+    whose sharded checkpoints are replaced atomically too.
     """
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -40,6 +50,9 @@ class GRPOCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if self.subcommand in (None, "fit"):
+            configure_checkpointing(config.trainer)
+        use_atomic_model_parallel_checkpoints(config.trainer)
         clip_value = config.trainer.get("gradient_clip_val")
         if clip_value is None:
             return
@@ -52,6 +65,20 @@ class GRPOCLI(LightningCLI):
         config.model.max_grad_norm = float(clip_value)
         config.trainer.gradient_clip_val = None
         config.trainer.gradient_clip_algorithm = None
+
+
+LIGHTNING_MODEL_PARALLEL = {
+    "lightning.pytorch.strategies.ModelParallelStrategy",
+    "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy",
+}
+
+
+def use_atomic_model_parallel_checkpoints(trainer_config) -> None:
+    """Run Lightning's ``ModelParallelStrategy`` as :class:`lit_grpo.distributed.ModelParallelStrategy`,
+    the same strategy whose sharded checkpoints replace the previous ones atomically."""
+    strategy = trainer_config.get("strategy")
+    if getattr(strategy, "class_path", None) in LIGHTNING_MODEL_PARALLEL:
+        strategy.class_path = "lit_grpo.distributed.ModelParallelStrategy"
 
 
 def run_cli(args: list[str] | None = None) -> GRPOCLI:
@@ -103,7 +130,34 @@ def rewards_main(argv: list[str]) -> None:
     print(plugins.rewards_as_json(infos) if options.json else plugins.format_rewards_table(infos))
 
 
-SUBCOMMANDS = {"init-tiny": init_tiny_main, "rewards": rewards_main}
+def export_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lit-grpo export",
+        description="Write the policy of a lit-grpo checkpoint as a Hugging Face save_pretrained directory "
+        "(model and tokenizer), loadable with AutoModelForCausalLM.from_pretrained.",
+    )
+    parser.add_argument("ckpt", help="a Lightning checkpoint (.ckpt) written by `lit-grpo fit`")
+    parser.add_argument("dir", help="output directory (must be missing or empty unless --overwrite)")
+    parser.add_argument(
+        "--merge-lora",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with LoRA: merge the adapter into the base weights (default), or --no-merge-lora to write "
+        "a peft adapter directory",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace DIR if it exists and is not empty")
+    options = parser.parse_args(argv)
+
+    from lit_grpo.export import export_checkpoint
+
+    try:
+        path = export_checkpoint(options.ckpt, options.dir, merge_lora=options.merge_lora, overwrite=options.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        parser.error(str(exc))
+    print(f"Exported the policy of {options.ckpt} to {path}")
+
+
+SUBCOMMANDS = {"init-tiny": init_tiny_main, "rewards": rewards_main, "export": export_main}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,9 +20,11 @@ from typing import Any
 import datasets
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
-__all__ = ["RESERVED_COLUMNS", "GRPODataModule", "PromptBatch", "collate_prompt_batch"]
+from lit_grpo.checkpointing import ResumableDataLoader
+
+__all__ = ["RESERVED_COLUMNS", "GRPODataModule", "PromptBatch", "PromptSampler", "collate_prompt_batch"]
 
 # Keyword arguments that reward functions receive from the trainer; a dataset column with one of
 # these names would collide with them when the columns are forwarded as ``**columns``.
@@ -50,6 +52,56 @@ class PromptBatch:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+
+class PromptSampler(DistributedSampler):
+    """The order of the training prompts, the same for any number of processes.
+
+    Each epoch is one permutation of the dataset (seeded by ``seed + epoch``; dataset order when
+    ``shuffle`` is off) cut into *global* batches of ``batch_size * num_replicas`` prompts; rank
+    ``r`` takes the ``r``-th slice of ``batch_size`` prompts of every global batch. So the prompts of
+    global step ``k`` are the same whether one process or eight run it, and ``data.shuffle`` and
+    ``data.seed`` keep their meaning under DDP/FSDP (Lightning's own distributed sampler would
+    reshuffle with the global seed). Prompts that do not fill a last global batch are skipped.
+
+    A ``DistributedSampler`` so that Lightning keeps it and calls ``set_epoch`` every epoch.
+    """
+
+    def __init__(
+        self, dataset_size: int, batch_size: int, shuffle: bool, seed: int, num_replicas: int = 1, rank: int = 0
+    ) -> None:
+        # DistributedSampler.__init__ would query torch.distributed; the fields are set directly.
+        self.dataset_size = dataset_size
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.epoch = 0
+        self.drop_last = True
+        global_batch = batch_size * num_replicas
+        self.num_batches = dataset_size // global_batch
+        if self.num_batches == 0:
+            raise ValueError(
+                f"the training split has {dataset_size} prompts, fewer than one global batch of "
+                f"data.batch_size * processes = {batch_size} * {num_replicas} = {global_batch}"
+            )
+        self.num_samples = self.num_batches * batch_size  # this rank's prompts per epoch
+        self.total_size = self.num_samples * num_replicas
+
+    def __iter__(self):
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_size, generator=generator).tolist()
+        else:
+            order = list(range(self.dataset_size))
+        global_batch = self.batch_size * self.num_replicas
+        for batch in range(self.num_batches):
+            start = batch * global_batch + self.rank * self.batch_size
+            yield from order[start : start + self.batch_size]
+
+    def __len__(self) -> int:
+        return self.num_samples
 
 
 class GRPODataModule(pl.LightningDataModule):
@@ -82,7 +134,7 @@ class GRPODataModule(pl.LightningDataModule):
             ``{"role": ..., "content": ...}`` (then the model's chat template is applied).
         batch_size: Number of prompts per training step; each yields a group of completions. Rows
             that do not fill a last complete batch are skipped in each epoch.
-        shuffle: Whether to shuffle the training prompts every epoch.
+        shuffle: Whether to shuffle the training prompts every epoch (see :class:`PromptSampler`).
         seed: Seed of the shuffling order, so that a run sees its prompts in a reproducible order.
         val_split: Split to validate on, from the same source as training unless ``val_data_files``
             is given. Validation is skipped when this is unset.
@@ -160,11 +212,22 @@ class GRPODataModule(pl.LightningDataModule):
         """Batches of ``batch_size`` prompts, in an order fixed by ``seed``; incomplete batches dropped."""
         if self.train_dataset is None:
             raise RuntimeError("GRPODataModule.setup() must run before train_dataloader()")
-        return DataLoader(
+        trainer = getattr(self, "trainer", None)
+        replicas = (trainer.distributed_sampler_kwargs if trainer is not None else None) or {}
+        sampler = PromptSampler(
+            len(self.train_dataset),
+            self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            num_replicas=replicas.get("num_replicas", 1),
+            rank=replicas.get("rank", 0),
+        )
+        # Stateful, so that a resumed run continues with the next batch of the epoch (checkpointing.py).
+        return ResumableDataLoader(
             self.train_dataset,
             batch_size=self.batch_size,
-            shuffle=self.shuffle,
-            generator=torch.Generator().manual_seed(self.seed) if self.shuffle else None,
+            sampler=sampler,
+            generator=torch.Generator().manual_seed(self.seed),  # worker seeds; never the global RNG
             drop_last=True,
             num_workers=self.num_workers,
             collate_fn=functools.partial(collate_prompt_batch, prompt_column=self.prompt_column),

@@ -102,9 +102,18 @@ def generate_completions(
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
-    output = model.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
-    )  # [N, P + C]
+    # synced_gpus=False: each rank decodes on its own (with FSDP2 the caller has gathered the
+    # weights, see lit_grpo.distributed), so ranks that finish early do not run dummy steps.
+    # Sample in eval mode: no dropout, and gradient checkpointing (active in training mode only)
+    # would turn the KV cache off.
+    was_training = model.training
+    model.eval()
+    try:
+        output = model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config, synced_gpus=False
+        )  # [N, P + C]
+    finally:
+        model.train(was_training)
     completion_ids = output[:, prompt_ids.size(1) :]  # [N, C]
     completion_mask, is_truncated = completion_mask_from_ids(completion_ids, generation_config.eos_token_id)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)

@@ -8,7 +8,7 @@ One call of ``training_step`` handles one *generation batch* (B prompts from the
 4. compute, without gradient, the log-probs the update needs besides the policy's own: the
    sampling policy's (``old_logps``, only when the policy changes between sampling and an update,
    i.e. ``num_iterations > 1`` or ``steps_per_generation > 1``) and the reference model's (only when
-   ``beta > 0``);
+   ``beta > 0``; with LoRA the reference is the policy with its adapter disabled);
 5. run ``num_iterations`` passes over the generation batch; each pass is ``steps_per_generation``
    optimizer steps on mini-batches of ``B * G / steps_per_generation`` completions, and each
    mini-batch is processed in micro-batches of ``micro_batch_size`` completions (gradient
@@ -25,16 +25,20 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from torch.distributed.tensor import DTensor
+from transformers import AutoTokenizer, GenerationConfig
 
-from lit_grpo import algorithm
+from lit_grpo import algorithm, models
+from lit_grpo.checkpointing import RNGStateCheckpoint
 from lit_grpo.data import PromptBatch
+from lit_grpo.distributed import data_parallel_mesh, gather_rows, gathered_for_generation, shard_model
 from lit_grpo.generation import (
     Rollout,
     decode_completions,
@@ -68,6 +72,7 @@ class ScoredRollout:
     old_logps: torch.Tensor | None  # [N, C] sampling policy, None when it equals the current policy
     ref_logps: torch.Tensor | None  # [N, C] reference model, None when beta == 0
     num_items_in_batch: float  # real completion tokens of the generation batch, over all ranks, / world size
+    timings: dict[str, float]  # seconds spent in each phase of the step (generate, rewards, logprobs, train)
 
 
 class GRPOModule(pl.LightningModule):
@@ -103,6 +108,15 @@ class GRPOModule(pl.LightningModule):
             training steps (generation batches); 0 disables.
         num_completions_to_log: rows of that table.
         model_init_kwargs: extra keyword arguments for ``from_pretrained`` (e.g. ``{dtype: bfloat16}``).
+        lora: train a LoRA adapter (peft) instead of every weight: ``peft.LoraConfig`` arguments,
+            e.g. ``{r: 16, lora_alpha: 32, lora_dropout: 0.05}``; ``target_modules`` defaults to
+            ``all-linear``. With ``beta > 0`` the reference is the policy with the adapter disabled
+            (no second copy of the weights), and checkpoints hold only the adapter. None trains
+            every weight.
+        gradient_checkpointing: recompute each decoder layer's activations in the backward pass
+            (Hugging Face gradient checkpointing, non-reentrant) to save activation memory.
+        logprob_micro_batch_size: completions per forward of the no-gradient log-prob passes (old
+            and reference log-probs); None uses ``micro_batch_size``.
         optimizer: built lazily from the YAML top-level ``optimizer:`` block (linked here by the
             CLI); None means AdamW at TRL's default learning rate 1e-6.
         lr_scheduler: built from the top-level ``lr_scheduler:`` block; stepped after every
@@ -135,6 +149,9 @@ class GRPOModule(pl.LightningModule):
         log_completions_every_n_steps: int = 10,
         num_completions_to_log: int = 8,
         model_init_kwargs: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None,
+        gradient_checkpointing: bool = False,
+        logprob_micro_batch_size: int | None = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
     ):
@@ -145,6 +162,10 @@ class GRPOModule(pl.LightningModule):
         self.automatic_optimization = False
         _check_settings(self.hparams)
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
+        if lora is not None:
+            models.lora_config(lora)  # a bad model.lora fails before any model is loaded
+            # Checkpoints hold only the adapter; on_load_checkpoint checks it and adds the base weights.
+            self.strict_loading = False
 
         # Rewards are resolved now, so a misspelt name fails before any model is loaded.
         self.scorer = RewardScorer(rewards)
@@ -157,14 +178,25 @@ class GRPOModule(pl.LightningModule):
     # ------------------------------------------------------------------------------------------
 
     def configure_model(self) -> None:
-        """Load the policy, and the frozen reference model only when ``beta > 0``."""
+        """Build the policy (``lit_grpo.models.build_policy``: LoRA, gradient checkpointing) and load
+        the frozen reference model only when ``beta > 0`` without LoRA."""
         if self.policy is not None:
             return
-        init_kwargs = _model_init_kwargs(self.hparams.model_init_kwargs)
-        self.policy = load_causal_lm(self.hparams.model_name_or_path, init_kwargs).train()
-        if self.hparams.beta > 0:
-            self.ref_model = load_causal_lm(self.hparams.model_name_or_path, init_kwargs)
+        init_kwargs = models.model_init_kwargs(self.hparams.model_init_kwargs)
+        self.policy = models.build_policy(
+            self.hparams.model_name_or_path,
+            init_kwargs,
+            lora=self.hparams.lora,
+            gradient_checkpointing=self.hparams.gradient_checkpointing,
+        )
+        if self.hparams.beta > 0 and self.hparams.lora is None:  # with LoRA: the policy, adapter disabled
+            self.ref_model = models.load_causal_lm(self.hparams.model_name_or_path, init_kwargs)
             self.ref_model.requires_grad_(False).eval()
+        if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: shard with FSDP2
+            mesh = data_parallel_mesh(self.device_mesh)
+            for model in (self.policy, self.ref_model):
+                if model is not None:
+                    shard_model(model, mesh)
         self.generation_config = GenerationConfig(
             do_sample=True,
             max_new_tokens=self.hparams.max_completion_length,
@@ -190,6 +222,26 @@ class GRPOModule(pl.LightningModule):
 
     def teardown(self, stage: str) -> None:
         self.scorer.close()  # stop reward worker processes and the async-reward event loop
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With LoRA the checkpoint keeps only the policy's adapter: its frozen base weights are those
+        of ``model_name_or_path``. (A sharded checkpoint of ``ModelParallelStrategy`` keeps every
+        weight: ``torch.distributed.checkpoint`` loads by the model's full set of keys.)"""
+        state_dict = checkpoint["state_dict"]
+        sharded = any(isinstance(value, DTensor) for value in state_dict.values())
+        if self.hparams.lora is not None and not sharded:
+            checkpoint["state_dict"] = models.drop_frozen_weights(state_dict, self.policy, prefix="policy.")
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With LoRA, check that the checkpoint holds this policy's whole adapter and add the frozen
+        base weights, already loaded from ``model_name_or_path`` by ``configure_model``."""
+        if self.hparams.lora is not None and "state_dict" in checkpoint:
+            state_dict = checkpoint["state_dict"]
+            checkpoint["state_dict"] = models.add_frozen_weights(state_dict, self.policy, prefix="policy.")
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """Every run, from the CLI or from Python, checkpoints its random states for exact resume."""
+        return [RNGStateCheckpoint()]
 
     def configure_optimizers(self):
         """The configured optimizer (AdamW at lr 1e-6 by default) over the trainable parameters.
@@ -217,6 +269,7 @@ class GRPOModule(pl.LightningModule):
         rollout = scored.rollout
 
         # 5. num_iterations passes of steps_per_generation optimizer steps each.
+        train_start = time.perf_counter()
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         num_completions = rollout.completion_ids.size(0)
@@ -234,7 +287,11 @@ class GRPOModule(pl.LightningModule):
                     loss, stats = self._micro_batch_loss(scored, rows)
                     if hp.loss_type in algorithm.ACCUMULATES_BY_MEAN:
                         loss = loss / micro_batches_per_step
-                    self.manual_backward(loss)
+                    # DDP all-reduces the accumulated gradient once, after the last micro-batch
+                    is_last = micro_start + micro_batch_size == mini_start + mini_batch_size
+                    block_sync = getattr(self.trainer.strategy, "block_backward_sync", None)  # DDP only
+                    with nullcontext() if is_last or block_sync is None else block_sync():
+                        self.manual_backward(loss)
                     stats["loss"] = loss.detach()
                     step_stats.append(stats)
                 grad_norm = self._clip_gradients()
@@ -242,14 +299,24 @@ class GRPOModule(pl.LightningModule):
                 if scheduler is not None:
                     scheduler.step()
 
-        # 6. Metrics.
+        scored.timings["train"] = time.perf_counter() - train_start
+
+        # 6. Metrics: the rollout statistics are already global; the update statistics are this
+        #    rank's, averaged over ranks (every rank runs the same number of micro-batches).
         metrics = self._rollout_metrics(scored)
         for key in step_stats[0]:
             values = torch.stack([stats[key] for stats in step_stats])
-            metrics[key] = values.sum() / hp.num_iterations / hp.steps_per_generation if key == "loss" else values.mean()
+            value = values.sum() / hp.num_iterations / hp.steps_per_generation if key == "loss" else values.mean()
+            metrics[key] = self.trainer.strategy.reduce(value, reduce_op="mean")
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
-        metrics["step_time"] = torch.tensor(time.perf_counter() - step_start)
+        step_time = time.perf_counter() - step_start
+        metrics["step_time"] = torch.tensor(step_time)
+        for phase, seconds in scored.timings.items():
+            metrics[f"time/{phase}"] = torch.tensor(seconds)
+        # completion tokens sampled by all ranks per second of this step
+        completion_tokens = self.trainer.strategy.reduce(rollout.completion_lengths.sum().float(), reduce_op="sum")
+        metrics["tokens_per_second"] = completion_tokens / step_time
         for name, value in metrics.items():
             self.log(name, value.float(), on_step=True, prog_bar=name == "reward", batch_size=len(batch.prompts))
         self._maybe_log_completions(batch, scored, completions)
@@ -259,9 +326,12 @@ class GRPOModule(pl.LightningModule):
         hp = self.hparams
         G = hp.num_generations
 
+        timings = {}  # seconds per phase, logged as time/<phase>
         # 1. Sample G completions per prompt.
+        start = time.perf_counter()
         rollout = self.generate(batch.prompts)
         completion_texts, completion_ids = decode_completions(self.tokenizer, rollout)
+        timings["generate"] = time.perf_counter() - start
 
         # 2. Score them: every reward sees one prompt, one completion and one value of each column.
         prompts = [prompt for prompt in batch.prompts for _ in range(G)]
@@ -270,11 +340,20 @@ class GRPOModule(pl.LightningModule):
             for prompt, text in zip(prompts, completion_texts)
         ]
         columns = {name: [value for value in values for _ in range(G)] for name, values in batch.columns.items()}
+        start = time.perf_counter()
         rewards_per_func = self.scorer(prompts, completions, completion_ids, columns).to(self.device)  # [N, K]
+        timings["rewards"] = time.perf_counter() - start
 
-        # 3. Group-relative advantages.
-        rewards = algorithm.combine_rewards(rewards_per_func, self.scorer.weights)  # [N]
-        group = algorithm.group_advantages(rewards, G, hp.scale_rewards)
+        # 3. Group-relative advantages. Groups never straddle ranks, but the rewards of every rank
+        #    are gathered so that batch-level statistics (scale_rewards: batch, the logged reward
+        #    metrics) describe the global batch; this rank keeps its own rows.
+        all_rewards_per_func = gather_rows(rewards_per_func, self.all_gather)  # [world * N, K]
+        all_rewards = algorithm.combine_rewards(all_rewards_per_func, self.scorer.weights)  # [world * N]
+        all_group = algorithm.group_advantages(all_rewards, G, hp.scale_rewards)
+        N = rewards_per_func.size(0)
+        local_rows = slice(self.global_rank * N, (self.global_rank + 1) * N)
+        rewards = all_rewards[local_rows]  # [N]
+        group = all_group.rows(local_rows)
 
         loss_mask = rollout.completion_mask
         if hp.mask_truncated_completions:
@@ -286,9 +365,11 @@ class GRPOModule(pl.LightningModule):
 
         # 4. Log-probs of the policy that sampled (only if the policy moves before it is used) and
         #    of the reference model (only with a KL penalty).
+        start = time.perf_counter()
         needs_old_logps = training and (hp.num_iterations > 1 or hp.steps_per_generation > 1)
         old_logps = self._logps_no_grad(self.policy, rollout) if needs_old_logps else None
-        ref_logps = self._logps_no_grad(self.ref_model, rollout) if training and hp.beta > 0 else None
+        ref_logps = self._reference_logps(rollout) if training and hp.beta > 0 else None
+        timings["logprobs"] = time.perf_counter() - start
 
         scored = ScoredRollout(
             rollout=rollout,
@@ -299,6 +380,7 @@ class GRPOModule(pl.LightningModule):
             old_logps=old_logps,
             ref_logps=ref_logps,
             num_items_in_batch=num_items_in_batch,
+            timings=timings,
         )
         return scored, completions
 
@@ -342,14 +424,15 @@ class GRPOModule(pl.LightningModule):
     def generate(self, prompts: list) -> Rollout:
         """Sample ``num_generations`` completions for each prompt (strings or chat messages)."""
         texts = render_prompts(self.tokenizer, prompts)
-        return generate_completions(
-            self.policy,
-            self.tokenizer,
-            texts,
-            self.hparams.num_generations,
-            self.generation_config,
-            self.hparams.max_prompt_length,
-        )
+        with gathered_for_generation(self.policy):  # FSDP2: gather the weights once, not per token
+            return generate_completions(
+                self.policy,
+                self.tokenizer,
+                texts,
+                self.hparams.num_generations,
+                self.generation_config,
+                self.hparams.max_prompt_length,
+            )
 
     def completion_logps(
         self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool = False
@@ -378,8 +461,10 @@ class GRPOModule(pl.LightningModule):
 
     @torch.no_grad()
     def _logps_no_grad(self, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
-        """Log-probs ``[N, C]`` without gradient, in micro-batches, padded back to the full width."""
-        size = self.hparams.micro_batch_size or rollout.completion_ids.size(0)
+        """Log-probs ``[N, C]`` without gradient, padded back to the full width, in forwards of
+        ``logprob_micro_batch_size`` rows (default ``micro_batch_size``; no backward, so it can be larger)."""
+        hp = self.hparams
+        size = hp.logprob_micro_batch_size or hp.micro_batch_size or rollout.completion_ids.size(0)
         full = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)
         for start in range(0, rollout.completion_ids.size(0), size):
             rows = torch.arange(start, min(start + size, rollout.completion_ids.size(0)), device=full.device)
@@ -387,11 +472,19 @@ class GRPOModule(pl.LightningModule):
             full[rows, : logps.size(1)] = logps
         return full
 
+    def _reference_logps(self, rollout: Rollout) -> torch.Tensor:
+        """Log-probs ``[N, C]`` of the KL reference: the frozen reference model, or with LoRA the
+        policy with its adapter disabled (no second copy of the weights)."""
+        with models.reference_model(self.policy, self.ref_model) as reference:
+            return self._logps_no_grad(reference, rollout)
+
     def _clip_gradients(self) -> torch.Tensor | None:
         if not self.hparams.max_grad_norm:  # None or 0: no clipping, as in Lightning and TRL
             return None
         params = [p for p in self.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, self.hparams.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.hparams.max_grad_norm)
+        # FSDP2: the norm of sharded (DTensor) gradients is itself a DTensor; log its full value
+        return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 
     # ------------------------------------------------------------------------------------------
     # Validation: sample G completions per prompt and report their mean reward
@@ -406,23 +499,35 @@ class GRPOModule(pl.LightningModule):
     # ------------------------------------------------------------------------------------------
 
     def _rollout_metrics(self, scored: ScoredRollout) -> dict[str, torch.Tensor]:
-        group = scored.group
-        lengths = scored.rollout.completion_lengths.float()
+        """Statistics of the generation batch over all ranks (identical on every rank)."""
+        per_completion = torch.stack(
+            [
+                scored.rewards,
+                scored.group.group_std,
+                scored.group.zero_std.float(),
+                scored.rollout.completion_lengths.float(),
+                scored.rollout.is_truncated.float(),
+            ],
+            dim=1,
+        )  # [N, 5]
+        rewards, group_std, zero_std, lengths, is_truncated = gather_rows(per_completion, self.all_gather).unbind(1)
+        rewards_per_func = gather_rows(scored.rewards_per_func, self.all_gather)  # [world * N, K]
         metrics = {
-            "reward": scored.rewards.nanmean(),
-            "reward_std": group.group_std.mean(),
-            "frac_reward_zero_std": group.zero_std.float().mean(),
+            "reward": rewards.nanmean(),
+            "reward_std": group_std.mean(),
+            "frac_reward_zero_std": zero_std.mean(),
             "completions/mean_length": lengths.mean(),
             "completions/min_length": lengths.min(),
             "completions/max_length": lengths.max(),
-            "completions/clipped_ratio": scored.rollout.is_truncated.float().mean(),
+            "completions/clipped_ratio": is_truncated.mean(),
         }
         for k, name in enumerate(self.scorer.names):
-            values = scored.rewards_per_func[:, k]
+            values = rewards_per_func[:, k]
             valid = values[~torch.isnan(values)]
             metrics[f"rewards/{name}/mean"] = valid.mean() if valid.numel() else torch.tensor(float("nan"))
             metrics[f"rewards/{name}/std"] = valid.std() if valid.numel() > 1 else torch.tensor(0.0)
-            metrics[f"rewards/{name}/errors"] = torch.tensor(float(self.scorer.last_error_counts.get(name, 0)))
+            errors = torch.tensor(float(self.scorer.last_error_counts.get(name, 0)), device=self.device)
+            metrics[f"rewards/{name}/errors"] = self.trainer.strategy.reduce(errors, reduce_op="sum")
         return metrics
 
     def _maybe_log_completions(self, batch: PromptBatch, scored: ScoredRollout, completions: list) -> None:
@@ -474,8 +579,9 @@ def _check_settings(hp) -> None:
     for key in positive:
         if hp[key] < 1:
             raise ValueError(f"model.{key} must be at least 1, got {hp[key]}")
-    if hp.micro_batch_size is not None and hp.micro_batch_size < 1:
-        raise ValueError(f"model.micro_batch_size must be at least 1 or null, got {hp.micro_batch_size}")
+    for key in ("micro_batch_size", "logprob_micro_batch_size"):
+        if hp[key] is not None and hp[key] < 1:
+            raise ValueError(f"model.{key} must be at least 1 or null, got {hp[key]}")
     if hp.loss_type not in algorithm.LOSS_AGGREGATIONS:
         raise ValueError(f"model.loss_type must be one of {sorted(algorithm.LOSS_AGGREGATIONS)}, got {hp.loss_type!r}")
     if hp.scale_rewards not in algorithm.SCALE_REWARDS:
@@ -540,24 +646,6 @@ def load_tokenizer(path: str):
         )
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def load_causal_lm(path: str, init_kwargs: dict[str, Any]):
-    try:
-        return AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), **init_kwargs)
-    except OSError as exc:
-        raise OSError(f"Could not load model.model_name_or_path {path!r}: {exc}") from exc
-
-
-def _model_init_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    kwargs = dict(kwargs or {})
-    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-    if isinstance(dtype, str) and dtype != "auto":
-        resolved = getattr(torch, dtype, None)
-        if not isinstance(resolved, torch.dtype):
-            raise ValueError(f"model.model_init_kwargs.dtype {dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
-        kwargs["dtype" if "dtype" in kwargs else "torch_dtype"] = resolved
-    return kwargs
 
 
 __all__ = ["GRPOModule", "ScoredRollout", "check_batch_sizes", "load_tokenizer"]

@@ -171,6 +171,16 @@ def test_print_config_of_gsm8k_recipe(capsys, in_repo):
     assert config["trainer"]["max_steps"] > 0
 
 
+def test_print_config_of_fsdp_recipe(capsys, in_repo):
+    config = print_config(capsys, "--config", str(REPO / "configs" / "qwen2.5-7b-gsm8k-fsdp.yaml"))
+    strategy = config["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning.pytorch.strategies.ModelParallelStrategy"
+    # lit-grpo shards over the data-parallel dimension only: every process is a data-parallel rank
+    devices = config["trainer"]["devices"] * config["trainer"]["num_nodes"]
+    assert strategy["init_args"]["data_parallel_size"] == devices
+    assert strategy["init_args"]["tensor_parallel_size"] == 1
+
+
 def test_command_line_overrides_show_in_printed_config(capsys, in_repo):
     config = print_config(
         capsys,

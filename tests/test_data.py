@@ -134,7 +134,9 @@ def test_each_epoch_gets_a_new_order(tmp_path):
     data_files = write_jsonl(tmp_path / "questions.jsonl", QUESTIONS)
     loader = set_up(path="json", data_files=data_files, batch_size=1).train_dataloader()
 
-    first_epoch, second_epoch = ([batch.prompts[0] for batch in loader] for _ in range(2))
+    first_epoch = [batch.prompts[0] for batch in loader]
+    loader.sampler.set_epoch(1)  # what Lightning's fit loop does at the start of every epoch
+    second_epoch = [batch.prompts[0] for batch in loader]
 
     assert sorted(first_epoch) == sorted(second_epoch)
     assert first_epoch != second_epoch

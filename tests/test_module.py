@@ -122,6 +122,12 @@ def test_two_step_fit_updates_policy_and_logs_trl_metrics(tiny_model_dir, say_a_
     assert 0.0 <= metrics["frac_reward_zero_std"] <= 1.0
     assert metrics["entropy"] > 0
     assert metrics["step_time"] > 0
+    # the time split: every phase timed, together within the step, and the throughput from it
+    phases = [metrics[f"time/{phase}"] for phase in ("generate", "rewards", "logprobs", "train")]
+    assert all(seconds >= 0 for seconds in phases) and metrics["time/generate"] > 0 and metrics["time/train"] > 0
+    assert sum(phases) <= metrics["step_time"]
+    completion_tokens = metrics["completions/mean_length"] * 2 * 4  # batch 2 prompts x G 4
+    assert metrics["tokens_per_second"] == pytest.approx(completion_tokens / metrics["step_time"], rel=1e-4)
     # num_iterations 1: the ratio is exactly 1, so nothing is ever clipped.
     assert metrics["clip_ratio/region_mean"] == 0.0
 

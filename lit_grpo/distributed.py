@@ -1,0 +1,210 @@
+"""Several processes: FSDP2 sharding, generation with gathered weights, and statistics across ranks.
+
+lit-grpo runs data-parallel: every rank draws its own prompts (Lightning's distributed sampler),
+samples the whole group of G completions of each of its prompts and scores them itself, so a group
+never straddles two ranks. What must be global is gathered explicitly:
+
+- the rewards, so that ``scale_rewards: batch`` divides by the std of the *global* batch and the
+  logged reward statistics describe the whole batch (:func:`gather_rows`);
+- the number of real completion tokens that normalises the ``dapo`` loss (summed in the module);
+- the gradients, averaged by DDP's all-reduce or FSDP2's reduce-scatter.
+
+Under Lightning's ``ModelParallelStrategy`` the policy is sharded with FSDP2 (:func:`shard_model`):
+each decoder layer is its own ``fully_shard`` unit and the root holds the rest (embeddings, final
+norm, LM head). Decoding one token at a time through sharded layers would all-gather every layer's
+weights at every step, and ranks whose completions end at different lengths would then wait for each
+other in those collectives; :func:`gathered_for_generation` instead gathers the weights once, keeps
+them gathered for the whole ``generate`` call, and reshards after it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
+from torch.distributed.device_mesh import DeviceMesh
+
+from lit_grpo.checkpointing import fsync_directory
+
+__all__ = [
+    "ModelParallelStrategy",
+    "data_parallel_mesh",
+    "gather_rows",
+    "gathered_for_generation",
+    "replace_atomically",
+    "shard_model",
+]
+
+
+def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh to shard over: the ``data_parallel`` dimension of Lightning's 2-D device mesh.
+
+    lit-grpo does not implement tensor parallelism, so the ``tensor_parallel`` dimension must be 1.
+    (``ModelParallelStrategy``'s defaults put every process of a node in ``tensor_parallel``.)
+    """
+    tensor_parallel = device_mesh["tensor_parallel"].size()
+    if tensor_parallel != 1:
+        data_parallel = device_mesh["data_parallel"].size()
+        raise ValueError(
+            f"trainer.strategy ModelParallelStrategy has tensor_parallel_size={tensor_parallel}, but lit-grpo "
+            "shards with FSDP2 only (no tensor parallelism). Set trainer.strategy.init_args.data_parallel_size "
+            f"to the number of processes ({data_parallel * tensor_parallel}) and tensor_parallel_size to 1."
+        )
+    return device_mesh["data_parallel"]
+
+
+def decoder_layer_classes(model: torch.nn.Module) -> set[type]:
+    """The transformer block classes of a Hugging Face model (its ``_no_split_modules``)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(module) for module in model.modules() if type(module).__name__ in names}
+    if not classes:
+        raise ValueError(
+            f"Cannot find the decoder layers of {type(model).__name__} to shard: it declares no "
+            "_no_split_modules matching any of its modules"
+        )
+    return classes
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh, mp_policy=None) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` every decoder layer, then the root (embeddings, norm and LM head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
+    layer_classes = tuple(decoder_layer_classes(model))
+    for module in list(model.modules()):
+        if isinstance(module, layer_classes):
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _fsdp_modules(model: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def _reshards_after_forward(module) -> bool:
+    """Whether an FSDP2 unit frees its gathered weights after each forward (FSDP2 keeps this setting
+    on the unit's parameter group; the root unit keeps its weights by default)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return group is not None and group.post_forward_mesh_info is not None
+
+
+@contextmanager
+def gathered_for_generation(model: torch.nn.Module) -> Iterator[None]:
+    """Keep an FSDP2-sharded model's full weights gathered for a whole ``generate`` call.
+
+    One all-gather per FSDP unit on entry and none per decoding step, so each rank decodes on its
+    own and ranks that stop at different lengths never wait for one another. A model that is not
+    sharded is left as it is.
+    """
+    units = _fsdp_modules(model)
+    if not units:
+        yield
+        return
+    settings = [_reshards_after_forward(unit) for unit in units]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit, reshard_after_forward in zip(units, settings):
+            unit.reshard()
+            unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+
+
+def gather_rows(tensor: torch.Tensor, all_gather) -> torch.Tensor:
+    """Concatenate a per-rank tensor ``[n, ...]`` over ranks, in rank order: ``[world * n, ...]``.
+
+    ``all_gather`` is ``LightningModule.all_gather`` (a no-op on one process). Every rank holds the
+    same number of rows (the same number of prompts times G).
+    """
+    gathered = all_gather(tensor)  # [world, n, ...], or [n, ...] on a single process
+    if gathered.dim() == tensor.dim():
+        return gathered
+    return gathered.reshape(-1, *tensor.shape[1:])
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded checkpoints that never replace a good one with a partial one
+# ----------------------------------------------------------------------------------------------
+
+
+def _partial_and_previous(path: Path) -> tuple[Path, Path]:
+    return path.with_name(path.name + ".partial"), path.with_name(path.name + ".previous")
+
+
+def recover_interrupted_replace(path: Path) -> None:
+    """Undo a replacement that stopped between its two renames: ``path`` is gone and the previous
+    checkpoint waits under ``<path>.previous``; put it back."""
+    _, previous = _partial_and_previous(path)
+    if not path.exists() and previous.exists():
+        os.rename(previous, path)
+
+
+def replace_atomically(path: Path, write: Callable[[Path], None], is_global_zero: bool, barrier: Callable[[], None]) -> None:
+    """Write a checkpoint (a file or a sharded directory) with ``write(partial_path)`` on every rank,
+    then, on rank 0, swap it in for ``path``.
+
+    Until every rank has finished writing, ``path`` is untouched; the swap is two renames
+    (``path -> path.previous``, ``path.partial -> path``) and a crash between them is undone by
+    :func:`recover_interrupted_replace`, which runs before the next save and before a load. A
+    ``path.partial`` left by a crash during writing is deleted by the next save.
+    """
+    partial, previous = _partial_and_previous(path)
+    if is_global_zero:
+        recover_interrupted_replace(path)
+        _remove(partial)
+    barrier()
+    write(partial)
+    barrier()
+    if is_global_zero:
+        if path.exists():
+            _remove(previous)
+            os.rename(path, previous)
+        os.rename(partial, path)
+        _remove(previous)
+        fsync_directory(path.parent)
+    barrier()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+class ModelParallelStrategy(_LightningModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2) whose checkpoints are replaced atomically.
+
+    With ``save_distributed_checkpoint: true`` Lightning writes ``last.ckpt/`` (a directory of
+    shards) in place, bypassing any ``CheckpointIO``, so a run killed while saving loses its last
+    good checkpoint. Here every rank writes into ``last.ckpt.partial/`` and rank 0 swaps it in only
+    when all shards are written (:func:`replace_atomically`). Same arguments as Lightning's class;
+    ``lit-grpo fit`` uses it in place of Lightning's when the config names Lightning's.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        replace_atomically(
+            path,
+            lambda partial: super(ModelParallelStrategy, self).save_checkpoint(checkpoint, partial, storage_options),
+            self.is_global_zero,
+            self.barrier,
+        )
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if self.is_global_zero:
+            recover_interrupted_replace(path)
+        self.barrier()
+        return super().load_checkpoint(path, weights_only=weights_only)

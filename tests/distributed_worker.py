@@ -1,0 +1,151 @@
+"""A short `lit-grpo fit` on one or several processes, for tests/test_distributed.py.
+
+Run directly (one process) or under ``python -m torch.distributed.run --nproc_per_node W``; the
+trainer comes from a YAML config through the CLI, exactly as a user runs it. Rank 0 writes a
+``torch.save`` file with the logged metrics of every step and the final full policy weights.
+
+``--fixed-completions`` replaces sampling with a deterministic function of the prompt text: runs
+with different numbers of processes then train on the same completions, so their losses and updated
+weights can be compared with one process on the same global batch. (Sampling itself draws from each
+rank's own random stream, so it differs between 1 and 2 processes by design.)
+
+``--generation-check`` instead generates with real sampling under FSDP2, where rank 0 stops after 2
+new tokens and rank 1 decodes 24, and records the parameter all-gathers issued during ``generate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import zlib
+
+import torch
+import torch.distributed as dist
+
+
+def fixed_generate_completions(model, tokenizer, prompt_texts, num_generations, generation_config, max_prompt_length=None):
+    """Completions that depend only on (prompt text, index in the group): random tokens from a
+    generator seeded by both, of a seeded length; those shorter than the maximum end with EOS."""
+    from lit_grpo.algorithm import completion_mask_from_ids
+    from lit_grpo.generation import Rollout, tokenize_prompts
+
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)
+    max_new = generation_config.max_new_tokens
+    vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
+    rows = []
+    for text in prompt_texts:
+        for j in range(num_generations):
+            generator = torch.Generator().manual_seed(zlib.crc32(text.encode()) * 131 + j)
+            length = int(torch.randint(1, max_new + 1, (1,), generator=generator))
+            tokens = [vocab[int(k)] for k in torch.randint(len(vocab), (length,), generator=generator)]
+            if length < max_new:
+                tokens[-1] = tokenizer.eos_token_id
+            rows.append(tokens + [tokenizer.pad_token_id] * (max_new - length))
+    completion_ids = torch.tensor(rows, device=device)  # [N, C]
+    completion_mask, is_truncated = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)
+    return Rollout(
+        prompt_ids.repeat_interleave(num_generations, 0),
+        prompt_mask.repeat_interleave(num_generations, 0),
+        completion_ids,
+        completion_mask,
+        is_truncated,
+    ).trimmed()
+
+
+def full_policy_state(module) -> dict[str, torch.Tensor]:
+    """Unsharded policy weights on CPU (a collective under FSDP2: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if module.device_mesh is not None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(module.policy, options=options)
+    return {name: tensor.detach().cpu().clone() for name, tensor in module.policy.state_dict().items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", action="append", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--fixed-completions", action="store_true")
+    parser.add_argument("--generation-check", action="store_true")
+    parser.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
+    args, cli_args = parser.parse_known_args()
+
+    import lightning.pytorch as pl
+
+    import lit_grpo.module
+    from lit_grpo.cli import GRPOCLI
+    from lit_grpo.data import GRPODataModule
+    from lit_grpo.module import GRPOModule
+
+    if args.fixed_completions:
+        lit_grpo.module.generate_completions = fixed_generate_completions
+
+    steps: list[dict[str, float]] = []
+
+    class RecordMetrics(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            steps.append({name: float(value) for name, value in trainer.callback_metrics.items()})
+
+    cli = GRPOCLI(
+        GRPOModule, GRPODataModule, run=False, save_config_kwargs={"overwrite": True},
+        args=[*(arg for path in args.config for arg in ("--config", path)), *cli_args],
+    )
+    cli.trainer.callbacks.append(RecordMetrics())
+    module = cli.model
+
+    if args.generation_check:
+        generation_check(cli, module, args.out)
+        return
+
+    cli.trainer.fit(module, datamodule=cli.datamodule, ckpt_path=args.ckpt_path)
+    state = full_policy_state(module)
+    if cli.trainer.global_rank == 0:
+        torch.save({"steps": steps, "state": state, "world_size": cli.trainer.world_size}, args.out)
+
+
+def generation_check(cli, module, out: str) -> None:
+    """Generate under FSDP2 with per-rank lengths; count the all-gathers issued meanwhile."""
+    trainer = cli.trainer
+    trainer.strategy.connect(module)
+    trainer.strategy.setup_environment()  # process group and device mesh
+    module.configure_model()
+    rank = trainer.global_rank
+    new_tokens = 2 if rank == 0 else 24  # exactly this many on each rank (EOS suppressed until then)
+    module.generation_config.max_new_tokens = module.generation_config.min_new_tokens = new_tokens
+
+    gathers = []
+    original = dist.all_gather_single
+
+    def counting_all_gather(*args, **kwargs):
+        gathers.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_gather_single = counting_all_gather
+    try:
+        rollout = module.generate(["Say a:", "Say b:"])
+    finally:
+        dist.all_gather_single = original
+    from torch.distributed.fsdp import FSDPModule
+
+    num_units = sum(isinstance(m, FSDPModule) for m in module.policy.modules())
+    # a training-style forward afterwards still works and the weights are sharded again
+    sharded = all(type(p).__name__ == "DTensor" for p in module.policy.parameters())
+    result = {
+        "rank": rank,
+        "completion_width": rollout.completion_ids.size(1),
+        "all_gathers": len(gathers),
+        "fsdp_units": num_units,
+        "resharded": sharded,
+    }
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

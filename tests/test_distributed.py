@@ -1,0 +1,296 @@
+"""Several processes on CPU (gloo): DDP and FSDP2 (Lightning's ModelParallelStrategy) give the same
+losses and the same updated weights as one process on the same global batch, and FSDP2 generation
+gathers the weights once per ``generate`` call, whatever the completion lengths of each rank.
+
+The runs go through ``tests/distributed_worker.py``: the CLI with a YAML config, launched with
+``torch.distributed.run`` exactly as a user launches a multi-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lit_grpo.data import PromptSampler
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+# Everything that matters for the comparison: KL to a sharded reference model (beta > 0), a
+# second pass over each generation batch (old log-probs, clipping at a large learning rate),
+# batch-level reward scaling (needs the rewards of every rank), micro-batches (the dapo normaliser
+# counts the tokens of the whole generation batch across ranks) and gradient clipping.
+BASE_CONFIG = {
+    "seed_everything": 0,
+    "trainer": {
+        "max_steps": 4,
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "log_every_n_steps": 1,
+    },
+    "model": {
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "num_iterations": 2,
+        "micro_batch_size": 4,
+        "loss_type": "dapo",
+        "beta": 0.04,
+        "scale_rewards": "batch",
+        "max_grad_norm": 1.0,
+        "log_completions_every_n_steps": 0,
+        "rewards": [{"name": "char_fraction", "args": {"chars": "abcdefghijklm"}}],
+    },
+    "data": {"path": "json", "prompt_column": "prompt", "shuffle": True, "seed": 3},
+    "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01}},
+}
+GLOBAL_BATCH = 4
+STRATEGIES = {
+    "ddp": "ddp",
+    "fsdp2": {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},
+    },
+}
+COMPARED_METRICS = ["loss", "reward", "reward_std", "kl", "entropy", "clip_ratio/region_mean", "grad_norm"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_model_dir):
+    path = tmp_path_factory.mktemp("distributed")
+    rows = [{"prompt": f"Say {c} {i}:"} for i, c in enumerate("abcdefghijkl")]
+    (path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = json.loads(json.dumps(BASE_CONFIG))
+    config["model"]["model_name_or_path"] = str(tiny_model_dir)
+    config["data"]["data_files"] = str(path / "prompts.jsonl")
+    (path / "base.yaml").write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_worker(run_dir: Path, name: str, processes: int, overrides: dict, *flags: str) -> dict:
+    (run_dir / f"{name}.yaml").write_text(yaml.safe_dump(overrides))
+    out = run_dir / f"{name}.pt"
+    script = [str(WORKER), "--config", "base.yaml", "--config", f"{name}.yaml", "--out", str(out), *flags]
+    if processes > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *script]
+    else:
+        command = [sys.executable, *script]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # a deadlock shows up as this timeout
+    result = subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def single_process_run(run_dir):
+    return run_worker(
+        run_dir, "single", 1, {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}}, "--fixed-completions"
+    )
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_two_processes_match_one_process(run_dir, single_process_run, tiny_model_dir, strategy):
+    overrides = {"trainer": {"devices": 2, "strategy": STRATEGIES[strategy]}, "data": {"batch_size": GLOBAL_BATCH // 2}}
+    two = run_worker(run_dir, strategy, 2, overrides, "--fixed-completions")
+    one = single_process_run
+    assert two["world_size"] == 2 and one["world_size"] == 1
+
+    # the same metrics at every step (2 generation batches, 2 optimizer steps each)
+    assert len(one["steps"]) == len(two["steps"]) == 2
+    for step, (expected, actual) in enumerate(zip(one["steps"], two["steps"])):
+        for name in COMPARED_METRICS:
+            assert actual[name] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), (step, name)
+    # the comparison is not vacuous: rewards vary, the update clips, the KL term is active
+    assert any(step["reward_std"] > 0 for step in one["steps"])
+    assert any(step["clip_ratio/region_mean"] > 0 for step in one["steps"])
+    assert all(step["kl"] > 0 for step in one["steps"][1:])
+
+    # the same updated weights, which moved away from the initial ones
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert one["state"].keys() == two["state"].keys()
+    for name, expected in one["state"].items():
+        torch.testing.assert_close(two["state"][name], expected, rtol=1e-4, atol=1e-5, msg=name)
+    moved = max((one["state"][name] - initial[name]).abs().max().item() for name in initial)
+    assert moved > 1e-3
+
+
+def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir):
+    """Real sampling on 2 ranks: a run stopped after 2 generation batches and resumed from its sharded
+    ``last.ckpt`` logs what an uninterrupted run logs (each rank's random state is restored)."""
+    def overrides(name: str, max_steps: int) -> dict:
+        return {
+            "trainer": {
+                "devices": 2,
+                "strategy": STRATEGIES["fsdp2"],
+                "max_steps": max_steps,
+                "enable_checkpointing": True,
+                "default_root_dir": str(run_dir / name),
+                "callbacks": [
+                    {
+                        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                        "init_args": {"save_last": True, "save_top_k": 0, "every_n_train_steps": 2},
+                    }
+                ],
+            },
+            "model": {"temperature": 1.0, "num_iterations": 1, "steps_per_generation": 2},
+            "data": {"batch_size": 2},
+        }
+
+    straight = run_worker(run_dir, "straight", 2, overrides("straight", 6))
+    run_worker(run_dir, "first_half", 2, overrides("resumed", 4))
+    checkpoint = run_dir / "resumed" / "checkpoints" / "last.ckpt"
+    assert checkpoint.is_dir() and sorted(p.name for p in checkpoint.parent.iterdir()) == ["last.ckpt"]
+    resumed = run_worker(run_dir, "second_half", 2, overrides("resumed", 6), "--ckpt-path", str(checkpoint))
+
+    assert len(straight["steps"]) == 3 and len(resumed["steps"]) == 1
+    for name in ["loss", "reward", "entropy", "completions/mean_length", "grad_norm"]:
+        assert resumed["steps"][0][name] == pytest.approx(straight["steps"][2][name], rel=1e-5, abs=1e-7), name
+    for name, expected in straight["state"].items():
+        torch.testing.assert_close(resumed["state"][name], expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fsdp2_generation_gathers_weights_once_and_ranks_finish_independently(run_dir):
+    """Rank 0 decodes 2 tokens while rank 1 decodes 24: with per-step all-gathers rank 1 would wait
+    forever for rank 0 (the worker's timeout); with the weights gathered once it finishes."""
+    overrides = {"trainer": {"devices": 2, "strategy": STRATEGIES["fsdp2"]}, "data": {"batch_size": 2}}
+    results = run_worker(run_dir, "generation", 2, overrides, "--generation-check")
+    by_rank = {result["rank"]: result for result in results}
+    assert by_rank[0]["completion_width"] == 2 and by_rank[1]["completion_width"] == 24
+    for result in results:
+        # one all-gather per FSDP unit (each decoder layer and the root), not one per decoding step
+        assert result["fsdp_units"] == 3  # the tiny model has 2 decoder layers
+        assert result["all_gathers"] == result["fsdp_units"]
+        assert result["resharded"]  # weights sharded again after generate
+
+
+def test_tensor_parallel_mesh_is_refused_with_the_keys_to_set():
+    from lit_grpo.distributed import data_parallel_mesh
+
+    class Dim:
+        def __init__(self, size):
+            self._size = size
+
+        def size(self):
+            return self._size
+
+    mesh = {"data_parallel": Dim(1), "tensor_parallel": Dim(4)}
+    with pytest.raises(ValueError, match=r"data_parallel_size\s+to the number of processes \(4\).*tensor_parallel_size to 1"):
+        data_parallel_mesh(mesh)
+    assert data_parallel_mesh({"data_parallel": Dim(4), "tensor_parallel": Dim(1)}) is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# The prompt order does not depend on the number of processes
+# ----------------------------------------------------------------------------------------------
+
+
+def global_batches(num_replicas: int, **kwargs) -> list[list[int]]:
+    samplers = [PromptSampler(10, 2, num_replicas=num_replicas, rank=rank, **kwargs) for rank in range(num_replicas)]
+    per_rank = [list(sampler) for sampler in samplers]
+    steps = len(per_rank[0]) // 2
+    return [sum((indices[2 * k : 2 * k + 2] for indices in per_rank), []) for k in range(steps)]
+
+
+def test_prompt_sampler_global_batches_do_not_depend_on_world_size():
+    one = PromptSampler(10, 4, shuffle=True, seed=7)
+    assert len(one) == 8  # 2 full global batches of 4 prompts, the last 2 prompts skipped
+    order = list(one)
+    two = global_batches(2, shuffle=True, seed=7)
+    assert two == [order[0:4], order[4:8]]
+    assert order == torch.randperm(10, generator=torch.Generator().manual_seed(7)).tolist()[:8]
+    # a new epoch gets a new (seeded) order; shuffle off keeps the dataset order
+    one.set_epoch(1)
+    assert list(one) == torch.randperm(10, generator=torch.Generator().manual_seed(8)).tolist()[:8]
+    assert global_batches(2, shuffle=False, seed=0) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_prompt_sampler_refuses_fewer_prompts_than_a_global_batch():
+    with pytest.raises(ValueError, match=r"3 prompts, fewer than one global batch of data.batch_size \* processes = 2 \* 2 = 4"):
+        PromptSampler(3, 2, shuffle=True, seed=0, num_replicas=2, rank=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sharded checkpoints replace the previous one only once complete
+# ----------------------------------------------------------------------------------------------
+
+
+def write_shards(contents: str, fail_after: int | None = None):
+    """A stand-in for FSDP2's sharded save: a directory of shard files, optionally dying half-way."""
+
+    def write(path: Path) -> None:
+        path.mkdir()
+        for rank in range(2):
+            if fail_after is not None and rank >= fail_after:
+                raise KeyboardInterrupt("killed while writing shards")
+            (path / f"__{rank}_0.distcp").write_text(f"{contents} shard {rank}")
+
+    return write
+
+
+def read_shards(path: Path) -> list[str]:
+    return sorted(file.read_text() for file in path.iterdir())
+
+
+def test_sharded_checkpoint_is_replaced_only_when_complete(tmp_path):
+    from lit_grpo.distributed import recover_interrupted_replace, replace_atomically
+
+    last = tmp_path / "last.ckpt"
+    no_barrier = lambda: None  # noqa: E731
+    replace_atomically(last, write_shards("step 1"), True, no_barrier)
+    assert read_shards(last) == ["step 1 shard 0", "step 1 shard 1"]
+
+    # killed half-way through the next save: the previous checkpoint is intact
+    with pytest.raises(KeyboardInterrupt):
+        replace_atomically(last, write_shards("step 2", fail_after=1), True, no_barrier)
+    assert read_shards(last) == ["step 1 shard 0", "step 1 shard 1"]
+    assert (tmp_path / "last.ckpt.partial").exists()
+
+    # the next save cleans up and replaces it; nothing else is left in the directory
+    replace_atomically(last, write_shards("step 3"), True, no_barrier)
+    assert read_shards(last) == ["step 3 shard 0", "step 3 shard 1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+    # killed between the two renames: the previous checkpoint is put back before a load
+    (tmp_path / "last.ckpt").rename(tmp_path / "last.ckpt.previous")
+    recover_interrupted_replace(last)
+    assert read_shards(last) == ["step 3 shard 0", "step 3 shard 1"]
+
+    # a single-file checkpoint (save_distributed_checkpoint: false) is replaced the same way
+    def write_half_then_die(path: Path) -> None:
+        path.write_text("v2-half")
+        raise KeyboardInterrupt("killed while writing")
+
+    single = tmp_path / "single.ckpt"
+    replace_atomically(single, lambda path: path.write_text("v1"), True, no_barrier)
+    with pytest.raises(KeyboardInterrupt):
+        replace_atomically(single, write_half_then_die, True, no_barrier)
+    assert single.read_text() == "v1"
+
+
+def test_cli_runs_lightnings_model_parallel_strategy_with_atomic_checkpoints():
+    from jsonargparse import Namespace
+
+    from lit_grpo.cli import use_atomic_model_parallel_checkpoints
+    from lit_grpo.distributed import ModelParallelStrategy
+
+    trainer = Namespace(strategy=Namespace(**STRATEGIES["fsdp2"]))
+    use_atomic_model_parallel_checkpoints(trainer)
+    assert trainer.strategy.class_path == "lit_grpo.distributed.ModelParallelStrategy"
+    assert trainer.strategy.init_args == STRATEGIES["fsdp2"]["init_args"]
+    from lightning.pytorch.strategies import ModelParallelStrategy as Lightning
+
+    assert issubclass(ModelParallelStrategy, Lightning)
+    ddp = Namespace(strategy="ddp")
+    use_atomic_model_parallel_checkpoints(ddp)
+    assert ddp.strategy == "ddp"
