@@ -213,6 +213,28 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs, ``[N, T]``.
+
+    Schulman 2020, "Approximating KL divergence" (http://joschu.net/blog/kl-approx.html), with
+    ``log_r = logp - ref`` on tokens sampled from the policy:
+
+    - ``k1 = log_r``: unbiased, high variance, can be negative;
+    - ``k2 = log_r ** 2 / 2``: biased, low variance, non-negative (its gradient is that of a
+      reverse-KL penalty on the sampled tokens);
+    - ``k3 = exp(-log_r) + log_r - 1``: unbiased, low variance, non-negative (GRPO's choice; :func:`k3_kl`).
+    """
+    if estimator == "k1":
+        return logps - ref_logps
+    if estimator == "k2":
+        return 0.5 * (logps - ref_logps) ** 2
+    if estimator == "k3":
+        return k3_kl(logps, ref_logps)
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
@@ -237,12 +259,20 @@ def importance_ratio(
 
 
 def clipped_surrogate_loss(
-    ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None = None,
 ) -> torch.Tensor:
     """PPO's clipped surrogate (Schulman et al. 2017), per token, as a loss to minimise.
 
     ``l = -min(rho * A, clamp(rho, 1 - epsilon_low, 1 + epsilon_high) * A)``. An ``epsilon_high``
     above ``epsilon_low`` is DAPO's "clip-higher" (Yu et al. 2025, arXiv:2503.14476).
+
+    ``delta`` (two-sided clipping; INTELLECT-2, Prime Intellect 2025, arXiv:2505.07291): the
+    unclipped term uses ``min(rho, delta)``, so a token with ``A < 0`` and a huge ratio, which
+    PPO's ``min`` leaves unbounded, contributes at most ``delta * |A|``. ``delta > 1 + epsilon_high``.
 
     Args:
         ratio: ``[N, T]`` or ``[N, 1]`` importance ratios.
@@ -251,9 +281,57 @@ def clipped_surrogate_loss(
         per-token loss ``[N, T]`` (``[N, 1]`` for a sequence-level ratio).
     """
     advantages = advantages.unsqueeze(-1)  # [N, 1]
-    unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages
+    if delta is not None:
+        ratio = torch.clamp(ratio, max=delta)
+    unclipped = ratio * advantages
     return -torch.min(unclipped, clipped)
+
+
+def cispo_loss(ratio: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor, epsilon_max: float) -> torch.Tensor:
+    """CISPO (MiniMax 2025, "MiniMax-M1", arXiv:2506.13585), per token, as a loss to minimise.
+
+    ``l = -sg(min(rho, epsilon_max)) * A * logp``: the importance weight is clipped and detached
+    (stop-gradient), and every token keeps a REINFORCE gradient ``A * grad logp`` scaled by it, so no
+    token is dropped by clipping as in PPO. ``epsilon_max`` is ``model.epsilon_high`` used as an
+    absolute bound, as in TRL (ScaleRL recommends 5.0).
+    """
+    weight = torch.clamp(ratio, max=epsilon_max).detach()  # [N, T] or [N, 1]
+    return -weight * advantages.unsqueeze(-1) * logps
+
+
+def sapo_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float, temperature_neg: float
+) -> torch.Tensor:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347), per token.
+
+    A smooth gate instead of the hard clip: ``l = -(4 / tau) * sigmoid(tau * (rho - 1)) * A``, with
+    ``tau = temperature_pos`` for ``A > 0`` and ``temperature_neg`` otherwise. At ``rho = 1`` the
+    gradient equals the unclipped ``A * grad rho`` (``sigmoid' (0) = 1/4``); it fades smoothly as the
+    ratio moves away from 1, faster for negative advantages when ``temperature_neg > temperature_pos``.
+    """
+    advantages = advantages.unsqueeze(-1)  # [N, 1]
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg)  # [N, 1]
+    return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1)) * advantages
+
+
+def high_entropy_mask(
+    entropy: torch.Tensor, completion_mask: torch.Tensor, top_quantile: float, reference_entropies: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Tokens among the ``top_quantile`` fraction of highest entropy (Wang et al. 2025, "Beyond the
+    80/20 Rule: High-Entropy Minority Tokens Drive Effective RL", arXiv:2506.01939), ``[n, T]`` bool.
+
+    The threshold is the ``1 - top_quantile`` quantile of ``reference_entropies`` (the real tokens'
+    entropies over which the fraction is taken, e.g. gathered from every rank), by default the real
+    tokens of ``entropy``. ``top_quantile = 1`` keeps every real token.
+    """
+    real = completion_mask.bool()
+    if reference_entropies is None:
+        reference_entropies = entropy[real]
+    if top_quantile >= 1.0 or reference_entropies.numel() == 0:
+        return real
+    threshold = torch.quantile(reference_entropies.detach().float(), 1.0 - top_quantile)
+    return real & (entropy.detach() >= threshold)
 
 
 @dataclass
@@ -291,30 +369,74 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. Loss aggregation: how per-token losses become one scalar (``loss_type``)
+# 4. Loss types: the per-token objective and how per-token losses become one scalar
 # ----------------------------------------------------------------------------------------------
 
-# Every aggregation has the same signature:
+# A ``loss_type`` is two choices: the per-token policy objective (PPO's clipped surrogate, CISPO or
+# SAPO) and the aggregation that turns a micro-batch's per-token losses into one scalar. Every
+# aggregation has the same signature:
 #   (per_token_loss [n, T], completion_mask [n, T], max_completion_length, num_items_in_batch) -> []
 # where n is the micro-batch and ``num_items_in_batch`` the real completion tokens of the whole
-# generation batch (across ranks and micro-batches). Scalars returned here are already scaled so that
-# summing the gradients of all micro-batches of an optimizer step gives the gradient of the step:
-# the caller divides grpo/bnpo/dr_grpo by the number of micro-batches (``accumulates_by_mean``).
+# generation batch (across ranks and micro-batches). For aggregations that are means over the
+# micro-batch (``accumulates_by_mean``) the caller divides by the number of micro-batches of an
+# optimizer step, as Hugging Face's Trainer and TRL do; a global normaliser (dapo) needs no division.
 Aggregation = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
-LOSS_AGGREGATIONS: dict[str, Aggregation] = {}
 
 
-def register_loss_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
-    """Register a ``loss_type`` (decorator). Later issues add their own aggregations here."""
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The knobs of the per-token policy objectives (``model.*`` keys of the same names)."""
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None  # two-sided clip of the PPO objective
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+
+Objective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossSettings], torch.Tensor]
+
+
+def ppo_objective(ratio, advantages, logps, settings: PolicyLossSettings) -> torch.Tensor:
+    """:func:`clipped_surrogate_loss` (with ``delta``), the objective of grpo/bnpo/dr_grpo/dapo."""
+    return clipped_surrogate_loss(ratio, advantages, settings.epsilon_low, settings.epsilon_high, settings.delta)
+
+
+def cispo_objective(ratio, advantages, logps, settings: PolicyLossSettings) -> torch.Tensor:
+    """:func:`cispo_loss` with ``epsilon_high`` as the bound of the importance weight."""
+    return cispo_loss(ratio, advantages, logps, settings.epsilon_high)
+
+
+def sapo_objective(ratio, advantages, logps, settings: PolicyLossSettings) -> torch.Tensor:
+    """:func:`sapo_loss` with ``sapo_temperature_pos`` / ``sapo_temperature_neg``."""
+    return sapo_loss(ratio, advantages, settings.sapo_temperature_pos, settings.sapo_temperature_neg)
+
+
+@dataclass(frozen=True)
+class LossType:
+    """One ``loss_type``: its per-token objective and its aggregation."""
+
+    aggregate: Aggregation
+    objective: Objective = ppo_objective
+    accumulates_by_mean: bool = True
+
+
+LOSS_TYPES: dict[str, LossType] = {}
+
+
+def register_loss_type(
+    name: str, objective: Objective = ppo_objective, accumulates_by_mean: bool = True
+) -> Callable[[Aggregation], Aggregation]:
+    """Register a ``loss_type`` by its aggregation (decorator), with its per-token objective."""
 
     def decorator(fn: Aggregation) -> Aggregation:
-        LOSS_AGGREGATIONS[name] = fn
+        LOSS_TYPES[name] = LossType(aggregate=fn, objective=objective, accumulates_by_mean=accumulates_by_mean)
         return fn
 
     return decorator
 
 
-@register_loss_aggregation("grpo")
+@register_loss_type("grpo")
 def grpo_aggregation(per_token_loss, completion_mask, max_completion_length, num_items_in_batch):
     """GRPO (Shao et al. 2024): mean over sequences of each sequence's token mean.
 
@@ -325,14 +447,14 @@ def grpo_aggregation(per_token_loss, completion_mask, max_completion_length, num
     return per_sequence.mean()
 
 
-@register_loss_aggregation("bnpo")
+@register_loss_type("bnpo")
 def bnpo_aggregation(per_token_loss, completion_mask, max_completion_length, num_items_in_batch):
     """BNPO (Xiao et al. 2025, arXiv:2506.02864): token mean over the whole micro-batch."""
     mask = completion_mask.to(per_token_loss.dtype)
     return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-@register_loss_aggregation("dr_grpo")
+@register_loss_type("dr_grpo")
 def dr_grpo_aggregation(per_token_loss, completion_mask, max_completion_length, num_items_in_batch):
     """Dr. GRPO (Liu et al. 2025, arXiv:2503.20783): sum over tokens / (sequences * max length).
 
@@ -342,7 +464,7 @@ def dr_grpo_aggregation(per_token_loss, completion_mask, max_completion_length, 
     return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
 
 
-@register_loss_aggregation("dapo")
+@register_loss_type("dapo", accumulates_by_mean=False)
 def dapo_aggregation(per_token_loss, completion_mask, max_completion_length, num_items_in_batch):
     """DAPO (Yu et al. 2025, arXiv:2503.14476): token-level sum / real tokens of the generation batch.
 
@@ -354,10 +476,10 @@ def dapo_aggregation(per_token_loss, completion_mask, max_completion_length, num
     return (per_token_loss * mask).sum() / max(float(num_items_in_batch), 1.0)
 
 
-# For these loss types the micro-batch losses are means, so gradient accumulation over m
-# micro-batches divides each by m (as Hugging Face's Trainer and TRL do). dapo's normaliser is
-# already global.
-ACCUMULATES_BY_MEAN = {"grpo", "bnpo", "dr_grpo"}
+# CISPO aggregates like DAPO (token sum over the generation batch's tokens), SAPO like GRPO
+# (sequence means), as in their papers and in TRL.
+LOSS_TYPES["cispo"] = LossType(aggregate=dapo_aggregation, objective=cispo_objective, accumulates_by_mean=False)
+LOSS_TYPES["sapo"] = LossType(aggregate=grpo_aggregation, objective=sapo_objective, accumulates_by_mean=True)
 
 
 def aggregate_loss(
@@ -369,14 +491,12 @@ def aggregate_loss(
     num_items_in_batch: float | None = None,
 ) -> torch.Tensor:
     """Reduce a micro-batch's ``[n, T]`` per-token loss to a scalar according to ``loss_type``."""
-    if loss_type not in LOSS_AGGREGATIONS:
-        raise ValueError(f"loss_type must be one of {sorted(LOSS_AGGREGATIONS)}, got {loss_type!r}")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
     if num_items_in_batch is None:
         num_items_in_batch = float(completion_mask.sum())
     per_token_loss = per_token_loss.expand(completion_mask.shape)
-    return LOSS_AGGREGATIONS[loss_type](
-        per_token_loss, completion_mask, max_completion_length, num_items_in_batch
-    )
+    return LOSS_TYPES[loss_type].aggregate(per_token_loss, completion_mask, max_completion_length, num_items_in_batch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,10 +525,17 @@ def grpo_loss(
     importance_sampling_level: str = "token",
     max_completion_length: int,
     num_items_in_batch: float | None = None,
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    kl_estimator: str = "k3",
+    policy_mask: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """GRPO loss of one micro-batch.
 
-    ``l[i, t] = -min(rho * A_i, clip(rho) * A_i) + beta * kl_k3[i, t]``, aggregated by ``loss_type``.
+    ``l[i, t] = objective(rho, A_i, logp)[i, t] * policy_mask[i, t] + beta * kl[i, t]``, aggregated
+    by ``loss_type`` over ``completion_mask``; the objective is PPO's clipped surrogate
+    ``-min(rho * A_i, clip(rho) * A_i)`` for grpo/bnpo/dr_grpo/dapo, CISPO's or SAPO's for those.
 
     Args:
         logps: ``[n, T]`` log-probs of the completion tokens under the current policy (with grad).
@@ -416,14 +543,21 @@ def grpo_loss(
         advantages: ``[n]`` group-relative advantages.
         completion_mask: ``[n, T]`` 1 on tokens that count (see ``mask_truncated_completions``).
         ref_logps: ``[n, T]`` reference-model log-probs, required when ``beta > 0``.
+        policy_mask: ``[n, T]`` tokens whose policy term is trained (e.g. :func:`high_entropy_mask`);
+            the KL term and the normalisers still cover every real token. None trains all.
     """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
+    settings = PolicyLossSettings(epsilon_low, epsilon_high, delta, sapo_temperature_pos, sapo_temperature_neg)
     ratio = importance_ratio(logps, old_logps, completion_mask, importance_sampling_level)
-    per_token_loss = clipped_surrogate_loss(ratio, advantages, epsilon_low, epsilon_high)
+    per_token_loss = LOSS_TYPES[loss_type].objective(ratio, advantages, logps, settings)
+    if policy_mask is not None:
+        per_token_loss = per_token_loss * policy_mask.to(per_token_loss.dtype)
     kl = None
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps")
-        per_token_kl = k3_kl(logps, ref_logps)  # [n, T]
+        per_token_kl = kl_estimate(logps, ref_logps, kl_estimator)  # [n, T]
         per_token_loss = per_token_loss + beta * per_token_kl
         kl = masked_mean(per_token_kl.detach(), completion_mask)
     loss = aggregate_loss(

@@ -35,6 +35,7 @@ from lit_grpo.checkpointing import fsync_directory
 __all__ = [
     "ModelParallelStrategy",
     "data_parallel_mesh",
+    "gather_real_values",
     "gather_rows",
     "gathered_for_generation",
     "replace_atomically",
@@ -131,6 +132,20 @@ def gather_rows(tensor: torch.Tensor, all_gather) -> torch.Tensor:
     if gathered.dim() == tensor.dim():
         return gathered
     return gathered.reshape(-1, *tensor.shape[1:])
+
+
+def gather_real_values(values: torch.Tensor, mask: torch.Tensor, all_gather) -> torch.Tensor:
+    """The entries of ``values`` where ``mask`` is 1, from every rank, as one flat tensor.
+
+    Ranks hold different numbers of real entries, so each pads its own to the largest count with
+    NaN before the (equal-shape) all-gather, and the padding is dropped after it.
+    """
+    local = values[mask.bool()].float()  # [k] this rank's real entries
+    count = all_gather(torch.tensor([local.numel()], device=values.device)).max()
+    padded = torch.full((int(count),), float("nan"), device=values.device)
+    padded[: local.numel()] = local
+    gathered = all_gather(padded).reshape(-1)
+    return gathered[~torch.isnan(gathered)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,7 +38,13 @@ from transformers import AutoTokenizer, GenerationConfig
 from lit_grpo import algorithm, models
 from lit_grpo.checkpointing import RNGStateCheckpoint
 from lit_grpo.data import PromptBatch
-from lit_grpo.distributed import data_parallel_mesh, gather_rows, gathered_for_generation, shard_model
+from lit_grpo.distributed import (
+    data_parallel_mesh,
+    gather_real_values,
+    gather_rows,
+    gathered_for_generation,
+    shard_model,
+)
 from lit_grpo.generation import (
     Rollout,
     decode_completions,
@@ -96,7 +102,9 @@ class GRPOModule(pl.LightningModule):
             many mini-batches of equal size.
         micro_batch_size: completions per forward/backward pass (gradient accumulation within an
             optimizer step); None processes a whole mini-batch at once.
-        loss_type: ``grpo`` | ``bnpo`` | ``dr_grpo`` | ``dapo`` (see ``lit_grpo.algorithm``).
+        loss_type: ``grpo`` | ``bnpo`` | ``dr_grpo`` | ``dapo`` | ``cispo`` | ``sapo`` (see
+            ``lit_grpo.algorithm.LOSS_TYPES``; for ``cispo`` ``epsilon_high`` is the absolute bound of
+            the importance weight, e.g. 5.0, as in TRL).
         beta: weight of the k3 KL penalty to the reference model; 0 loads no reference model.
         epsilon: lower clip range, ratio >= 1 - epsilon.
         epsilon_high: upper clip range, ratio <= 1 + epsilon_high; None uses ``epsilon``.
@@ -108,6 +116,13 @@ class GRPOModule(pl.LightningModule):
             training steps (generation batches); 0 disables.
         num_completions_to_log: rows of that table.
         model_init_kwargs: extra keyword arguments for ``from_pretrained`` (e.g. ``{dtype: bfloat16}``).
+        delta: two-sided clipping (INTELLECT-2): the unclipped ratio is capped at ``delta`` (> 1 +
+            epsilon_high) for the PPO-style loss types; None disables.
+        sapo_temperature_pos: SAPO's gate temperature for positive advantages (``loss_type: sapo``).
+        sapo_temperature_neg: SAPO's gate temperature for negative advantages.
+        kl_estimator: ``k1`` | ``k2`` | ``k3`` estimator of the KL penalty (``beta > 0``).
+        top_entropy_quantile: train the policy term only on this fraction of the tokens with the
+            highest entropy (over the micro-batch on all ranks); 1.0 trains every token.
         lora: train a LoRA adapter (peft) instead of every weight: ``peft.LoraConfig`` arguments,
             e.g. ``{r: 16, lora_alpha: 32, lora_dropout: 0.05}``; ``target_modules`` defaults to
             ``all-linear``. With ``beta > 0`` the reference is the policy with the adapter disabled
@@ -149,6 +164,11 @@ class GRPOModule(pl.LightningModule):
         log_completions_every_n_steps: int = 10,
         num_completions_to_log: int = 8,
         model_init_kwargs: dict[str, Any] | None = None,
+        delta: float | None = None,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        kl_estimator: str = "k3",
+        top_entropy_quantile: float = 1.0,
         lora: dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
         logprob_micro_batch_size: int | None = None,
@@ -285,7 +305,7 @@ class GRPOModule(pl.LightningModule):
                     rows = torch.arange(micro_start, micro_start + micro_batch_size, device=self.device)
                     rows = order[rows] if order is not None else rows
                     loss, stats = self._micro_batch_loss(scored, rows)
-                    if hp.loss_type in algorithm.ACCUMULATES_BY_MEAN:
+                    if algorithm.LOSS_TYPES[hp.loss_type].accumulates_by_mean:
                         loss = loss / micro_batches_per_step
                     # DDP all-reduces the accumulated gradient once, after the last micro-batch
                     is_last = micro_start + micro_batch_size == mini_start + mini_batch_size
@@ -392,6 +412,10 @@ class GRPOModule(pl.LightningModule):
         loss_mask = scored.loss_mask[rows, :width]
         old_logps = scored.old_logps[rows, :width] if scored.old_logps is not None else logps.detach()
         ref_logps = scored.ref_logps[rows, :width] if scored.ref_logps is not None else None
+        policy_mask = None
+        if hp.top_entropy_quantile < 1.0:  # the threshold is over this micro-batch's tokens on all ranks
+            all_entropies = gather_real_values(entropy.detach(), loss_mask, self.all_gather)
+            policy_mask = algorithm.high_entropy_mask(entropy, loss_mask, hp.top_entropy_quantile, all_entropies)
         out = algorithm.grpo_loss(
             logps,
             old_logps,
@@ -405,6 +429,11 @@ class GRPOModule(pl.LightningModule):
             importance_sampling_level=hp.importance_sampling_level,
             max_completion_length=hp.max_completion_length,
             num_items_in_batch=scored.num_items_in_batch,
+            delta=hp.delta,
+            sapo_temperature_pos=hp.sapo_temperature_pos,
+            sapo_temperature_neg=hp.sapo_temperature_neg,
+            kl_estimator=hp.kl_estimator,
+            policy_mask=policy_mask,
         )
         stats = {
             "entropy": algorithm.masked_mean(entropy, micro.completion_mask[:, :width]),
@@ -582,8 +611,26 @@ def _check_settings(hp) -> None:
     for key in ("micro_batch_size", "logprob_micro_batch_size"):
         if hp[key] is not None and hp[key] < 1:
             raise ValueError(f"model.{key} must be at least 1 or null, got {hp[key]}")
-    if hp.loss_type not in algorithm.LOSS_AGGREGATIONS:
-        raise ValueError(f"model.loss_type must be one of {sorted(algorithm.LOSS_AGGREGATIONS)}, got {hp.loss_type!r}")
+    if hp.loss_type not in algorithm.LOSS_TYPES:
+        raise ValueError(f"model.loss_type must be one of {sorted(algorithm.LOSS_TYPES)}, got {hp.loss_type!r}")
+    if hp.kl_estimator not in algorithm.KL_ESTIMATORS:
+        raise ValueError(f"model.kl_estimator must be one of {algorithm.KL_ESTIMATORS}, got {hp.kl_estimator!r}")
+    if not 0.0 < hp.top_entropy_quantile <= 1.0:
+        raise ValueError(f"model.top_entropy_quantile must be in (0, 1], got {hp.top_entropy_quantile}")
+    epsilon_high = hp.epsilon if hp.epsilon_high is None else hp.epsilon_high
+    if hp.delta is not None and hp.delta <= 1 + epsilon_high:
+        raise ValueError(f"model.delta must be above 1 + epsilon_high = {1 + epsilon_high}, got {hp.delta}")
+    if hp.loss_type == "cispo" and epsilon_high < 1.0:
+        raise ValueError(
+            f"model.loss_type cispo uses model.epsilon_high as the upper bound of the importance weight "
+            f"(e.g. 5.0, as in TRL), not as 1 + epsilon_high; got {epsilon_high}, which would scale every "
+            "update down"
+        )
+    if hp.sapo_temperature_pos <= 0 or hp.sapo_temperature_neg <= 0:
+        raise ValueError(
+            "model.sapo_temperature_pos and model.sapo_temperature_neg must be > 0, got "
+            f"{hp.sapo_temperature_pos} and {hp.sapo_temperature_neg}"
+        )
     if hp.scale_rewards not in algorithm.SCALE_REWARDS:
         raise ValueError(f"model.scale_rewards must be one of {algorithm.SCALE_REWARDS}, got {hp.scale_rewards!r}")
     if hp.importance_sampling_level not in algorithm.IMPORTANCE_SAMPLING_LEVELS:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lit_grpo.algorithm import (
-    LOSS_AGGREGATIONS,
+    LOSS_TYPES,
     aggregate_loss,
     clip_fractions,
     clipped_surrogate_loss,
@@ -397,7 +397,7 @@ def test_aggregate_loss_sequence_level_per_token_loss_broadcasts():
 
 
 def test_aggregate_loss_unknown_type():
-    assert {"grpo", "bnpo", "dr_grpo", "dapo"} <= set(LOSS_AGGREGATIONS)
+    assert {"grpo", "bnpo", "dr_grpo", "dapo"} <= set(LOSS_TYPES)
     with pytest.raises(ValueError) as excinfo:
         aggregate_loss(PER_TOKEN, MASK, "ppo", max_completion_length=4)
     message = str(excinfo.value)
@@ -535,3 +535,90 @@ def test_entropy_with_masked_logits_is_finite():
     # two tokens allowed with equal logits, two masked with -inf: entropy = log 2
     logits = torch.tensor([[[0.0, 0.0, -math.inf, -math.inf]]])
     close(entropy_from_logits(logits), [[LOG2]])
+
+
+# --------------------------------------------------------------------------------------------------
+# Policy losses beyond PPO's clip: delta, CISPO, SAPO; KL estimators; high-entropy tokens
+# --------------------------------------------------------------------------------------------------
+
+
+def test_kl_estimators_by_hand():
+    from lit_grpo.algorithm import kl_estimate
+
+    logp, ref = torch.tensor([math.log(0.25)]), torch.tensor([math.log(0.5)])  # log r = logp - ref = -log 2
+    close(kl_estimate(logp, ref, "k1"), [-LOG2])
+    close(kl_estimate(logp, ref, "k2"), [0.5 * LOG2**2])
+    close(kl_estimate(logp, ref, "k3"), [2 - LOG2 - 1])
+    with pytest.raises(ValueError, match="kl_estimator must be one of"):
+        kl_estimate(logp, ref, "k4")
+
+
+def test_delta_caps_the_unclipped_term_of_negative_advantages():
+    ratio = torch.tensor([[3.0], [3.0]])
+    advantages = torch.tensor([-1.0, 1.0])
+    # PPO: A < 0 keeps the unclipped -3 (loss 3); A > 0 is clipped at 1.2 (loss -1.2)
+    close(clipped_surrogate_loss(ratio, advantages, 0.2, 0.2), [[3.0], [-1.2]])
+    # delta = 2: the A < 0 token contributes at most delta * |A|
+    close(clipped_surrogate_loss(ratio, advantages, 0.2, 0.2, delta=2.0), [[2.0], [-1.2]])
+
+
+def test_cispo_detaches_the_clipped_weight_and_keeps_every_token():
+    from lit_grpo.algorithm import cispo_loss
+
+    logps = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    old_logps = logps.detach() - torch.log(torch.tensor([[0.5, 2.0, 8.0]]))  # ratios 0.5, 2, 8
+    ratio = torch.exp(logps - old_logps)
+    loss = cispo_loss(ratio, torch.tensor([1.0]), logps, epsilon_max=5.0)
+    close(loss, [[0.5, 4.0, 15.0]])  # -min(rho, 5) * A * logp
+    loss.sum().backward()
+    # d/dlogp = -sg(min(rho, 5)) * A: the token with ratio 8 still gets a (capped) gradient
+    close(logps.grad, [[-0.5, -2.0, -5.0]])
+
+
+def test_sapo_soft_gate_by_hand():
+    from lit_grpo.algorithm import sapo_loss
+
+    ratio = torch.tensor([[1.0], [2.0]], requires_grad=True)
+    loss = sapo_loss(ratio, torch.tensor([1.0, -1.0]), temperature_pos=1.0, temperature_neg=2.0)
+    sigmoid_2 = 1 / (1 + math.exp(-2.0))
+    close(loss, [[-2.0], [2.0 * sigmoid_2]])  # -(4/tau) sigmoid(tau (rho - 1)) A
+    loss.sum().backward()
+    # at rho = 1 the gradient is the unclipped one, -A; at rho = 2 (A = -1, tau = 2) it has faded
+    close(ratio.grad[0], [-1.0])
+    close(ratio.grad[1], [4.0 * sigmoid_2 * (1 - sigmoid_2)])
+
+
+def test_high_entropy_mask_keeps_the_top_quantile_of_real_tokens():
+    from lit_grpo.algorithm import high_entropy_mask
+
+    entropy = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    # real entropies 1..6: the median 3.5 splits them; padding (9.0) never counts
+    keep = high_entropy_mask(entropy, mask, top_quantile=0.5)
+    assert keep.tolist() == [[False, False, False, True], [True, True, False, False]]
+    assert high_entropy_mask(entropy, mask, top_quantile=1.0).tolist() == mask.bool().tolist()
+    # the threshold may come from a larger set (every rank's tokens): quantile 0.5 of 1..6 and 100, 200
+    wider = torch.tensor([1.0, 2, 3, 4, 5, 6, 100, 200])
+    keep = high_entropy_mask(entropy, mask, top_quantile=0.5, reference_entropies=wider)
+    assert keep.tolist() == [[False, False, False, False], [True, True, False, False]]
+
+
+def test_new_loss_types_in_the_registry_and_their_aggregation():
+    from lit_grpo.algorithm import LOSS_TYPES, grpo_loss
+
+    assert {"cispo", "sapo"} <= set(LOSS_TYPES)
+    # cispo normalises like dapo, sapo like grpo
+    for loss_type, like in [("cispo", "dapo"), ("sapo", "grpo")]:
+        close(
+            aggregate_loss(PER_TOKEN, MASK, loss_type, max_completion_length=4, num_items_in_batch=7.0),
+            aggregate_loss(PER_TOKEN, MASK, like, max_completion_length=4, num_items_in_batch=7.0),
+        )
+    # a policy mask removes tokens from the policy term but not from the normaliser
+    logps = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    out_all = grpo_loss(logps, logps.detach(), torch.tensor([1.0]), torch.ones(1, 2), max_completion_length=2)
+    out_one = grpo_loss(
+        logps, logps.detach(), torch.tensor([1.0]), torch.ones(1, 2), max_completion_length=2,
+        policy_mask=torch.tensor([[1, 0]]),
+    )
+    close(out_all.loss, -1.0)  # dapo: (-1 - 1) / 2 tokens
+    close(out_one.loss, -0.5)  # (-1 + 0) / 2 tokens

@@ -171,6 +171,21 @@ def test_num_generations_one(tiny_model_dir):
         make_module(tiny_model_dir, num_generations=1)
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"kl_estimator": "k4"}, r"model\.kl_estimator must be one of \('k1', 'k2', 'k3'\), got 'k4'"),
+        ({"delta": 1.1, "epsilon_high": 0.28}, r"model\.delta must be above 1 \+ epsilon_high = 1\.28, got 1\.1"),
+        ({"loss_type": "cispo"}, r"model\.loss_type cispo uses model\.epsilon_high as the upper bound.*got 0\.2"),
+        ({"top_entropy_quantile": 0.0}, r"model\.top_entropy_quantile must be in \(0, 1\], got 0\.0"),
+        ({"loss_type": "sapo", "sapo_temperature_neg": 0.0}, r"model\.sapo_temperature_pos and model\.sapo_temperature_neg must be > 0"),
+    ],
+)
+def test_policy_loss_settings_that_cannot_work(tiny_model_dir, settings, message):
+    with pytest.raises(ValueError, match=message):
+        make_module(tiny_model_dir, **settings)
+
+
 def test_steps_per_generation_not_dividing(tiny_model_dir, write_jsonl, fast_trainer):
     module = make_module(tiny_model_dir, num_generations=2, steps_per_generation=4)
     data = make_data(write_jsonl(PROMPTS), batch_size=3)

@@ -90,18 +90,36 @@ def run_worker(run_dir: Path, name: str, processes: int, overrides: dict, *flags
     return torch.load(out, weights_only=False)
 
 
+LORA = {"r": 4, "lora_alpha": 8}
+
+
 @pytest.fixture(scope="module")
-def single_process_run(run_dir):
-    return run_worker(
-        run_dir, "single", 1, {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}}, "--fixed-completions"
-    )
+def single_process_runs(run_dir):
+    """One-process reference runs, by whether LoRA is on (computed on first use)."""
+    runs = {}
+
+    def get(lora: bool) -> dict:
+        if lora not in runs:
+            overrides = {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}, "model": {"lora": LORA if lora else None}}
+            runs[lora] = run_worker(run_dir, f"single_lora_{lora}", 1, overrides, "--fixed-completions")
+        return runs[lora]
+
+    return get
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-def test_two_processes_match_one_process(run_dir, single_process_run, tiny_model_dir, strategy):
-    overrides = {"trainer": {"devices": 2, "strategy": STRATEGIES[strategy]}, "data": {"batch_size": GLOBAL_BATCH // 2}}
-    two = run_worker(run_dir, strategy, 2, overrides, "--fixed-completions")
-    one = single_process_run
+@pytest.mark.parametrize(
+    "strategy, lora",
+    # FSDP2 with LoRA: the adapter trains sharded and the reference is the sharded base (adapter off)
+    [("ddp", False), ("fsdp2", False), ("fsdp2", True)],
+)
+def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_model_dir, strategy, lora):
+    overrides = {
+        "trainer": {"devices": 2, "strategy": STRATEGIES[strategy]},
+        "data": {"batch_size": GLOBAL_BATCH // 2},
+        "model": {"lora": LORA if lora else None},
+    }
+    two = run_worker(run_dir, f"{strategy}_lora_{lora}", 2, overrides, "--fixed-completions")
+    one = single_process_runs(lora)
     assert two["world_size"] == 2 and one["world_size"] == 1
 
     # the same metrics at every step (2 generation batches, 2 optimizer steps each)
@@ -117,12 +135,16 @@ def test_two_processes_match_one_process(run_dir, single_process_run, tiny_model
     # the same updated weights, which moved away from the initial ones
     from transformers import AutoModelForCausalLM
 
-    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert one["state"].keys() == two["state"].keys()
     for name, expected in one["state"].items():
         torch.testing.assert_close(two["state"][name], expected, rtol=1e-4, atol=1e-5, msg=name)
-    moved = max((one["state"][name] - initial[name]).abs().max().item() for name in initial)
-    assert moved > 1e-3
+    if lora:  # the adapter moved (LoRA's B starts at zero)
+        adapters = [name for name in one["state"] if "lora_B" in name]
+        assert adapters and max(one["state"][name].abs().max().item() for name in adapters) > 1e-3
+    else:
+        initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+        moved = max((one["state"][name] - initial[name]).abs().max().item() for name in initial)
+        assert moved > 1e-3
 
 
 def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir):

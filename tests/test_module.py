@@ -330,16 +330,20 @@ def accumulated_gradient(module, scored, micro_batch_size):
     micro_batches = num_completions // micro_batch_size
     for start in range(0, num_completions, micro_batch_size):
         loss, _ = module._micro_batch_loss(scored, torch.arange(start, start + micro_batch_size))
-        if module.hparams.loss_type in algorithm.ACCUMULATES_BY_MEAN:
+        if algorithm.LOSS_TYPES[module.hparams.loss_type].accumulates_by_mean:
             loss = loss / micro_batches
         loss.backward()
     return torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "cispo", "sapo"])
 def test_micro_batching_does_not_change_the_gradient(tiny_model_dir, fast_trainer, loss_type):
     torch.manual_seed(0)
-    module = attach_trainer(make_module(tiny_model_dir, loss_type=loss_type, max_completion_length=10), fast_trainer)
+    epsilon_high = 5.0 if loss_type == "cispo" else None  # cispo: the importance weight's bound
+    module = attach_trainer(
+        make_module(tiny_model_dir, loss_type=loss_type, max_completion_length=10, epsilon_high=epsilon_high),
+        fast_trainer,
+    )
     # A likelier EOS gives completions of different lengths, which weigh differently per loss_type.
     module.generation_config.sequence_bias = {(module.tokenizer.eos_token_id,): 3.0}
     batch = PromptBatch(prompts=["Say a:", "Now say the letter b:"], columns={"target": ["a", "b"]})
@@ -600,3 +604,25 @@ def test_fit_without_validation_data_does_not_warn_about_validation(tiny_model_d
         fast_trainer(max_steps=1).fit(module, make_data(say_a_or_b_file))
     messages = [str(w.message) for w in caught]
     assert not [m for m in messages if "validation_step" in m or "val_dataloader" in m], messages
+
+
+def test_top_entropy_quantile_trains_only_the_highest_entropy_tokens(tiny_model_dir, fast_trainer):
+    torch.manual_seed(0)
+    module = attach_trainer(
+        make_module(tiny_model_dir, max_completion_length=8, top_entropy_quantile=0.25), fast_trainer
+    )
+    batch = PromptBatch(prompts=["Say a:", "Say b:"], columns={"target": ["a", "b"]})
+    scored, _ = module._generate_and_score(batch)
+    scored.group.advantages = torch.linspace(-1.5, 1.5, 8)
+    rows = torch.arange(8)
+    loss, _ = module._micro_batch_loss(scored, rows)
+
+    # by hand: at ratio 1 the dapo loss is -sum(A_i over kept tokens) / real tokens of the batch
+    with torch.no_grad():
+        _, entropy = module.completion_logps(module.policy, scored.rollout.select(rows), with_entropy=True)
+    mask = scored.loss_mask[:, : entropy.size(1)].bool()
+    threshold = torch.quantile(entropy[mask], 0.75)
+    kept = mask & (entropy >= threshold)
+    assert 0 < kept.sum() < mask.sum()
+    expected = -(scored.group.advantages.unsqueeze(1) * kept).sum() / scored.num_items_in_batch
+    assert float(loss) == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
