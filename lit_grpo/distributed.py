@@ -39,6 +39,7 @@ __all__ = [
     "gather_rows",
     "gathered_for_generation",
     "replace_atomically",
+    "reshard",
     "shard_model",
 ]
 
@@ -120,6 +121,13 @@ def gathered_for_generation(model: torch.nn.Module) -> Iterator[None]:
         for unit, reshard_after_forward in zip(units, settings):
             unit.reshard()
             unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered weights of every FSDP2 unit, so the module's parameters are its shards again
+    (the root unit keeps its weights gathered after a forward without backward). No-op unsharded."""
+    for unit in _fsdp_modules(model):
+        unit.reshard()
 
 
 def gather_rows(tensor: torch.Tensor, all_gather) -> torch.Tensor:

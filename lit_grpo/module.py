@@ -53,6 +53,7 @@ from lit_grpo.generation import (
     position_ids_from_mask,
     render_prompts,
 )
+from lit_grpo.reference import ReferenceModelSync
 from lit_grpo.scoring import RewardScorer, RewardSpec
 
 
@@ -123,6 +124,10 @@ class GRPOModule(pl.LightningModule):
         kl_estimator: ``k1`` | ``k2`` | ``k3`` estimator of the KL penalty (``beta > 0``).
         top_entropy_quantile: train the policy term only on this fraction of the tokens with the
             highest entropy (over the micro-batch on all ranks); 1.0 trains every token.
+        sync_ref_model: every ``ref_model_sync_steps`` optimizer steps move the reference towards the
+            policy, ``ref <- alpha * policy + (1 - alpha) * ref`` (TR-DPO; ``lit_grpo.reference``).
+        ref_model_mixup_alpha: alpha of that update.
+        ref_model_sync_steps: optimizer steps between two updates.
         lora: train a LoRA adapter (peft) instead of every weight: ``peft.LoraConfig`` arguments,
             e.g. ``{r: 16, lora_alpha: 32, lora_dropout: 0.05}``; ``target_modules`` defaults to
             ``all-linear``. With ``beta > 0`` the reference is the policy with the adapter disabled
@@ -169,6 +174,9 @@ class GRPOModule(pl.LightningModule):
         sapo_temperature_neg: float = 1.05,
         kl_estimator: str = "k3",
         top_entropy_quantile: float = 1.0,
+        sync_ref_model: bool = False,
+        ref_model_mixup_alpha: float = 0.6,
+        ref_model_sync_steps: int = 512,
         lora: dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
         logprob_micro_batch_size: int | None = None,
@@ -260,8 +268,12 @@ class GRPOModule(pl.LightningModule):
             checkpoint["state_dict"] = models.add_frozen_weights(state_dict, self.policy, prefix="policy.")
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        """Every run, from the CLI or from Python, checkpoints its random states for exact resume."""
-        return [RNGStateCheckpoint()]
+        """Every run, from the CLI or from Python, checkpoints its random states for exact resume;
+        with ``sync_ref_model`` the reference follows the policy."""
+        callbacks: list[pl.Callback] = [RNGStateCheckpoint()]
+        if self.hparams.sync_ref_model:
+            callbacks.append(ReferenceModelSync(self.hparams.ref_model_sync_steps, self.hparams.ref_model_mixup_alpha))
+        return callbacks
 
     def configure_optimizers(self):
         """The configured optimizer (AdamW at lr 1e-6 by default) over the trainable parameters.
@@ -620,6 +632,13 @@ def _check_settings(hp) -> None:
     epsilon_high = hp.epsilon if hp.epsilon_high is None else hp.epsilon_high
     if hp.delta is not None and hp.delta <= 1 + epsilon_high:
         raise ValueError(f"model.delta must be above 1 + epsilon_high = {1 + epsilon_high}, got {hp.delta}")
+    if hp.sync_ref_model:
+        ReferenceModelSync(hp.ref_model_sync_steps, hp.ref_model_mixup_alpha)  # checks both values
+    if hp.sync_ref_model and (hp.beta == 0 or hp.lora is not None):
+        raise ValueError(
+            "model.sync_ref_model needs a separate reference model: model.beta > 0 and no model.lora "
+            f"(got beta={hp.beta}, lora={hp.lora}); with LoRA the reference is the base model itself"
+        )
     if hp.loss_type == "cispo" and epsilon_high < 1.0:
         raise ValueError(
             f"model.loss_type cispo uses model.epsilon_high as the upper bound of the importance weight "

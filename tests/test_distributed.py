@@ -90,36 +90,38 @@ def run_worker(run_dir: Path, name: str, processes: int, overrides: dict, *flags
     return torch.load(out, weights_only=False)
 
 
-LORA = {"r": 4, "lora_alpha": 8}
+VARIANTS = {
+    "full": {},
+    # LoRA: the adapter trains sharded and the reference is the sharded base model (adapter off)
+    "lora": {"lora": {"r": 4, "lora_alpha": 8}},
+    # the reference follows the policy after every optimizer step, shard by shard
+    "ref_sync": {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5},
+}
 
 
 @pytest.fixture(scope="module")
 def single_process_runs(run_dir):
-    """One-process reference runs, by whether LoRA is on (computed on first use)."""
+    """One-process reference runs, by variant (computed on first use)."""
     runs = {}
 
-    def get(lora: bool) -> dict:
-        if lora not in runs:
-            overrides = {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}, "model": {"lora": LORA if lora else None}}
-            runs[lora] = run_worker(run_dir, f"single_lora_{lora}", 1, overrides, "--fixed-completions")
-        return runs[lora]
+    def get(variant: str) -> dict:
+        if variant not in runs:
+            overrides = {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}, "model": VARIANTS[variant]}
+            runs[variant] = run_worker(run_dir, f"single_{variant}", 1, overrides, "--fixed-completions")
+        return runs[variant]
 
     return get
 
 
-@pytest.mark.parametrize(
-    "strategy, lora",
-    # FSDP2 with LoRA: the adapter trains sharded and the reference is the sharded base (adapter off)
-    [("ddp", False), ("fsdp2", False), ("fsdp2", True)],
-)
-def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_model_dir, strategy, lora):
+@pytest.mark.parametrize("strategy, variant", [("ddp", "full"), ("fsdp2", "full"), ("fsdp2", "lora"), ("fsdp2", "ref_sync")])
+def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_model_dir, strategy, variant):
     overrides = {
         "trainer": {"devices": 2, "strategy": STRATEGIES[strategy]},
         "data": {"batch_size": GLOBAL_BATCH // 2},
-        "model": {"lora": LORA if lora else None},
+        "model": VARIANTS[variant],
     }
-    two = run_worker(run_dir, f"{strategy}_lora_{lora}", 2, overrides, "--fixed-completions")
-    one = single_process_runs(lora)
+    two = run_worker(run_dir, f"{strategy}_{variant}", 2, overrides, "--fixed-completions")
+    one = single_process_runs(variant)
     assert two["world_size"] == 2 and one["world_size"] == 1
 
     # the same metrics at every step (2 generation batches, 2 optimizer steps each)
@@ -138,7 +140,7 @@ def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_mode
     assert one["state"].keys() == two["state"].keys()
     for name, expected in one["state"].items():
         torch.testing.assert_close(two["state"][name], expected, rtol=1e-4, atol=1e-5, msg=name)
-    if lora:  # the adapter moved (LoRA's B starts at zero)
+    if variant == "lora":  # the adapter moved (LoRA's B starts at zero)
         adapters = [name for name in one["state"] if "lora_B" in name]
         assert adapters and max(one["state"][name].abs().max().item() for name in adapters) > 1e-3
     else:
