@@ -6,6 +6,7 @@
 - ``lit-grpo init-tiny DIR``: a tiny random Llama model and character tokenizer for offline runs.
 - ``lit-grpo export CKPT DIR [--no-merge-lora] [--overwrite]``: a checkpoint's policy as a Hugging Face
   ``save_pretrained`` directory (LoRA merged, or as a peft adapter), with its tokenizer.
+- ``lit-grpo completions RUN_DIR [--step N]``: the completions a run logged at a step, as a table.
 """
 
 from __future__ import annotations
@@ -157,7 +158,18 @@ def export_main(argv: list[str]) -> None:
     print(f"Exported the policy of {options.ckpt} to {path}")
 
 
-SUBCOMMANDS = {"init-tiny": init_tiny_main, "rewards": rewards_main, "export": export_main}
+def completions_main(argv: list[str]) -> None:
+    from lit_grpo.completions import completions_main as show
+
+    show(argv)
+
+
+SUBCOMMANDS = {
+    "init-tiny": init_tiny_main,
+    "rewards": rewards_main,
+    "export": export_main,
+    "completions": completions_main,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,6 +27,7 @@ import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -37,6 +38,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from lit_grpo import algorithm, models
 from lit_grpo.checkpointing import RNGStateCheckpoint
+from lit_grpo.completions import COMPLETIONS_FILE, append_records, completion_records, format_table
 from lit_grpo.data import PromptBatch
 from lit_grpo.distributed import (
     data_parallel_mesh,
@@ -124,6 +126,10 @@ class GRPOModule(pl.LightningModule):
         kl_estimator: ``k1`` | ``k2`` | ``k3`` estimator of the KL penalty (``beta > 0``).
         top_entropy_quantile: train the policy term only on this fraction of the tokens with the
             highest entropy (over the micro-batch on all ranks); 1.0 trains every token.
+        save_completions: append every logged step's completions (prompt, completion, each reward,
+            reward, advantage) to ``completions.jsonl`` in the run's log directory (with a logger)
+            (``lit-grpo completions RUN_DIR`` shows them).
+        print_completions: print this many rows of each logged step's completions to the console.
         sync_ref_model: every ``ref_model_sync_steps`` optimizer steps move the reference towards the
             policy, ``ref <- alpha * policy + (1 - alpha) * ref`` (TR-DPO; ``lit_grpo.reference``).
         ref_model_mixup_alpha: alpha of that update.
@@ -174,6 +180,8 @@ class GRPOModule(pl.LightningModule):
         sapo_temperature_neg: float = 1.05,
         kl_estimator: str = "k3",
         top_entropy_quantile: float = 1.0,
+        save_completions: bool = True,
+        print_completions: int = 0,
         sync_ref_model: bool = False,
         ref_model_mixup_alpha: float = 0.6,
         ref_model_sync_steps: int = 512,
@@ -352,6 +360,7 @@ class GRPOModule(pl.LightningModule):
         for name, value in metrics.items():
             self.log(name, value.float(), on_step=True, prog_bar=name == "reward", batch_size=len(batch.prompts))
         self._maybe_log_completions(batch, scored, completions)
+        self._save_completions(batch, scored, completions)
 
     def _generate_and_score(self, batch: PromptBatch, training: bool = True) -> tuple[ScoredRollout, list]:
         """Steps 1-4 for one generation batch; ``training=False`` skips the log-prob passes."""
@@ -571,6 +580,30 @@ class GRPOModule(pl.LightningModule):
             metrics[f"rewards/{name}/errors"] = self.trainer.strategy.reduce(errors, reduce_op="sum")
         return metrics
 
+    def _save_completions(self, batch: PromptBatch, scored: ScoredRollout, completions: list) -> None:
+        """Every ``trainer.log_every_n_steps`` steps: all ranks' completions to ``completions.jsonl``
+        in the run's log directory (rank 0 writes), and the first rows to the console if asked."""
+        hp = self.hparams
+        step = batch_idx_of(self)
+        if not (hp.save_completions or hp.print_completions) or step % max(self.trainer.log_every_n_steps, 1):
+            return
+        records = completion_records(
+            step,
+            [p for p in batch.prompts for _ in range(hp.num_generations)],
+            completions,
+            self.scorer.names,
+            scored.rewards_per_func.tolist(),
+            scored.rewards.tolist(),
+            scored.group.advantages.tolist(),
+        )
+        records = _gather_objects(records)
+        if not self.trainer.is_global_zero:
+            return
+        if hp.save_completions and self.trainer.logger is not None:  # a run without logger has no log directory
+            append_records(Path(self.trainer.log_dir) / COMPLETIONS_FILE, records)
+        if hp.print_completions:
+            print(f"completions at step {step}:\n{format_table(records[: hp.print_completions])}", flush=True)
+
     def _maybe_log_completions(self, batch: PromptBatch, scored: ScoredRollout, completions: list) -> None:
         every = self.hparams.log_completions_every_n_steps
         experiment = getattr(self.logger, "experiment", None)
@@ -596,6 +629,15 @@ class GRPOModule(pl.LightningModule):
 # ----------------------------------------------------------------------------------------------
 # Helpers: loading and validation with errors that name the offending setting
 # ----------------------------------------------------------------------------------------------
+
+
+def _gather_objects(items: list) -> list:
+    """Concatenate a per-rank list over all ranks, in rank order (the list itself on one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return items
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
 
 
 def batch_idx_of(module: pl.LightningModule) -> int:

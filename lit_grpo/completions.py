@@ -1,0 +1,159 @@
+"""Completions you can read: every logged step's prompts, completions, rewards and advantages.
+
+During ``fit`` the module appends one JSON object per completion to ``completions.jsonl`` in the
+run's log directory (``runs/<name>/version_N/`` with the TensorBoard logger)::
+
+    {"step": 3, "prompt": "Say a:", "completion": "aaab", "rewards": {"char_fraction": 0.75},
+     "reward": 0.75, "advantage": 1.12}
+
+(``model.save_completions``; every ``trainer.log_every_n_steps`` training steps, from every rank).
+``lit-grpo completions RUN_DIR [--step N]`` prints one step of it as a table, and
+``model.print_completions: K`` prints the first K rows of each logged step to the console.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["COMPLETIONS_FILE", "append_records", "completion_records", "completions_main", "format_table", "read_records"]
+
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+def _text(value: Any) -> str:
+    """A prompt or completion as text: the last message's content for a conversation."""
+    if isinstance(value, list) and value and isinstance(value[-1], dict):
+        return str(value[-1].get("content", ""))
+    return str(value)
+
+
+def _number(value: float) -> float | None:
+    return None if math.isnan(value) else value  # a reward that returned None stays null in JSON
+
+
+def completion_records(
+    step: int,
+    prompts: list,
+    completions: list,
+    reward_names: list[str],
+    rewards_per_func: list[list[float]],
+    rewards: list[float],
+    advantages: list[float],
+) -> list[dict[str, Any]]:
+    """One JSON-ready record per completion of a step (conversations keep their messages)."""
+    return [
+        {
+            "step": step,
+            "prompt": prompt,
+            "completion": completion,
+            "rewards": {name: _number(float(value)) for name, value in zip(reward_names, per_func)},
+            "reward": _number(float(reward)),
+            "advantage": float(advantage),
+        }
+        for prompt, completion, per_func, reward, advantage in zip(
+            prompts, completions, rewards_per_func, rewards, advantages
+        )
+    ]
+
+
+def append_records(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append records as JSON lines (the file and its directory are created when missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as file:
+        for record in records:
+            file.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``completions.jsonl``; a bad line is reported with its number."""
+    records = []
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number} is not a JSON object: {exc}") from exc
+    return records
+
+
+def _cell(value: Any, width: int) -> str:
+    text = _text(value) if not isinstance(value, float) else f"{value:.3f}"
+    text = text.replace("\n", "⏎").replace("|", "\\|")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_table(records: list[dict[str, Any]], width: int = 40) -> str:
+    """A compact Markdown table: prompt, completion, each reward, reward, advantage."""
+    if not records:
+        return "(no completions)"
+    names = list(records[0]["rewards"])
+    header = ["prompt", "completion", *names, "reward", "advantage"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for record in records:
+        scores = [record["rewards"].get(name) for name in names]
+        cells = [
+            _cell(record["prompt"], width),
+            _cell(record["completion"], width),
+            *("None" if score is None else f"{score:.3f}" for score in scores),
+            "None" if record["reward"] is None else f"{record['reward']:.3f}",
+            f"{record['advantage']:.3f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def find_completions_file(path: Path) -> Path:
+    """``path`` itself, or the most recently written ``completions.jsonl`` below it."""
+    if path.is_file():
+        return path
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    candidates = sorted(path.rglob(COMPLETIONS_FILE), key=lambda candidate: candidate.stat().st_mtime)
+    if not candidates:
+        raise FileNotFoundError(
+            f"no {COMPLETIONS_FILE} under {path}: a run writes it in its log directory "
+            "(model.save_completions, every trainer.log_every_n_steps steps)"
+        )
+    return candidates[-1]
+
+
+def completions_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lit-grpo completions",
+        description="Show the completions a run logged at one step (from its completions.jsonl).",
+    )
+    parser.add_argument("path", help="a run's log directory (e.g. runs/quickstart), or a completions.jsonl")
+    parser.add_argument("--step", type=int, default=None, help="training step to show (default: the last logged)")
+    parser.add_argument("--limit", type=int, default=16, help="rows to show (default 16; 0 shows all)")
+    parser.add_argument("--width", type=int, default=40, help="characters per text cell")
+    parser.add_argument("--json", action="store_true", help="print the step's records as JSON lines")
+    args = parser.parse_args(argv)
+    try:
+        path = find_completions_file(Path(args.path))
+        records = read_records(path)
+    except (FileNotFoundError, ValueError) as exc:
+        parser.exit(2, f"lit-grpo completions: {exc}\n")
+    steps = sorted({record["step"] for record in records})
+    if not steps:
+        parser.exit(2, f"lit-grpo completions: {path} holds no completions\n")
+    step = steps[-1] if args.step is None else args.step
+    if step not in steps:
+        shown = ", ".join(map(str, steps[:20])) + (" ..." if len(steps) > 20 else "")
+        parser.exit(2, f"lit-grpo completions: step {step} is not in {path}; logged steps: {shown}\n")
+    selected = [record for record in records if record["step"] == step]
+    if args.limit:
+        selected = selected[: args.limit]
+    if args.json:
+        for record in selected:
+            print(json.dumps(record, ensure_ascii=False))
+        return
+    print(f"{path}, step {step} ({len(selected)} of {sum(r['step'] == step for r in records)} completions)")
+    print(format_table(selected, width=args.width))
+    sys.stdout.flush()

@@ -1,0 +1,80 @@
+"""Completions you can read: completions.jsonl in the run's log directory and `lit-grpo completions`."""
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lit_grpo.cli import main
+from test_module import LOWERCASE, make_data, make_module
+
+
+@pytest.fixture
+def logged_run(tiny_model_dir, say_a_or_b_file, fast_trainer, tmp_path, capsys):
+    """A 3-step fit logging every 2 steps and printing 2 rows; returns (log_dir, scored per step)."""
+    pl.seed_everything(0)
+    module = make_module(tiny_model_dir, rewards=LOWERCASE, print_completions=2)
+    scored_steps = []
+    generate_and_score = module._generate_and_score
+
+    def recording(batch, training=True):
+        scored, completions = generate_and_score(batch, training)
+        scored_steps.append((batch, scored, completions))
+        return scored, completions
+
+    module._generate_and_score = recording
+    logger = TensorBoardLogger(tmp_path / "runs", name="demo")
+    trainer = fast_trainer(max_steps=3, logger=logger, log_every_n_steps=2)
+    trainer.fit(module, make_data(say_a_or_b_file))
+    return logger.log_dir, scored_steps, capsys.readouterr().out
+
+
+def test_logged_steps_are_written_with_rewards_and_advantages(logged_run):
+    log_dir, scored_steps, console = logged_run
+    lines = (Path(log_dir) / "completions.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    # steps 0 and 2 of 0, 1, 2 are logging steps (every 2); 2 prompts x 4 completions each
+    assert [r["step"] for r in records] == [0] * 8 + [2] * 8
+    for step, (batch, scored, completions) in [(0, scored_steps[0]), (2, scored_steps[2])]:
+        rows = [r for r in records if r["step"] == step]
+        assert [r["prompt"] for r in rows] == [p for p in batch.prompts for _ in range(4)]
+        assert [r["completion"] for r in rows] == completions
+        assert [r["rewards"]["char_fraction"] for r in rows] == pytest.approx(scored.rewards_per_func[:, 0].tolist())
+        assert [r["reward"] for r in rows] == pytest.approx(scored.rewards.tolist())
+        assert [r["advantage"] for r in rows] == pytest.approx(scored.group.advantages.tolist())
+    # print_completions: 2 rows of each logged step on the console
+    assert console.count("completions at step") == 2
+    assert "| prompt | completion | char_fraction | reward | advantage |" in console
+
+
+def test_completions_command_shows_a_step(logged_run, capsys):
+    log_dir, scored_steps, _ = logged_run
+    run_dir = str(Path(log_dir).parent)  # runs/demo: the newest file below it
+    main(["completions", run_dir, "--step", "0", "--limit", "3"])
+    out = capsys.readouterr().out
+    assert "step 0 (3 of 8 completions)" in out
+    assert out.count("\n| ") == 3 + 1  # header and 3 rows (the separator starts with "|-")
+    first_reward = float(scored_steps[0][1].rewards[0])
+    assert f"{first_reward:.3f}" in out.splitlines()[3]
+
+    main(["completions", run_dir, "--json", "--limit", "1"])  # the last logged step by default
+    record = json.loads(capsys.readouterr().out)
+    assert record["step"] == 2
+
+
+def test_completions_command_errors_name_what_is_missing(logged_run, tmp_path, capsys):
+    log_dir, _, _ = logged_run
+    with pytest.raises(SystemExit) as exit_info:
+        main(["completions", log_dir, "--step", "7"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "step 7 is not in" in err and "logged steps: 0, 2" in err
+    with pytest.raises(SystemExit):
+        main(["completions", str(tmp_path / "empty")])
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main(["completions", str(tmp_path / "empty")])
+    assert "no completions.jsonl under" in capsys.readouterr().err
