@@ -22,6 +22,7 @@ So one ``training_step`` makes ``num_iterations * steps_per_generation`` optimiz
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import warnings
@@ -32,11 +33,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torchmetrics
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, GenerationConfig
 
-from lit_grpo import algorithm, models
+from lit_grpo import algorithm, evaluation, models
 from lit_grpo.checkpointing import RNGStateCheckpoint
 from lit_grpo.completions import COMPLETIONS_FILE, append_records, completion_records, format_table
 from lit_grpo.data import PromptBatch
@@ -126,6 +128,15 @@ class GRPOModule(pl.LightningModule):
         kl_estimator: ``k1`` | ``k2`` | ``k3`` estimator of the KL penalty (``beta > 0``).
         top_entropy_quantile: train the policy term only on this fraction of the tokens with the
             highest entropy (over the micro-batch on all ranks); 1.0 trains every token.
+        num_generations_eval: completions sampled per validation prompt (k); None uses
+            ``num_generations``.
+        temperature_eval: sampling temperature for validation; 0 decodes greedily; None uses
+            ``temperature``.
+        eval_rewards: rewards for validation (same form as ``rewards``); None uses the training ones.
+        eval_pass_k: the k values of ``val/pass@k`` (each at most ``num_generations_eval``); None logs
+            pass@1 and pass@n.
+        eval_success_threshold: a validation completion counts as correct (pass@k, maj@n) when its
+            total reward is at least this.
         save_completions: append every logged step's completions (prompt, completion, each reward,
             reward, advantage) to ``completions.jsonl`` in the run's log directory (with a logger)
             (``lit-grpo completions RUN_DIR`` shows them).
@@ -180,6 +191,11 @@ class GRPOModule(pl.LightningModule):
         sapo_temperature_neg: float = 1.05,
         kl_estimator: str = "k3",
         top_entropy_quantile: float = 1.0,
+        num_generations_eval: int | None = None,
+        temperature_eval: float | None = None,
+        eval_rewards: list[RewardSpec] | None = None,
+        eval_pass_k: list[int] | None = None,
+        eval_success_threshold: float = 1.0,
         save_completions: bool = True,
         print_completions: int = 0,
         sync_ref_model: bool = False,
@@ -205,6 +221,13 @@ class GRPOModule(pl.LightningModule):
 
         # Rewards are resolved now, so a misspelt name fails before any model is loaded.
         self.scorer = RewardScorer(rewards)
+        self.eval_scorer = RewardScorer(eval_rewards) if eval_rewards else self.scorer
+        # validation metrics, reduced over every rank's prompts at the end of the validation epoch
+        n_eval = num_generations_eval or num_generations
+        self.eval_pass_k = sorted(set(eval_pass_k or [1, n_eval]))
+        self.val_metrics = torch.nn.ModuleDict(
+            {name: torchmetrics.MeanMetric() for name in ["reward", "mean", "maj", *(f"pass{k}" for k in self.eval_pass_k)]}
+        )
         self.tokenizer = load_tokenizer(model_name_or_path)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
@@ -245,6 +268,7 @@ class GRPOModule(pl.LightningModule):
             eos_token_id=self.tokenizer.eos_token_id,
             bos_token_id=self.tokenizer.bos_token_id,
         )
+        self.eval_generation_config = eval_generation_config(self.generation_config, self.hparams.temperature_eval)
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -258,6 +282,8 @@ class GRPOModule(pl.LightningModule):
 
     def teardown(self, stage: str) -> None:
         self.scorer.close()  # stop reward worker processes and the async-reward event loop
+        if self.eval_scorer is not self.scorer:
+            self.eval_scorer.close()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """With LoRA the checkpoint keeps only the policy's adapter: its frozen base weights are those
@@ -541,8 +567,50 @@ class GRPOModule(pl.LightningModule):
     # ------------------------------------------------------------------------------------------
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        scored, _ = self._generate_and_score(batch, training=False)
-        self.log("val/reward", scored.rewards.nanmean(), batch_size=len(batch.prompts), sync_dist=True)
+        """Sample k completions per validation prompt, score them with the evaluation rewards, and
+        accumulate ``val/reward``, ``val/mean@k``, ``val/pass@k`` and (binary rewards) ``val/maj@k``."""
+        hp = self.hparams
+        k = hp.num_generations_eval or hp.num_generations
+        num_prompts = len(batch.prompts)
+        with torch.no_grad(), gathered_for_generation(self.policy):
+            rollout = generate_completions(
+                self.policy,
+                self.tokenizer,
+                render_prompts(self.tokenizer, batch.prompts),
+                k,
+                self.eval_generation_config,
+                hp.max_prompt_length,
+            )
+        texts, completion_ids = decode_completions(self.tokenizer, rollout)
+        prompts = [prompt for prompt in batch.prompts for _ in range(k)]
+        completions = [
+            [{"role": "assistant", "content": text}] if is_conversational(prompt) else text
+            for prompt, text in zip(prompts, texts)
+        ]
+        columns = {name: [value for value in values for _ in range(k)] for name, values in batch.columns.items()}
+        rewards_per_func = self.eval_scorer(prompts, completions, completion_ids, columns).to(self.device)
+        rewards = algorithm.combine_rewards(rewards_per_func, self.eval_scorer.weights).view(num_prompts, k)  # [B, k]
+
+        valid = ~torch.isnan(rewards)
+        correct = valid & (rewards >= hp.eval_success_threshold)  # [B, k]
+        metrics = self.val_metrics
+        metrics["reward"].update(rewards[valid])
+        per_prompt_mean = rewards.nanmean(dim=1)  # [B], NaN for a prompt no reward applied to
+        metrics["mean"].update(per_prompt_mean[~torch.isnan(per_prompt_mean)])
+        for pass_k in self.eval_pass_k:
+            metrics[f"pass{pass_k}"].update(evaluation.pass_at_k(correct.sum(dim=1), k, pass_k).to(self.device))
+        # maj@k only where the reward is binary on every rank's batch
+        binary = torch.tensor(float(bool(((rewards[valid] == 0) | (rewards[valid] == 1)).all())), device=self.device)
+        if float(self.trainer.strategy.reduce(binary, reduce_op="min")) == 1.0:
+            answers = [[" ".join(text.split()) for text in texts[b * k : (b + 1) * k]] for b in range(num_prompts)]
+            metrics["maj"].update(evaluation.majority_correct(answers, correct.cpu()).to(self.device))
+        log = dict(on_step=False, on_epoch=True, batch_size=num_prompts)
+        self.log("val/reward", metrics["reward"], **log)
+        self.log(f"val/mean@{k}", metrics["mean"], **log)
+        for pass_k in self.eval_pass_k:
+            self.log(f"val/pass@{pass_k}", metrics[f"pass{pass_k}"], **log)
+        if metrics["maj"].weight > 0:
+            self.log(f"val/maj@{k}", metrics["maj"], **log)
 
     # ------------------------------------------------------------------------------------------
     # Logging
@@ -631,6 +699,24 @@ class GRPOModule(pl.LightningModule):
 # ----------------------------------------------------------------------------------------------
 
 
+def eval_generation_config(training: GenerationConfig, temperature: float | None) -> GenerationConfig:
+    """Validation's sampling: the training settings at ``temperature``; 0 decodes greedily."""
+    config = copy.deepcopy(training)
+    if temperature is None:
+        return config
+    if temperature == 0:
+        return GenerationConfig(
+            do_sample=False,
+            max_new_tokens=training.max_new_tokens,
+            repetition_penalty=training.repetition_penalty,
+            pad_token_id=training.pad_token_id,
+            eos_token_id=training.eos_token_id,
+            bos_token_id=training.bos_token_id,
+        )
+    config.temperature = temperature
+    return config
+
+
 def _gather_objects(items: list) -> list:
     """Concatenate a per-rank list over all ranks, in rank order (the list itself on one process)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -699,6 +785,14 @@ def _check_settings(hp) -> None:
             f"model.importance_sampling_level must be one of {algorithm.IMPORTANCE_SAMPLING_LEVELS}, "
             f"got {hp.importance_sampling_level!r}"
         )
+    if hp.temperature_eval is not None and hp.temperature_eval < 0:
+        raise ValueError(f"model.temperature_eval must be >= 0 (0 = greedy) or null, got {hp.temperature_eval}")
+    n_eval = hp.num_generations_eval or hp.num_generations
+    if hp.num_generations_eval is not None and hp.num_generations_eval < 1:
+        raise ValueError(f"model.num_generations_eval must be at least 1, got {hp.num_generations_eval}")
+    for pass_k in hp.eval_pass_k or []:
+        if not 1 <= pass_k <= n_eval:
+            raise ValueError(f"model.eval_pass_k value {pass_k} must be between 1 and num_generations_eval = {n_eval}")
     if hp.temperature <= 0:
         raise ValueError(f"model.temperature must be > 0 (sampling), got {hp.temperature}")
     if hp.beta < 0:
