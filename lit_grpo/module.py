@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, GenerationConfig
 
 from lit_grpo import algorithm, evaluation, models
+from lit_grpo.callbacks import ValidateBeforeTraining
 from lit_grpo.checkpointing import RNGStateCheckpoint
 from lit_grpo.completions import COMPLETIONS_FILE, append_records, completion_records, format_table
 from lit_grpo.data import PromptBatch
@@ -137,6 +138,8 @@ class GRPOModule(pl.LightningModule):
             pass@1 and pass@n.
         eval_success_threshold: a validation completion counts as correct (pass@k, maj@n) when its
             total reward is at least this.
+        validate_before_training: run the validation loop once before the first training step (the
+            untrained model's ``val/*`` metrics at step 0); needs ``data.val_split``.
         save_completions: append every logged step's completions (prompt, completion, each reward,
             reward, advantage) to ``completions.jsonl`` in the run's log directory (with a logger)
             (``lit-grpo completions RUN_DIR`` shows them).
@@ -196,6 +199,7 @@ class GRPOModule(pl.LightningModule):
         eval_rewards: list[RewardSpec] | None = None,
         eval_pass_k: list[int] | None = None,
         eval_success_threshold: float = 1.0,
+        validate_before_training: bool = False,
         save_completions: bool = True,
         print_completions: int = 0,
         sync_ref_model: bool = False,
@@ -305,6 +309,8 @@ class GRPOModule(pl.LightningModule):
         """Every run, from the CLI or from Python, checkpoints its random states for exact resume;
         with ``sync_ref_model`` the reference follows the policy."""
         callbacks: list[pl.Callback] = [RNGStateCheckpoint()]
+        if self.hparams.validate_before_training:
+            callbacks.append(ValidateBeforeTraining())
         if self.hparams.sync_ref_model:
             callbacks.append(ReferenceModelSync(self.hparams.ref_model_sync_steps, self.hparams.ref_model_mixup_alpha))
         return callbacks

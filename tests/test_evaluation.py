@@ -120,3 +120,19 @@ data: {{path: json, data_files: {say_a_or_b_file}, batch_size: 2, val_split: "tr
     out = capsys.readouterr().out
     for name in ("val/reward", "val/mean@2", "val/pass@1", "val/pass@2"):
         assert name in out, out
+
+
+def test_validate_before_training_logs_the_untrained_baseline(tiny_model_dir, say_a_or_b_file, fast_trainer):
+    pl.seed_everything(0)
+    module = make_module(tiny_model_dir, num_generations_eval=2, validate_before_training=True)
+    validated_at = []
+
+    class Record(pl.Callback):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            validated_at.append(trainer.global_step)
+
+    trainer = fast_trainer(max_steps=2, callbacks=[Record()], num_sanity_val_steps=0, limit_val_batches=1)
+    trainer.fit(module, make_data(say_a_or_b_file, val_split="train[:2]"))
+    # 8 batches per epoch and 2 steps: Lightning itself never validates here; the callback does, at step 0
+    assert validated_at == [0]
+    assert "val/reward" in trainer.callback_metrics
