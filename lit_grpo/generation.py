@@ -53,6 +53,24 @@ class Rollout:
         )
 
 
+def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Stack rollouts of different widths: prompts left-padded, completions right-padded."""
+    prompt_width = max(r.prompt_ids.size(1) for r in rollouts)
+    completion_width = max(r.completion_ids.size(1) for r in rollouts)
+
+    def pad(tensor: torch.Tensor, width: int, value: int, left: bool) -> torch.Tensor:
+        missing = width - tensor.size(1)
+        return torch.nn.functional.pad(tensor, (missing, 0) if left else (0, missing), value=value)
+
+    return Rollout(
+        prompt_ids=torch.cat([pad(r.prompt_ids, prompt_width, pad_token_id, True) for r in rollouts]),
+        prompt_mask=torch.cat([pad(r.prompt_mask, prompt_width, 0, True) for r in rollouts]),
+        completion_ids=torch.cat([pad(r.completion_ids, completion_width, pad_token_id, False) for r in rollouts]),
+        completion_mask=torch.cat([pad(r.completion_mask, completion_width, 0, False) for r in rollouts]),
+        is_truncated=torch.cat([r.is_truncated for r in rollouts]),
+    )
+
+
 def is_conversational(prompt) -> bool:
     """A prompt is conversational when it is a list of chat messages."""
     return isinstance(prompt, list)

@@ -52,6 +52,7 @@ from lit_grpo.distributed import (
 )
 from lit_grpo.generation import (
     Rollout,
+    concat_rollouts,
     decode_completions,
     generate_completions,
     is_conversational,
@@ -85,6 +86,48 @@ class ScoredRollout:
     ref_logps: torch.Tensor | None  # [N, C] reference model, None when beta == 0
     num_items_in_batch: float  # real completion tokens of the generation batch, over all ranks, / world size
     timings: dict[str, float]  # seconds spent in each phase of the step (generate, rewards, logprobs, train)
+    prompts: list  # [B] the prompts of the groups (with dynamic sampling, not only the step's batch)
+    dynamic_sampling: dict[str, torch.Tensor] | None = None  # dropped_frac and rounds, when enabled
+
+
+@dataclass
+class SampledGroups:
+    """Steps 1-3 for some prompts: their groups of G completions, rewards and advantages. N = B * G."""
+
+    prompts: list  # [B] one entry per group
+    rollout: Rollout
+    completions: list  # [N] as the rewards saw them (text, or assistant messages)
+    rewards_per_func: torch.Tensor  # [N, K]
+    rewards: torch.Tensor  # [N]
+    group: algorithm.GroupAdvantages
+
+    def informative_groups(self, G: int) -> torch.Tensor:
+        """``[B]`` True where the group's rewards differ (advantages not all zero)."""
+        return ~self.group.zero_std.view(-1, G).all(dim=1)
+
+    def group_slice(self, g: int, G: int) -> "SampledGroups":
+        rows = torch.arange(g * G, (g + 1) * G, device=self.rewards.device)
+        return SampledGroups(
+            prompts=[self.prompts[g]],
+            rollout=self.rollout.select(rows),
+            completions=self.completions[g * G : (g + 1) * G],
+            rewards_per_func=self.rewards_per_func[rows],
+            rewards=self.rewards[rows],
+            group=self.group.rows(rows),
+        )
+
+    @staticmethod
+    def concat(parts: list["SampledGroups"], pad_token_id: int) -> "SampledGroups":
+        return SampledGroups(
+            prompts=[prompt for part in parts for prompt in part.prompts],
+            rollout=concat_rollouts([part.rollout for part in parts], pad_token_id).trimmed(),
+            completions=[c for part in parts for c in part.completions],
+            rewards_per_func=torch.cat([part.rewards_per_func for part in parts]),
+            rewards=torch.cat([part.rewards for part in parts]),
+            group=algorithm.GroupAdvantages(
+                *(torch.cat([getattr(part.group, field) for part in parts]) for field in ("advantages", "group_mean", "group_std", "zero_std"))
+            ),
+        )
 
 
 class GRPOModule(pl.LightningModule):
@@ -138,6 +181,10 @@ class GRPOModule(pl.LightningModule):
             pass@1 and pass@n.
         eval_success_threshold: a validation completion counts as correct (pass@k, maj@n) when its
             total reward is at least this.
+        dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards are all equal and sample
+            the next prompts of the data until the step holds ``batch_size`` informative groups.
+        max_generation_rounds: at most this many generation rounds per step with dynamic sampling
+            (then the batch is topped up with uninformative groups).
         validate_before_training: run the validation loop once before the first training step (the
             untrained model's ``val/*`` metrics at step 0); needs ``data.val_split``.
         save_completions: append every logged step's completions (prompt, completion, each reward,
@@ -199,6 +246,8 @@ class GRPOModule(pl.LightningModule):
         eval_rewards: list[RewardSpec] | None = None,
         eval_pass_k: list[int] | None = None,
         eval_success_threshold: float = 1.0,
+        dynamic_sampling: bool = False,
+        max_generation_rounds: int = 4,
         validate_before_training: bool = False,
         save_completions: bool = True,
         print_completions: int = 0,
@@ -389,6 +438,8 @@ class GRPOModule(pl.LightningModule):
         # completion tokens sampled by all ranks per second of this step
         completion_tokens = self.trainer.strategy.reduce(rollout.completion_lengths.sum().float(), reduce_op="sum")
         metrics["tokens_per_second"] = completion_tokens / step_time
+        for name, value in (scored.dynamic_sampling or {}).items():
+            metrics[f"dynamic_sampling/{name}"] = value
         for name, value in metrics.items():
             self.log(name, value.float(), on_step=True, prog_bar=name == "reward", batch_size=len(batch.prompts))
         self._maybe_log_completions(batch, scored, completions)
@@ -397,36 +448,15 @@ class GRPOModule(pl.LightningModule):
     def _generate_and_score(self, batch: PromptBatch, training: bool = True) -> tuple[ScoredRollout, list]:
         """Steps 1-4 for one generation batch; ``training=False`` skips the log-prob passes."""
         hp = self.hparams
-        G = hp.num_generations
+        timings = {"generate": 0.0, "rewards": 0.0}  # seconds per phase, logged as time/<phase>
 
-        timings = {}  # seconds per phase, logged as time/<phase>
-        # 1. Sample G completions per prompt.
-        start = time.perf_counter()
-        rollout = self.generate(batch.prompts)
-        completion_texts, completion_ids = decode_completions(self.tokenizer, rollout)
-        timings["generate"] = time.perf_counter() - start
-
-        # 2. Score them: every reward sees one prompt, one completion and one value of each column.
-        prompts = [prompt for prompt in batch.prompts for _ in range(G)]
-        completions = [
-            [{"role": "assistant", "content": text}] if is_conversational(prompt) else text
-            for prompt, text in zip(prompts, completion_texts)
-        ]
-        columns = {name: [value for value in values for _ in range(G)] for name, values in batch.columns.items()}
-        start = time.perf_counter()
-        rewards_per_func = self.scorer(prompts, completions, completion_ids, columns).to(self.device)  # [N, K]
-        timings["rewards"] = time.perf_counter() - start
-
-        # 3. Group-relative advantages. Groups never straddle ranks, but the rewards of every rank
-        #    are gathered so that batch-level statistics (scale_rewards: batch, the logged reward
-        #    metrics) describe the global batch; this rank keeps its own rows.
-        all_rewards_per_func = gather_rows(rewards_per_func, self.all_gather)  # [world * N, K]
-        all_rewards = algorithm.combine_rewards(all_rewards_per_func, self.scorer.weights)  # [world * N]
-        all_group = algorithm.group_advantages(all_rewards, G, hp.scale_rewards)
-        N = rewards_per_func.size(0)
-        local_rows = slice(self.global_rank * N, (self.global_rank + 1) * N)
-        rewards = all_rewards[local_rows]  # [N]
-        group = all_group.rows(local_rows)
+        # 1-3. Sample G completions per prompt, score them, group-relative advantages; with dynamic
+        #      sampling, drop groups without signal and sample more prompts to replace them.
+        sampled = self._sample_and_score(batch, timings)
+        dynamic_sampling_stats = None
+        if training and hp.dynamic_sampling:
+            sampled, dynamic_sampling_stats = self._dynamic_sampling(sampled, timings)
+        rollout = sampled.rollout
 
         loss_mask = rollout.completion_mask
         if hp.mask_truncated_completions:
@@ -447,15 +477,104 @@ class GRPOModule(pl.LightningModule):
         scored = ScoredRollout(
             rollout=rollout,
             loss_mask=loss_mask,
-            rewards_per_func=rewards_per_func,
-            rewards=rewards,
-            group=group,
+            rewards_per_func=sampled.rewards_per_func,
+            rewards=sampled.rewards,
+            group=sampled.group,
             old_logps=old_logps,
             ref_logps=ref_logps,
             num_items_in_batch=num_items_in_batch,
             timings=timings,
+            prompts=sampled.prompts,
+            dynamic_sampling=dynamic_sampling_stats,
         )
-        return scored, completions
+        return scored, sampled.completions
+
+    def _sample_and_score(self, batch: PromptBatch, timings: dict[str, float]) -> "SampledGroups":
+        """Steps 1-3 for one batch of prompts: sample, score, group-relative advantages."""
+        hp = self.hparams
+        G = hp.num_generations
+
+        # 1. Sample G completions per prompt.
+        start = time.perf_counter()
+        rollout = self.generate(batch.prompts)
+        completion_texts, completion_ids = decode_completions(self.tokenizer, rollout)
+        timings["generate"] += time.perf_counter() - start
+
+        # 2. Score them: every reward sees one prompt, one completion and one value of each column.
+        prompts = [prompt for prompt in batch.prompts for _ in range(G)]
+        completions = [
+            [{"role": "assistant", "content": text}] if is_conversational(prompt) else text
+            for prompt, text in zip(prompts, completion_texts)
+        ]
+        columns = {name: [value for value in values for _ in range(G)] for name, values in batch.columns.items()}
+        start = time.perf_counter()
+        rewards_per_func = self.scorer(prompts, completions, completion_ids, columns).to(self.device)  # [N, K]
+        timings["rewards"] += time.perf_counter() - start
+
+        # 3. Group-relative advantages. Groups never straddle ranks, but the rewards of every rank
+        #    are gathered so that batch-level statistics (scale_rewards: batch, the logged reward
+        #    metrics) describe the global batch; this rank keeps its own rows.
+        all_rewards_per_func = gather_rows(rewards_per_func, self.all_gather)  # [world * N, K]
+        all_rewards = algorithm.combine_rewards(all_rewards_per_func, self.scorer.weights)  # [world * N]
+        all_group = algorithm.group_advantages(all_rewards, G, hp.scale_rewards)
+        N = rewards_per_func.size(0)
+        local_rows = slice(self.global_rank * N, (self.global_rank + 1) * N)
+        return SampledGroups(
+            prompts=list(batch.prompts),
+            rollout=rollout,
+            completions=completions,
+            rewards_per_func=rewards_per_func,
+            rewards=all_rewards[local_rows],
+            group=all_group.rows(local_rows),
+        )
+
+    def _dynamic_sampling(self, sampled: "SampledGroups", timings: dict[str, float]) -> tuple["SampledGroups", dict]:
+        """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): drop the groups whose rewards are
+        all equal (advantage 0, no gradient) and sample the next prompts of the data stream until this
+        batch holds ``batch_size`` informative groups on every rank, or ``max_generation_rounds``.
+
+        Every rank runs the same number of rounds (the stop decision is reduced over ranks) and keeps
+        exactly ``batch_size`` groups, topped up with uninformative ones when the rounds run out, so
+        every rank makes the same number of micro-batches and optimizer steps.
+        """
+        hp = self.hparams
+        G = hp.num_generations
+        wanted = len(sampled.prompts)
+        parts = [sampled]
+        rounds, seen, dropped = 1, len(sampled.prompts), int(sampled.informative_groups(G).logical_not().sum())
+        while True:
+            informative = sum(int(part.informative_groups(G).sum()) for part in parts)
+            done = torch.tensor(float(informative >= wanted or rounds >= hp.max_generation_rounds), device=self.device)
+            if float(self.trainer.strategy.reduce(done, reduce_op="min")) == 1.0:
+                break
+            batch = self._next_prompt_batch()
+            exhausted = torch.tensor(float(batch is None), device=self.device)
+            if float(self.trainer.strategy.reduce(exhausted, reduce_op="max")) == 1.0:
+                break  # the epoch's data ran out on some rank: train on what there is
+            part = self._sample_and_score(batch, timings)
+            parts.append(part)
+            rounds += 1
+            seen += len(part.prompts)
+            dropped += int(part.informative_groups(G).logical_not().sum())
+        # informative groups first (in sampling order), then uninformative ones to fill the batch
+        order = [(p, g) for p, part in enumerate(parts) for g in range(len(part.prompts)) if part.informative_groups(G)[g]]
+        order += [(p, g) for p, part in enumerate(parts) for g in range(len(part.prompts)) if not part.informative_groups(G)[g]]
+        selected = SampledGroups.concat([parts[p].group_slice(g, G) for p, g in order[:wanted]], self.tokenizer.pad_token_id)
+        totals = self.trainer.strategy.reduce(torch.tensor([float(dropped), float(seen)], device=self.device), reduce_op="sum")
+        stats = {"dropped_frac": totals[0] / totals[1].clamp(min=1.0), "rounds": torch.tensor(float(rounds))}
+        return selected, stats
+
+    def _next_prompt_batch(self) -> PromptBatch | None:
+        """The next batch of the training stream (what the next training step would have received),
+        or None at the end of the epoch. Consumed batches count in the data position saved in checkpoints."""
+        fetcher = self.trainer.fit_loop._data_fetcher
+        try:
+            batch, _, _ = next(fetcher)
+        except StopIteration:
+            return None
+        finally:
+            self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+        return batch
 
     def _micro_batch_loss(self, scored: ScoredRollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         hp = self.hparams
@@ -663,7 +782,7 @@ class GRPOModule(pl.LightningModule):
             return
         records = completion_records(
             step,
-            [p for p in batch.prompts for _ in range(hp.num_generations)],
+            [p for p in scored.prompts for _ in range(hp.num_generations)],
             completions,
             self.scorer.names,
             scored.rewards_per_func.tolist(),
@@ -683,7 +802,7 @@ class GRPOModule(pl.LightningModule):
         experiment = getattr(self.logger, "experiment", None)
         if not every or batch_idx_of(self) % every != 0 or not hasattr(experiment, "add_text"):
             return
-        prompts = [p for p in batch.prompts for _ in range(self.hparams.num_generations)]
+        prompts = [p for p in scored.prompts for _ in range(self.hparams.num_generations)]
         header = ["prompt", "completion", *self.scorer.names, "reward", "advantage"]
         rows = []
         for i in range(min(self.hparams.num_completions_to_log, len(completions))):
@@ -750,7 +869,7 @@ def _check_settings(hp) -> None:
             f"model.num_generations must be at least 2 (got {hp.num_generations}): GRPO's advantage "
             "is a completion's reward relative to the other completions of its group"
         )
-    positive = ["max_completion_length", "num_iterations", "steps_per_generation"]
+    positive = ["max_completion_length", "num_iterations", "steps_per_generation", "max_generation_rounds"]
     for key in positive:
         if hp[key] < 1:
             raise ValueError(f"model.{key} must be at least 1, got {hp[key]}")

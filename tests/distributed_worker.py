@@ -53,6 +53,31 @@ def fixed_generate_completions(model, tokenizer, prompt_texts, num_generations, 
     ).trimmed()
 
 
+def register_gated_reward() -> None:
+    """``gated``: 0.5 for every completion of a prompt "Say x N:" with N a multiple of 3 (a group with
+    no signal), otherwise the fraction of the completion's characters in a-m."""
+    import types
+
+    import lit_grpo
+    from lit_grpo import plugins
+
+    def gated(prompts, completions, **kwargs):
+        values = []
+        for prompt, completion in zip(prompts, completions):
+            number = int(prompt.rstrip(":").split()[-1])
+            values.append(0.5 if number % 3 == 0 else sum(c in "abcdefghijklm" for c in completion) / max(len(completion), 1))
+        return values
+
+    module = types.ModuleType("distributed_worker_rewards")
+
+    @lit_grpo.hookimpl
+    def register_rewards(register):
+        register(gated)
+
+    module.register_rewards = register_rewards
+    plugins.register_plugin(module, package="distributed-worker")
+
+
 def full_policy_state(module) -> dict[str, torch.Tensor]:
     """Unsharded policy weights on CPU (a collective under FSDP2: every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -70,6 +95,10 @@ def main() -> None:
     parser.add_argument("--fixed-completions", action="store_true")
     parser.add_argument("--generation-check", action="store_true")
     parser.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
+    parser.add_argument(
+        "--gated-reward", action="store_true",
+        help="register the reward `gated`: constant for prompts whose number is a multiple of 3",
+    )
     args, cli_args = parser.parse_known_args()
 
     import lightning.pytorch as pl
@@ -81,6 +110,8 @@ def main() -> None:
 
     if args.fixed_completions:
         lit_grpo.module.generate_completions = fixed_generate_completions
+    if args.gated_reward:
+        register_gated_reward()
 
     steps: list[dict[str, float]] = []
 
