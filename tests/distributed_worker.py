@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--fixed-completions", action="store_true")
     parser.add_argument("--generation-check", action="store_true")
     parser.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
+    parser.add_argument("--validate", action="store_true", help="run trainer.validate and save its metrics")
     parser.add_argument(
         "--gated-reward", action="store_true",
         help="register the reward `gated`: constant for prompts whose number is a multiple of 3",
@@ -130,6 +131,11 @@ def main() -> None:
         generation_check(cli, module, args.out)
         return
 
+    if args.validate:
+        results = cli.trainer.validate(module, datamodule=cli.datamodule)
+        if cli.trainer.global_rank == 0:
+            torch.save({"results": results[0], "world_size": cli.trainer.world_size}, args.out)
+        return
     cli.trainer.fit(module, datamodule=cli.datamodule, ckpt_path=args.ckpt_path)
     state = full_policy_state(module)
     if cli.trainer.global_rank == 0:

@@ -318,3 +318,22 @@ def test_cli_runs_lightnings_model_parallel_strategy_with_atomic_checkpoints():
     ddp = Namespace(strategy="ddp")
     use_atomic_model_parallel_checkpoints(ddp)
     assert ddp.strategy == "ddp"
+
+
+def test_validation_metrics_reduce_over_ranks_like_one_process(run_dir):
+    """val/* on 2 processes, each validating half of the prompts, equal one process validating all."""
+    validation = {"num_generations_eval": 4, "eval_pass_k": [1, 2, 4], "eval_success_threshold": 0.3}
+    data = {"val_split": "train[:8]"}
+    one = run_worker(
+        run_dir, "validate_single", 1, {"trainer": {"devices": 1}, "data": {"batch_size": 2, **data}, "model": validation},
+        "--fixed-completions", "--validate",
+    )["results"]
+    two = run_worker(
+        run_dir, "validate_ddp", 2,
+        {"trainer": {"devices": 2, "strategy": "ddp"}, "data": {"batch_size": 2, **data}, "model": validation},
+        "--fixed-completions", "--validate",
+    )["results"]
+    assert set(one) == set(two) == {"val/reward", "val/mean@4", "val/pass@1", "val/pass@2", "val/pass@4"}
+    for name, value in one.items():
+        assert two[name] == pytest.approx(value, rel=1e-6), name
+    assert 0 < one["val/pass@1"] < one["val/pass@4"] < 1  # not vacuous: some prompts pass, some do not

@@ -64,3 +64,25 @@ def test_sync_ref_model_needs_a_separate_reference(tiny_model_dir):
         make_module(tiny_model_dir, sync_ref_model=True, beta=0.0)
     with pytest.raises(ValueError, match=r"model\.ref_model_mixup_alpha must be in \(0, 1\], got 1\.5"):
         make_module(tiny_model_dir, sync_ref_model=True, beta=0.1, ref_model_mixup_alpha=1.5)
+
+
+def test_synced_reference_resumes_exactly(tiny_model_dir, say_a_or_b_file, fast_trainer, tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    settings = dict(rewards=LOWERCASE, optimizer=adamw(1e-2), beta=0.04, sync_ref_model=True,
+                    ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
+
+    def run(max_steps, ckpt_path=None, directory=None):
+        pl.seed_everything(0)
+        module = make_module(tiny_model_dir, **settings)
+        # a checkpoint after each training step, mid-epoch (as a long run has it)
+        callbacks = [ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0, every_n_train_steps=1)] if directory else []
+        trainer = fast_trainer(max_steps=max_steps, enable_checkpointing=bool(directory), callbacks=callbacks)
+        trainer.fit(module, make_data(say_a_or_b_file), ckpt_path=ckpt_path)
+        return {n: p.detach().clone() for n, p in module.ref_model.named_parameters()}
+
+    straight = run(4)
+    run(2, directory=tmp_path / "checkpoints")
+    resumed = run(4, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
+    for name, value in straight.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
