@@ -29,6 +29,8 @@ from lit_grpo.data import GRPODataModule, PromptBatch
 from lit_grpo.export import ExportOnFitEnd, export_checkpoint
 from lit_grpo.module import GRPOModule
 
+import test_module
+
 REPO = Path(__file__).resolve().parents[1]
 # The fraction of lowercase letters varies between a random model's completions: non-zero advantages.
 LOWERCASE = [{"name": "char_fraction", "args": {"chars": string.ascii_lowercase}}]
@@ -39,16 +41,9 @@ GREEDY_PROMPTS = ["Say a:", "Say the letter b:", "x"]
 
 
 def make_module(model_dir, **overrides) -> GRPOModule:
-    kwargs = dict(
-        model_name_or_path=str(model_dir),
-        rewards=LOWERCASE,
-        num_generations=4,
-        max_completion_length=8,
-        log_completions_every_n_steps=0,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=0.02, weight_decay=0.0),
-    )
-    kwargs.update(overrides)
-    return GRPOModule(**kwargs)
+    """test_module's tiny GRPO module, rewarded for lowercase letters, with a learning rate that moves it."""
+    optimizer = lambda params: torch.optim.AdamW(params, lr=0.02, weight_decay=0.0)  # noqa: E731
+    return test_module.make_module(model_dir, **{"rewards": LOWERCASE, "optimizer": optimizer, **overrides})
 
 
 def make_data(data_file) -> GRPODataModule:

@@ -14,24 +14,19 @@ import torch
 from lit_grpo.data import GRPODataModule, PromptBatch
 from lit_grpo.module import GRPOModule
 
+import test_module
+
 LOWERCASE = [{"name": "char_fraction", "args": {"chars": string.ascii_lowercase}}]
 BATCH = PromptBatch(prompts=["Say a:", "Now say the letter b:"], columns={"target": ["a", "b"]})
 
 
 def make_module(model_dir, **overrides) -> GRPOModule:
-    kwargs = dict(
-        model_name_or_path=str(model_dir),
-        rewards=LOWERCASE,
-        num_generations=4,
-        max_completion_length=8,
-        log_completions_every_n_steps=0,
-    )
-    kwargs.update(overrides)
-    return GRPOModule(**kwargs)
+    """test_module's tiny GRPO module, rewarded for lowercase letters."""
+    return test_module.make_module(model_dir, **{"rewards": LOWERCASE, **overrides})
 
 
 def make_data(path) -> GRPODataModule:
-    return GRPODataModule(path="json", data_files=str(path), batch_size=2)
+    return test_module.make_data(path, batch_size=2)
 
 
 def rollout_of(module, fast_trainer):
