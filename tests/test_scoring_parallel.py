@@ -107,10 +107,12 @@ def test_pool_workers_are_kept_between_calls_and_restart_after_close(make_scorer
     scorer = make_scorer(RewardSpec("worker_pid", num_workers=2))
     first = set(call(scorer, ["a", "b", "c", "d"])[:, 0].tolist())
     second = set(call(scorer, ["a", "b", "c", "d"])[:, 0].tolist())
-    assert first == second and len(first) <= 2
+    # the 2 workers serve both calls (the pool starts its second worker on demand, so the first call
+    # may see one pid and the second two): never more than 2 distinct processes
+    assert len(first | second) <= 2
     scorer.close()
     third = set(call(scorer, ["a", "b"])[:, 0].tolist())
-    assert third.isdisjoint(first)
+    assert third.isdisjoint(first | second)
 
 
 def test_pool_calls_get_one_sample_of_every_argument(make_scorer):
