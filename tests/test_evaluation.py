@@ -136,3 +136,18 @@ def test_validate_before_training_logs_the_untrained_baseline(tiny_model_dir, sa
     # 8 batches per epoch and 2 steps: Lightning itself never validates here; the callback does, at step 0
     assert validated_at == [0]
     assert "val/reward" in trainer.callback_metrics
+
+
+def test_val_check_interval_validates_during_fit(tiny_model_dir, say_a_or_b_file, fast_trainer):
+    pl.seed_everything(0)
+    module = make_module(tiny_model_dir, num_generations_eval=2)
+    validated_at = []
+
+    class Record(pl.Callback):
+        def on_validation_epoch_end(self, trainer, pl_module):
+            validated_at.append((trainer.global_step, float(trainer.callback_metrics["val/pass@2"])))
+
+    trainer = fast_trainer(max_steps=4, val_check_interval=2, num_sanity_val_steps=0, limit_val_batches=1, callbacks=[Record()])
+    trainer.fit(module, make_data(say_a_or_b_file, val_split="train[:2]"))
+    assert [step for step, _ in validated_at] == [2, 4]
+    assert all(0.0 <= value <= 1.0 for _, value in validated_at)
