@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import zlib
 
 import torch
@@ -180,7 +181,15 @@ def generation_check(cli, module, out: str) -> None:
     dist.all_gather_object(results, result)
     if rank == 0:
         torch.save(results, out)
+    # every rank is past its last collective before any tears the process group down
+    dist.barrier()
     dist.destroy_process_group()
+    # This hand-made setup (no Trainer.fit, hence no strategy teardown) sometimes aborts in a C++
+    # thread destructor during interpreter shutdown, after all of the above has completed (seen under
+    # CPU load: "terminate called without an active exception", no Python frame). Skip finalisation.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

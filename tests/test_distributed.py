@@ -83,7 +83,7 @@ def run_worker(run_dir: Path, name: str, processes: int, overrides: dict, *flags
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *script]
     else:
         command = [sys.executable, *script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}  # a crash shows its Python stack
     # a deadlock shows up as this timeout
     result = subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
