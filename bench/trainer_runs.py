@@ -1,0 +1,516 @@
+"""One benchmark run of lit-grpo or TRL's ``GRPOTrainer``, meant to run in its own process.
+
+    python bench/trainer_runs.py SPEC.json RESULT.json
+
+``SPEC.json`` is a :class:`RunSpec` as JSON. The run trains ``spec.steps`` optimizer steps (one per
+generation batch on both trainers) and writes a :class:`RunResult` as JSON: per step the wall time,
+the completion lengths, the mean reward and the phase split each trainer exposes, plus the process's
+peak resident memory. One process per run, so peak memory is that run's alone.
+
+Both trainers get identical work: the same model directory, the same prompts, the same reward
+function (``char_fraction`` of ``lit_grpo_rewards``, wrapped to record prompt and completion token
+counts), the same sampling and loss settings and a fused AdamW with the same learning rate.
+
+How a step is timed: the wall time between consecutive "optimizer step finished" callbacks
+(Lightning's ``on_train_batch_end``, the Hugging Face ``on_step_end``), so every per-step overhead of
+each trainer (logging, data loading, callbacks) is inside some step. The first step is timed from the
+start of training.
+
+With ``spec.count_matmuls`` one extra step runs after the timed ones under a
+``TorchDispatchMode`` that adds up matmul FLOPs by the dtype of the operands actually multiplied
+(after autocast): it proves whether bf16 runs bf16 matmuls, and how many FLOPs each trainer executes
+against the floor of ``bench/flops.py``. That step is not timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REWARD_NAME = "recorded_char_fraction"
+
+
+@dataclass
+class RunSpec:
+    """Everything one run needs; the same spec is given to both trainers."""
+
+    trainer: str  # "lit-grpo" | "trl"
+    model_dir: str
+    data_file: str
+    steps: int  # timed optimizer steps, warm-up included (one per generation batch); the drivers drop the warm-up
+    num_generations: int = 8
+    prompts_per_step: int = 8
+    max_completion_length: int = 32
+    fixed_length: bool = False  # suppress EOS: every completion is exactly max_completion_length tokens
+    beta: float = 0.0
+    precision: str = "fp32"  # "fp32" | "bf16" (autocast, float32 weights)
+    learning_rate: float = 1e-5
+    epsilon: float = 0.2
+    epsilon_high: float = 0.28
+    temperature: float = 1.0
+    seed: int = 0
+    count_matmuls: bool = False  # one extra, untimed step that counts matmul FLOPs by dtype
+    threads: int | None = None  # torch.set_num_threads; None keeps torch's default (one per core)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    seconds: float
+    cpu_seconds: float  # user + system CPU time of the process (all threads) during the step
+    prompt_lengths: list[int]  # per completion, in tokens
+    completion_lengths: list[int]  # per completion, real tokens including EOS
+    reward: float
+    phases: dict[str, float] = field(default_factory=dict)  # seconds by phase, as the trainer reports them
+
+
+@dataclass
+class RunResult:
+    spec: dict
+    steps: list[StepRecord]
+    setup_seconds: float  # process start to the first step (imports, model loading, trainer setup)
+    rss_before_training_mib: float
+    peak_rss_mib: float
+    torch_threads: int
+    matmul_flops_by_dtype: dict[str, float] | None  # from the counted step
+    counted_step_completion_lengths: list[int] | None
+    counted_step_prompt_lengths: list[int] | None
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces
+# ----------------------------------------------------------------------------------------------
+
+PROCESS_START = time.perf_counter()
+
+
+class LengthRecorder:
+    """Token counts of the completions scored since the last :meth:`take`."""
+
+    def __init__(self) -> None:
+        self.prompt_lengths: list[int] = []
+        self.completion_lengths: list[int] = []
+        self.rewards: list[float] = []
+
+    def take(self) -> tuple[list[int], list[int], float]:
+        out = self.prompt_lengths, self.completion_lengths, self.rewards
+        self.prompt_lengths, self.completion_lengths, self.rewards = [], [], []
+        mean_reward = sum(out[2]) / len(out[2]) if out[2] else float("nan")
+        return out[0], out[1], mean_reward
+
+
+RECORDER = LengthRecorder()
+TOKENIZER = None  # set by the runner; counts prompt tokens exactly as both trainers tokenize them
+
+
+def recorded_char_fraction(prompts, completions, completion_ids, target=None, **kwargs):
+    """``lit_grpo_rewards``' ``char_fraction`` (the quickstart reward: the fraction of the completion's
+    characters in the ``target`` column), recording each completion's prompt and completion length."""
+    from lit_grpo_rewards.text import char_fraction
+
+    scores = char_fraction(completions=completions, target=target)
+    RECORDER.prompt_lengths += [len(TOKENIZER(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    RECORDER.completion_lengths += [len(ids) for ids in completion_ids]
+    RECORDER.rewards += [s for s in scores if s is not None]
+    return scores
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process (VmHWM), in MiB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def current_rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class MatmulCounter:
+    """A ``TorchDispatchMode`` adding up matmul FLOPs by operand dtype.
+
+    It sits below autocast in the dispatcher, so it sees the dtypes the kernels really multiply.
+    Counts ``mm``, ``addmm``, ``bmm``, ``baddbmm`` (torch's own FLOP formulas) and the CPU fused
+    attention kernel (``4 * B * H * Lq * Lk * D`` forward, twice that backward)."""
+
+    def __init__(self) -> None:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import flop_registry
+
+        aten = torch.ops.aten
+        counts: dict[str, float] = defaultdict(float)
+        formulas = {op: flop_registry[op] for op in (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)}
+        flash_cpu = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+        flash_cpu_backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                packet = func.overloadpacket
+                if packet in formulas:
+                    dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2)
+                    counts[str(dtype).removeprefix("torch.")] += formulas[packet](*args, **kwargs, out_val=out)
+                elif packet is flash_cpu or packet is flash_cpu_backward:
+                    # forward (query, key, value, ...); backward (grad_out, query, key, value, ...)
+                    query, key = (args[0], args[1]) if packet is flash_cpu else (args[1], args[2])
+                    batch, heads, q_len, head_dim = query.shape
+                    flops = 4 * batch * heads * q_len * key.shape[-2] * head_dim
+                    counts[str(query.dtype).removeprefix("torch.")] += flops * (1 if packet is flash_cpu else 2)
+                return out
+
+        self.counts = counts
+        self.mode = _Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+# ----------------------------------------------------------------------------------------------
+# lit-grpo
+# ----------------------------------------------------------------------------------------------
+
+
+def run_lit_grpo(spec: RunSpec) -> RunResult:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.loggers.logger import rank_zero_experiment
+
+    import lit_grpo
+    from lit_grpo.data import GRPODataModule
+    from lit_grpo.module import GRPOModule
+    from lit_grpo.plugins import register_plugin
+
+    class BenchRewardPlugin:
+        """Registers the recording reward through lit-grpo's public plugin API."""
+
+        @lit_grpo.hookimpl
+        def register_rewards(self, register):
+            register(recorded_char_fraction)
+
+    register_plugin(BenchRewardPlugin(), name="bench", package="bench")
+
+    class FixedLengthGRPOModule(GRPOModule):
+        """Samples exactly ``max_completion_length`` tokens: EOS suppressed by ``min_new_tokens``."""
+
+        def configure_model(self) -> None:
+            super().configure_model()
+            self.generation_config.min_new_tokens = self.hparams.max_completion_length
+
+    class DiscardingLogger(Logger):
+        """Receives every logged metric, as a real logger does, and keeps nothing (TRL runs with
+        ``report_to='none'``)."""
+
+        @property
+        def name(self) -> str:
+            return "discard"
+
+        @property
+        def version(self) -> int:
+            return 0
+
+        @property
+        @rank_zero_experiment
+        def experiment(self):
+            return None
+
+        def log_hyperparams(self, params, *args, **kwargs) -> None:
+            pass
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            pass
+
+    recorder = RecordingCallback.for_lightning(spec.steps, spec.count_matmuls)
+
+    module_class = FixedLengthGRPOModule if spec.fixed_length else GRPOModule
+    module = module_class(
+        model_name_or_path=spec.model_dir,
+        rewards=[{"name": REWARD_NAME}],
+        num_generations=spec.num_generations,
+        max_completion_length=spec.max_completion_length,
+        temperature=spec.temperature,
+        top_p=1.0,
+        top_k=0,
+        num_iterations=1,
+        steps_per_generation=1,
+        micro_batch_size=None,
+        loss_type="dapo",
+        beta=spec.beta,
+        epsilon=spec.epsilon,
+        epsilon_high=spec.epsilon_high,
+        scale_rewards="group",
+        max_grad_norm=1.0,
+        log_completions_every_n_steps=0,
+        save_completions=False,  # TRL runs with log_completions=False
+        optimizer=lambda params: torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=0.0, fused=True),
+    )
+    global TOKENIZER
+    TOKENIZER = module.tokenizer
+    data = GRPODataModule(
+        path="json", data_files=spec.data_file, prompt_column="prompt", batch_size=spec.prompts_per_step, seed=spec.seed
+    )
+    pl.seed_everything(spec.seed, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=spec.steps + int(spec.count_matmuls),
+        precision="bf16-mixed" if spec.precision == "bf16" else "32-true",
+        logger=DiscardingLogger(),
+        log_every_n_steps=1,
+        callbacks=[recorder],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=data)
+    return recorder.result(spec)
+
+
+class RecordingCallback:
+    """Times optimizer steps, takes the recorded token counts, and runs the matmul counter for the
+    extra step; shared by the Lightning and the Hugging Face callback adapters below."""
+
+    def __init__(self, recorded_steps: int, count_matmuls: bool) -> None:
+        """The first ``recorded_steps`` steps are timed (warm-up included); with ``count_matmuls`` the next one is counted instead."""
+        self.recorded_steps = recorded_steps
+        self.count_matmuls = count_matmuls
+        self.records: list[StepRecord] = []
+        self.completed_steps = 0
+        self.last_time: float | None = None
+        self.last_cpu_time: float | None = None
+        self.counter: MatmulCounter | None = None
+        self.counted_lengths: tuple[list[int], list[int]] | None = None
+        self.setup_seconds = float("nan")
+        self.rss_before_training = float("nan")
+
+    def train_start(self) -> None:
+        self.last_time = time.perf_counter()
+        self.last_cpu_time = time.process_time()
+        self.setup_seconds = self.last_time - PROCESS_START
+        self.rss_before_training = current_rss_mib()
+        RECORDER.take()
+
+    def step_start(self) -> None:
+        if self.completed_steps == self.recorded_steps and self.count_matmuls:
+            self.counter = MatmulCounter().__enter__()
+
+    def step_end(self, phases: dict[str, float] | None = None) -> None:
+        now, cpu_now = time.perf_counter(), time.process_time()
+        step_index = self.completed_steps
+        self.completed_steps += 1
+        prompt_lengths, completion_lengths, reward = RECORDER.take()
+        if self.counter is not None:
+            self.counter.__exit__(None, None, None)
+            self.counted_lengths = (prompt_lengths, completion_lengths)
+        elif step_index < self.recorded_steps:
+            self.records.append(
+                StepRecord(
+                    step_index,
+                    now - self.last_time,
+                    cpu_now - self.last_cpu_time,
+                    prompt_lengths,
+                    completion_lengths,
+                    reward,
+                    phases or {},
+                )
+            )
+        self.last_time, self.last_cpu_time = time.perf_counter(), time.process_time()
+
+    def result(self, spec: RunSpec) -> RunResult:
+        import torch
+
+        return RunResult(
+            spec=dataclasses.asdict(spec),
+            steps=self.records,
+            setup_seconds=self.setup_seconds,
+            rss_before_training_mib=self.rss_before_training,
+            peak_rss_mib=peak_rss_mib(),
+            torch_threads=torch.get_num_threads(),
+            matmul_flops_by_dtype=dict(self.counter.counts) if self.counter is not None else None,
+            counted_step_prompt_lengths=self.counted_lengths[0] if self.counted_lengths else None,
+            counted_step_completion_lengths=self.counted_lengths[1] if self.counted_lengths else None,
+        )
+
+    @classmethod
+    def for_lightning(cls, recorded_steps: int, count_matmuls: bool):
+        import lightning.pytorch as pl
+
+        class _LightningRecorder(cls, pl.Callback):
+            def on_train_start(self, trainer, pl_module) -> None:
+                self.train_start()
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+                self.step_start()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                # the time/* metrics GRPOModule logged in this step ("n/a" in the tables when absent)
+                metrics = trainer.callback_metrics
+                phases = {k.removeprefix("time/"): float(v) for k, v in metrics.items() if k.startswith("time/")}
+                self.step_end(phases)
+
+        return _LightningRecorder(recorded_steps, count_matmuls)
+
+    @classmethod
+    def for_transformers(cls, recorded_steps: int, count_matmuls: bool):
+        from transformers import TrainerCallback
+
+        class _TransformersRecorder(cls, TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                self.train_start()
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                self.step_start()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                self.step_end()
+
+        return _TransformersRecorder(recorded_steps, count_matmuls)
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL
+# ----------------------------------------------------------------------------------------------
+
+
+class TRLPhaseTimer:
+    """TRL 1.16 times named sections (``profiling_context``: ``transformers.generate``,
+    ``_calculate_rewards``, ``_prepare_inputs``, ``compute_loss``,
+    ``_get_per_token_logps_and_entropies``) but only reports them to wandb / mlflow / trackio.
+    This patch records them instead, with the trainer step they belong to."""
+
+    def __init__(self) -> None:
+        from trl.extras import profiling
+
+        self.spans: list[tuple[int, str, float, float]] = []  # (step, name, start, end)
+        timer = self
+
+        def record(context, duration: float) -> None:
+            end = time.perf_counter()
+            section = context.name.split(".", 1)[-1]  # "GRPOTrainer.compute_loss" -> "compute_loss"
+            timer.spans.append((context.step, section, end - duration, end))
+
+        profiling.ProfilingContext._log_metrics = record
+
+    def phases(self, step: int) -> dict[str, float]:
+        """Seconds per phase of one optimizer step, named like lit-grpo's ``time/*`` metrics.
+
+        ``logprobs`` is the no-gradient log-prob forwards inside ``_prepare_inputs`` (reference
+        model); the forwards inside ``compute_loss`` belong to ``train``, which is measured as the
+        rest of the step after ``_prepare_inputs`` (forward, backward, clipping, optimizer)."""
+        spans = [s for s in self.spans if s[0] == step]
+        total = defaultdict(float)
+        for _, name, start, end in spans:
+            total[name] += end - start
+        loss_spans = [(s, e) for _, n, s, e in spans if n == "compute_loss"]
+        logprobs = sum(
+            end - start
+            for _, name, start, end in spans
+            if name == "_get_per_token_logps_and_entropies"
+            and not any(ls <= start and end <= le for ls, le in loss_spans)
+        )
+        return {
+            "generate": total["transformers.generate"],
+            "rewards": total["_calculate_rewards"],
+            "logprobs": logprobs,
+            "prepare_inputs": total["_prepare_inputs"],
+            "compute_loss": total["compute_loss"],
+        }
+
+
+def run_trl(spec: RunSpec) -> RunResult:
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    phase_timer = TRLPhaseTimer()
+    recorder = RecordingCallback.for_transformers(spec.steps, spec.count_matmuls)
+    dataset = datasets.load_dataset("json", data_files=spec.data_file, split="train")
+    completions_per_step = spec.num_generations * spec.prompts_per_step
+    generation_kwargs = {"min_new_tokens": spec.max_completion_length} if spec.fixed_length else None
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = GRPOConfig(
+            output_dir=output_dir,
+            use_cpu=True,
+            bf16=spec.precision == "bf16",
+            gradient_checkpointing=False,  # GRPOConfig defaults to True; lit-grpo's default is False
+            per_device_train_batch_size=completions_per_step,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            num_generations=spec.num_generations,
+            max_completion_length=spec.max_completion_length,
+            generation_kwargs=generation_kwargs,
+            temperature=spec.temperature,
+            top_p=1.0,
+            top_k=0,
+            num_iterations=1,
+            loss_type="dapo",
+            beta=spec.beta,
+            epsilon=spec.epsilon,
+            epsilon_high=spec.epsilon_high,
+            scale_rewards="group",
+            learning_rate=spec.learning_rate,
+            lr_scheduler_type="constant",  # TrainingArguments defaults to linear decay
+            weight_decay=0.0,
+            optim="adamw_torch_fused",
+            max_grad_norm=1.0,
+            max_steps=spec.steps + int(spec.count_matmuls),
+            seed=spec.seed,
+            data_seed=spec.seed,
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            log_completions=False,
+            dataloader_num_workers=0,
+        )
+        trainer = GRPOTrainer(
+            model=spec.model_dir,
+            reward_funcs=[recorded_char_fraction],
+            args=config,
+            train_dataset=dataset,
+            callbacks=[recorder],
+        )
+        global TOKENIZER
+        TOKENIZER = trainer.processing_class
+        trainer.train()
+    for record in recorder.records:
+        record.phases = phase_timer.phases(record.step)
+    return recorder.result(spec)
+
+
+def main(argv: list[str]) -> None:
+    spec_path, result_path = argv
+    spec = RunSpec(**json.loads(Path(spec_path).read_text()))
+    if spec.threads is not None:
+        import torch
+
+        torch.set_num_threads(spec.threads)
+    runner = {"lit-grpo": run_lit_grpo, "trl": run_trl}[spec.trainer]
+    result = runner(spec)
+    Path(result_path).write_text(json.dumps(dataclasses.asdict(result), indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
