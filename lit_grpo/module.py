@@ -792,8 +792,9 @@ class GRPOModule(pl.LightningModule):
         records = _gather_objects(records)
         if not self.trainer.is_global_zero:
             return
-        if hp.save_completions and self.trainer.logger is not None:  # a run without logger has no log directory
-            append_records(Path(self.trainer.log_dir) / COMPLETIONS_FILE, records)
+        log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
+        if hp.save_completions and log_dir is not None:  # a run without a logger directory has nowhere to write
+            append_records(Path(log_dir) / COMPLETIONS_FILE, records)
         if hp.print_completions:
             print(f"completions at step {step}:\n{format_table(records[: hp.print_completions])}", flush=True)
 
