@@ -1,8 +1,20 @@
-"""Sampling a group of completions per prompt with Hugging Face ``generate``.
+"""Sampling a group of completions per prompt.
 
 The policy model is a ``transformers`` causal LM; prompts are either plain strings or chat message
 lists (rendered with the tokenizer's chat template and a generation prompt). Every prompt is
 repeated G times so that rows ``g*G .. g*G+G-1`` of every tensor form the group of prompt ``g``.
+
+Two samplers give the same completions for the same settings (greedy decoding gives the same
+tokens; sampling draws from the same distribution):
+
+* ``"lit"`` (default), :func:`sample_groups`: a decode loop made for groups. Each prompt is
+  encoded once and its KV cache copied to its G completions; keys and values are written into a
+  buffer allocated once (:class:`PreallocatedKVLayer`) instead of concatenated every token; rows that
+  have emitted EOS leave the batch, so the cost of a step follows the completions still running.
+  The tokens are chosen by ``transformers``' own logits processors, in the order ``generate``
+  applies them.
+* ``"transformers"``: Hugging Face ``generate`` on the prompts repeated G times; used for models
+  with sliding-window or linear-attention layers and generation options the loop does not implement.
 """
 
 from __future__ import annotations
@@ -11,6 +23,17 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.generation import (
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from lit_grpo.algorithm import completion_mask_from_ids
 
@@ -51,6 +74,35 @@ class Rollout:
             completion_mask=self.completion_mask[:, :completion_cols],
             is_truncated=self.is_truncated,
         )
+
+
+def token_budget_chunks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, token_budget: int | None) -> list[torch.Tensor]:
+    """Split rows into chunks of similar length whose padded size (rows x (longest prompt + longest
+    completion)) stays within ``token_budget``, so a forward pass spends little on padding.
+
+    Rows are taken longest completion first; a chunk closes when the next row would push it over the
+    budget (a single row longer than the budget is a chunk of its own). ``None`` keeps all rows in
+    one chunk. Returns row indices ``[n_chunk]`` per chunk, together a permutation of the rows.
+    """
+    n = completion_mask.size(0)
+    if token_budget is None:
+        return [torch.arange(n, device=completion_mask.device)]
+    prompt_lengths = prompt_mask.sum(dim=1).tolist()
+    completion_lengths = completion_mask.sum(dim=1).tolist()
+    order = sorted(range(n), key=lambda r: (completion_lengths[r], prompt_lengths[r]), reverse=True)
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    longest_prompt = longest_completion = 0
+    for row in order:
+        prompt_width = max(longest_prompt, prompt_lengths[row])
+        completion_width = max(longest_completion, completion_lengths[row])
+        if current and (len(current) + 1) * (prompt_width + completion_width) > token_budget:
+            chunks.append(current)
+            current, prompt_width, completion_width = [], prompt_lengths[row], completion_lengths[row]
+        current.append(row)
+        longest_prompt, longest_completion = prompt_width, completion_width
+    chunks.append(current)
+    return [torch.tensor(chunk, device=completion_mask.device) for chunk in chunks]
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -106,6 +158,18 @@ def tokenize_prompts(
     return prompt_ids.to(device), prompt_mask.to(device)
 
 
+GENERATION_BACKENDS = ("lit", "transformers")
+
+# GenerationConfig fields the "lit" sampler implements; any other non-default field goes to generate
+LIT_SAMPLER_OPTIONS = frozenset(
+    {
+        "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p",
+        "repetition_penalty", "sequence_bias", "pad_token_id", "bos_token_id", "eos_token_id",
+        "transformers_version",
+    }
+)
+
+
 @torch.no_grad()
 def generate_completions(
     model: PreTrainedModel,
@@ -114,28 +178,231 @@ def generate_completions(
     num_generations: int,
     generation_config: GenerationConfig,
     max_prompt_length: int | None = None,
+    backend: str = "lit",
 ) -> Rollout:
-    """Sample ``num_generations`` completions for each prompt text (KV-cached ``generate``)."""
+    """Sample ``num_generations`` completions for each prompt text with ``backend`` (see the module doc)."""
+    if backend not in GENERATION_BACKENDS:
+        raise ValueError(f"generation_backend must be one of {GENERATION_BACKENDS}, got {backend!r}")
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)
-    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
-    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
-    # synced_gpus=False: each rank decodes on its own (with FSDP2 the caller has gathered the
-    # weights, see lit_grpo.distributed), so ranks that finish early do not run dummy steps.
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)  # [B, P]
     # Sample in eval mode: no dropout, and gradient checkpointing (active in training mode only)
     # would turn the KV cache off.
     was_training = model.training
     model.eval()
     try:
-        output = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config, synced_gpus=False
-        )  # [N, P + C]
+        if backend == "lit" and lit_sampler_unsupported(model, generation_config) is None:
+            completion_ids = sample_groups(model, prompt_ids, prompt_mask, num_generations, generation_config)
+            prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
+            prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
+        else:
+            prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
+            prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
+            # synced_gpus=False: each rank decodes on its own (with FSDP2 the caller has gathered the
+            # weights, see lit_grpo.distributed), so ranks that finish early do not run dummy steps.
+            output = model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config, synced_gpus=False
+            )  # [N, P + C]
+            completion_ids = output[:, prompt_ids.size(1) :]  # [N, C]
     finally:
         model.train(was_training)
-    completion_ids = output[:, prompt_ids.size(1) :]  # [N, C]
     completion_mask, is_truncated = completion_mask_from_ids(completion_ids, generation_config.eos_token_id)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated).trimmed()
+
+
+def lit_sampler_unsupported(model: torch.nn.Module, generation_config: GenerationConfig) -> str | None:
+    """Why :func:`sample_groups` cannot serve this model and config (None when it can)."""
+    options = set(generation_config.to_diff_dict()) - LIT_SAMPLER_OPTIONS
+    if options:
+        return f"generation options {sorted(options)}"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+        return f"layer types {sorted(set(layer_types))}"
+    if layer_types is None and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    return None
+
+
+class PreallocatedKVLayer(DynamicLayer):
+    """One decoder layer's KV cache, written into a buffer sized for the whole decode.
+
+    ``transformers``' ``DynamicLayer`` concatenates every new token's keys and values onto copies of
+    the whole cache (quadratic copying over a completion); this layer allocates ``[n, heads,
+    capacity, head_dim]`` at the first update and returns views of its filled part.
+
+    Under autocast the buffer holds the autocast dtype: attention would cast the whole cache to it
+    at every step anyway (rotary embeddings hand over float32 keys), so storing it cast once gives
+    the same attention inputs with half the memory traffic.
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        autocast = torch.is_autocast_enabled(self.device.type)
+        self.dtype = torch.get_autocast_dtype(self.device.type) if autocast else key_states.dtype
+        n, heads, _, _ = key_states.shape
+        self.key_buffer = key_states.new_empty(n, heads, self.capacity, key_states.size(-1), dtype=self.dtype)
+        self.value_buffer = value_states.new_empty(
+            n, value_states.size(1), self.capacity, value_states.size(-1), dtype=self.dtype
+        )
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.size(-2)
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache of {self.capacity} positions cannot hold {end}")
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self._refresh_views()
+        return self.keys, self.values
+
+    def _refresh_views(self) -> None:
+        self.keys = self.key_buffer[:, :, : self.length]  # [n, heads, length, head_dim]
+        self.values = self.value_buffer[:, :, : self.length]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Copy every row ``repeats`` times (a prompt's cache to its G completions)."""
+        if self.is_initialized:
+            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
+            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
+            self._refresh_views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows ``indices`` (finished completions leave the batch); copies only the filled part."""
+        if self.is_initialized:
+            for name in ("key_buffer", "value_buffer"):
+                old = getattr(self, name)
+                new = old.new_empty(len(indices), *old.shape[1:])
+                new[:, :, : self.length] = old[indices, :, : self.length]
+                setattr(self, name, new)
+            self._refresh_views()
+
+
+def logits_processors(generation_config: GenerationConfig, prompt_mask: torch.Tensor) -> LogitsProcessorList:
+    """``transformers``' processors for the options of :data:`LIT_SAMPLER_OPTIONS`, in ``generate``'s order
+    (processors, then the sampling warpers), for the rows of the left-padded ``prompt_mask`` ``[N, P]``."""
+    config, device = generation_config, prompt_mask.device
+    prompt_length = prompt_mask.size(1)
+    eos = torch.tensor(eos_token_ids(config), device=device)
+    processors = LogitsProcessorList()
+    if config.sequence_bias is not None:
+        processors.append(SequenceBiasLogitsProcessor(sequence_bias=config.sequence_bias))
+    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+        # as generate: the left padding of each row is not penalised (a per-row tensor, see select_rows)
+        padding_lengths = (prompt_mask != 0).int().argmax(dim=1)  # [N]
+        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, prompt_ignore_length=padding_lengths))
+    if config.min_new_tokens is not None and config.min_new_tokens > 0:
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, eos, device=device))
+    if config.do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k is not None and config.top_k != 0:
+            processors.append(TopKLogitsWarper(top_k=config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=config.top_p))
+        if config.min_p is not None:
+            processors.append(MinPLogitsWarper(min_p=config.min_p))
+    return processors
+
+
+def select_rows(processors: LogitsProcessorList, keep: torch.Tensor) -> None:
+    """Keep the per-row state of ``processors`` for the rows ``keep`` only."""
+    for processor in processors:
+        if isinstance(getattr(processor, "prompt_ignore_length", None), torch.Tensor):
+            processor.prompt_ignore_length = processor.prompt_ignore_length[keep]
+
+
+def eos_token_ids(generation_config: GenerationConfig) -> list[int]:
+    eos = generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+@torch.no_grad()
+def sample_groups(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    num_generations: int,
+    generation_config: GenerationConfig,
+    compact_fraction: float = 0.125,
+) -> torch.Tensor:
+    """``[B * G, C]`` completion tokens for the left-padded prompts ``[B, P]``, G per prompt (pad after EOS).
+
+    1. Prefill: the B prompts go through the model once; their KV caches are copied G times.
+    2. Decode: one token per running completion per step, chosen by the logits processors
+       (multinomial sampling, or argmax without ``do_sample``).
+    3. A completion that emits EOS stops; once finished rows make up ``compact_fraction`` of the
+       batch they are removed from it (and from the cache), so later steps cost less.
+    """
+    G, max_new = num_generations, generation_config.max_new_tokens
+    B, P = prompt_ids.shape
+    N, device = B * G, prompt_ids.device
+    pad_token_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
+    eos = torch.tensor(eos_token_ids(generation_config), device=device, dtype=torch.long)
+    processors = logits_processors(generation_config, prompt_mask.repeat_interleave(G, dim=0))
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cache = Cache(layers=[PreallocatedKVLayer(P + max_new) for _ in range(config.num_hidden_layers)])
+
+    # 1. Prefill once per prompt, then give each completion its own copy of the prompt's cache.
+    positions = (prompt_mask.long().cumsum(dim=-1) - 1).clamp(min=0)  # [B, P]
+    logits = model(
+        input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
+        use_cache=True, logits_to_keep=1,
+    ).logits[:, -1].float()  # [B, V]
+    for layer in cache.layers:
+        layer.batch_repeat_interleave(G)
+    logits = logits.repeat_interleave(G, dim=0)  # [N, V]
+    # every completion's tokens so far (prompt, then sampled) and attention mask, for all steps
+    token_ids = torch.cat([prompt_ids.repeat_interleave(G, dim=0), prompt_ids.new_full((N, max_new), pad_token_id)], dim=1)
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(G, dim=0), prompt_mask.new_ones(N, max_new)], dim=1)
+    next_position = positions[:, -1].repeat_interleave(G) + 1  # [N]
+    completions = prompt_ids.new_full((N, max_new), pad_token_id)  # [N, C] the result
+    rows = torch.arange(N, device=device)  # the completions still in the batch (indices into N)
+    finished = torch.zeros(N, dtype=torch.bool, device=device)  # per row in the batch
+
+    # 2-3. Decode.
+    for t in range(max_new):
+        scores = processors(token_ids[:, : P + t], logits)  # [n, V]
+        if generation_config.do_sample:
+            next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)  # [n]
+        else:
+            next_tokens = scores.argmax(dim=-1)
+        next_tokens = next_tokens.masked_fill(finished, pad_token_id)
+        token_ids[:, P + t] = next_tokens
+        finished = finished | torch.isin(next_tokens, eos)
+        if t == max_new - 1 or bool(finished.all()):
+            break
+        if int(finished.sum()) >= max(1, compact_fraction * len(rows)):
+            keep = (~finished).nonzero().squeeze(1)
+            completions[rows] = token_ids[:, P:]  # the leaving rows' tokens are final
+            rows, token_ids, attention_mask = rows[keep], token_ids[keep], attention_mask[keep]
+            next_tokens, next_position, finished = next_tokens[keep], next_position[keep], finished[keep]
+            for layer in cache.layers:
+                layer.batch_select_indices(keep)
+            select_rows(processors, keep)
+        logits = model(
+            input_ids=next_tokens[:, None],
+            attention_mask=attention_mask[:, : P + t + 1],
+            position_ids=next_position[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1].float()  # [n, V]
+        next_position = next_position + 1
+    completions[rows] = token_ids[:, P:]
+    return completions
 
 
 def decode_completions(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> tuple[list[str], list[list[int]]]:

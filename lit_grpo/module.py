@@ -51,11 +51,14 @@ from lit_grpo.distributed import (
     shard_model,
 )
 from lit_grpo.generation import (
+    GENERATION_BACKENDS,
     Rollout,
     concat_rollouts,
     decode_completions,
     generate_completions,
     is_conversational,
+    lit_sampler_unsupported,
+    token_budget_chunks,
     position_ids_from_mask,
     render_prompts,
 )
@@ -204,6 +207,14 @@ class GRPOModule(pl.LightningModule):
             (Hugging Face gradient checkpointing, non-reentrant) to save activation memory.
         logprob_micro_batch_size: completions per forward of the no-gradient log-prob passes (old
             and reference log-probs); None uses ``micro_batch_size``.
+        forward_token_budget: padded tokens per forward pass of the log-prob computations (training
+            and no-gradient): the rows of a micro-batch are grouped by length into chunks of at most
+            this many tokens (rows x longest sequence), so padding costs little; the loss is still
+            computed over the whole micro-batch. None runs each micro-batch in one forward.
+        generation_backend: ``lit`` (default): the group sampler of ``lit_grpo.generation`` (each
+            prompt encoded once, preallocated KV cache, finished completions leave the batch);
+            ``transformers``: Hugging Face ``generate``. ``lit`` falls back to ``generate`` (with a
+            warning) for models or generation options it does not implement.
         optimizer: built lazily from the YAML top-level ``optimizer:`` block (linked here by the
             CLI); None means AdamW at TRL's default learning rate 1e-6.
         lr_scheduler: built from the top-level ``lr_scheduler:`` block; stepped after every
@@ -257,6 +268,8 @@ class GRPOModule(pl.LightningModule):
         lora: dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
         logprob_micro_batch_size: int | None = None,
+        forward_token_budget: int | None = 2048,
+        generation_backend: str = "lit",
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
     ):
@@ -633,17 +646,52 @@ class GRPOModule(pl.LightningModule):
                 self.hparams.num_generations,
                 self.generation_config,
                 self.hparams.max_prompt_length,
+                backend=self._generation_backend(self.generation_config),
             )
+
+    def _generation_backend(self, generation_config: GenerationConfig) -> str:
+        """``generation_backend``, or ``transformers`` (warned once) where the ``lit`` sampler cannot serve."""
+        if self.hparams.generation_backend != "lit":
+            return self.hparams.generation_backend
+        reason = lit_sampler_unsupported(self.policy, generation_config)
+        if reason is not None:
+            warnings.warn(
+                f"model.generation_backend=lit does not implement {reason}; sampling with transformers' generate",
+                stacklevel=2,
+            )
+            return "transformers"
+        return "lit"
 
     def completion_logps(
         self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[n, C]`` of the completion tokens (and their entropy) at the sampling temperature.
 
-        Only the last ``C + 1`` positions' logits are computed (``logits_to_keep``); padding columns
-        shared by every row are trimmed first. Positions skip left padding exactly as in ``generate``.
+        The rows go through the model in chunks of similar length (``forward_token_budget``), each
+        trimmed to its longest sequence, and come back in their original order, padded with 0 to the
+        longest completion ``C`` of the rollout: the values are those of one forward over all rows,
+        without the cost of their padding.
         """
-        rollout = rollout.trimmed()
+        chunks = token_budget_chunks(rollout.prompt_mask, rollout.completion_mask, self.hparams.forward_token_budget)
+        if len(chunks) == 1:
+            return self._chunk_logps(model, rollout.trimmed(), with_entropy)
+        width = int(rollout.completion_mask.any(dim=0).sum())
+        outputs = [self._chunk_logps(model, rollout.select(rows).trimmed(), with_entropy) for rows in chunks]
+        inverse = torch.argsort(torch.cat(chunks))  # position of each original row in the chunk order
+
+        def reassemble(parts: list[torch.Tensor]) -> torch.Tensor:  # [n_chunk, c_chunk] each -> [n, C]
+            padded = [torch.nn.functional.pad(part, (0, width - part.size(1))) for part in parts]
+            return torch.cat(padded)[inverse]
+
+        logps = reassemble([logps for logps, _ in outputs])
+        entropy = reassemble([entropy for _, entropy in outputs]) if with_entropy else None
+        return logps, entropy
+
+    def _chunk_logps(
+        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of a trimmed rollout. Only the last ``C + 1`` positions' logits are computed
+        (``logits_to_keep``); positions skip left padding exactly as in generation."""
         input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)  # [n, P + C]
         attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)  # [n, P + C]
         num_completion_tokens = rollout.completion_ids.size(1)
@@ -705,6 +753,7 @@ class GRPOModule(pl.LightningModule):
                 k,
                 self.eval_generation_config,
                 hp.max_prompt_length,
+                backend=self._generation_backend(self.eval_generation_config),
             )
         texts, completion_ids = decode_completions(self.tokenizer, rollout)
         prompts = [prompt for prompt in batch.prompts for _ in range(k)]
@@ -874,9 +923,11 @@ def _check_settings(hp) -> None:
     for key in positive:
         if hp[key] < 1:
             raise ValueError(f"model.{key} must be at least 1, got {hp[key]}")
-    for key in ("micro_batch_size", "logprob_micro_batch_size"):
+    for key in ("micro_batch_size", "logprob_micro_batch_size", "forward_token_budget"):
         if hp[key] is not None and hp[key] < 1:
             raise ValueError(f"model.{key} must be at least 1 or null, got {hp[key]}")
+    if hp.generation_backend not in GENERATION_BACKENDS:
+        raise ValueError(f"model.generation_backend must be one of {GENERATION_BACKENDS}, got {hp.generation_backend!r}")
     if hp.loss_type not in algorithm.LOSS_TYPES:
         raise ValueError(f"model.loss_type must be one of {sorted(algorithm.LOSS_TYPES)}, got {hp.loss_type!r}")
     if hp.kl_estimator not in algorithm.KL_ESTIMATORS:

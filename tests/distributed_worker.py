@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 
-def fixed_generate_completions(model, tokenizer, prompt_texts, num_generations, generation_config, max_prompt_length=None):
+def fixed_generate_completions(model, tokenizer, prompt_texts, num_generations, generation_config, max_prompt_length=None, backend=None):
     """Completions that depend only on (prompt text, index in the group): random tokens from a
     generator seeded by both, of a seeded length; those shorter than the maximum end with EOS."""
     from lit_grpo.algorithm import completion_mask_from_ids

@@ -121,21 +121,17 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradient(tiny_mo
     torch.testing.assert_close(gradient, expected, atol=1e-7, rtol=1e-5)
 
 
-def test_generation_with_gradient_checkpointing_samples_in_eval_mode(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("backend", ["lit", "transformers"])
+def test_generation_with_gradient_checkpointing_samples_in_eval_mode(tiny_model_dir, backend):
     """Checkpointed layers drop the KV cache in training mode; sampling must not be in it."""
-    module = make_module(tiny_model_dir, gradient_checkpointing=True)
+    module = make_module(tiny_model_dir, gradient_checkpointing=True, generation_backend=backend)
     module.configure_model()
     modes = []
-    generate = module.policy.generate
-
-    def recording_generate(*args, **kwargs):
-        modes.append(module.policy.training)
-        return generate(*args, **kwargs)
-
-    monkeypatch.setattr(module.policy, "generate", recording_generate)
+    hook = module.policy.register_forward_pre_hook(lambda model, args: modes.append(model.training))
     assert module.policy.training
     module.generate(BATCH.prompts)
-    assert modes == [False]
+    hook.remove()
+    assert modes and not any(modes)  # every forward of the sampler ran in eval mode
     assert module.policy.training  # back to training mode afterwards
 
 

@@ -277,7 +277,10 @@ def test_beta_zero_loads_no_reference_and_logs_no_kl(tiny_model_dir, say_a_or_b_
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_completion_logps_match_generate_logits_with_left_padding(tiny_model_dir, monkeypatch, temperature):
     torch.manual_seed(0)
-    module = make_module(tiny_model_dir, num_generations=3, max_completion_length=12, temperature=temperature)
+    # generate's logits are captured here; the lit sampler gives generate's tokens (test_sampler.py)
+    module = make_module(
+        tiny_model_dir, num_generations=3, max_completion_length=12, temperature=temperature, generation_backend="transformers"
+    )
     module.configure_model()
     module.policy.eval()
     captured = {}

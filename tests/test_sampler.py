@@ -1,0 +1,216 @@
+"""The group sampler (``generation_backend: lit``) against Hugging Face ``generate``, and the
+length-chunked log-prob forwards (``forward_token_budget``)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from lit_grpo.generation import (
+    PreallocatedKVLayer,
+    generate_completions,
+    lit_sampler_unsupported,
+    token_budget_chunks,
+)
+from lit_grpo.module import GRPOModule
+
+PROMPTS = ["hello there", "a", "say something long please", "xyz", "12+7=", "q"]  # very different lengths
+
+
+@pytest.fixture(scope="module")
+def chaotic_model(tiny_model_dir):
+    """The tiny model with large random weights: greedy decoding then varies from token to token
+    (the plain tiny model repeats one token), so completions end at many different steps."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model.eval(), tokenizer
+
+
+def config(tokenizer, eos_token_id, **options) -> GenerationConfig:
+    return GenerationConfig(
+        **{"max_new_tokens": 30, **options},
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos_token_id,
+    )
+
+
+def frequent_token(model, tokenizer) -> int:
+    """A token that greedy decoding emits at different steps in different prompts: used as EOS so
+    that completions finish at different lengths."""
+    rollout = generate_completions(model, tokenizer, PROMPTS, 1, config(tokenizer, tokenizer.eos_token_id, do_sample=False), backend="transformers")
+    values, counts = rollout.completion_ids.unique(return_counts=True)
+    return int(values[counts.argmax()])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"repetition_penalty": 1.3}, {"min_new_tokens": 5}, {"sequence_bias": {(7,): 2.0}}],
+    ids=["plain", "repetition_penalty", "min_new_tokens", "sequence_bias"],
+)
+def test_greedy_lit_sampler_gives_generates_tokens(chaotic_model, options):
+    """Same tokens as ``generate`` (left padding, shared prompt cache, finished rows removed)."""
+    model, tokenizer = chaotic_model
+    eos = [frequent_token(model, tokenizer), tokenizer.eos_token_id]
+    generation_config = config(tokenizer, eos, do_sample=False, **options)
+    expected = generate_completions(model, tokenizer, PROMPTS, 3, generation_config, backend="transformers")
+    rollout = generate_completions(model, tokenizer, PROMPTS, 3, generation_config, backend="lit")
+    lengths = expected.completion_lengths
+    assert len(set(lengths.tolist())) >= 4, "completions must end at different steps for this test to bite"
+    assert (lengths < 30).any() and (lengths == 30).any() or len(set(lengths.tolist())) >= 4
+    for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_truncated"):
+        assert torch.equal(getattr(rollout, field), getattr(expected, field)), field
+
+
+def test_lit_sampler_draws_from_generates_distribution(chaotic_model):
+    """First tokens of 4000 samples follow the probabilities ``generate`` samples from (after
+    temperature, top-k, top-p and min-p); the second tokens match ``generate``'s samples."""
+    model, tokenizer = chaotic_model
+    options = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.95, min_p=0.02, max_new_tokens=2)
+    generation_config = config(tokenizer, tokenizer.eos_token_id, **options)
+    prompt = ["say something:"]
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    out = model.generate(
+        **inputs, generation_config=config(tokenizer, tokenizer.eos_token_id, **{**options, "max_new_tokens": 1}),
+        output_scores=True, return_dict_in_generate=True,
+    )
+    expected_probs = torch.softmax(out.scores[0][0].float(), dim=-1)  # [V]
+    vocab = expected_probs.numel()
+
+    torch.manual_seed(0)
+    lit = generate_completions(model, tokenizer, prompt, 4000, generation_config, backend="lit").completion_ids
+    torch.manual_seed(1)
+    hf = generate_completions(model, tokenizer, prompt, 4000, generation_config, backend="transformers").completion_ids
+    first = torch.bincount(lit[:, 0], minlength=vocab).float() / lit.size(0)
+    assert (first[expected_probs == 0] == 0).all()  # nothing outside top-k / top-p / min-p
+    assert 0.5 * (first - expected_probs).abs().sum() < 0.05  # total variation distance
+    second_lit = torch.bincount(lit[:, 1], minlength=vocab).float() / lit.size(0)
+    second_hf = torch.bincount(hf[:, 1], minlength=vocab).float() / hf.size(0)
+    assert 0.5 * (second_lit - second_hf).abs().sum() < 0.08
+
+
+def test_lit_sampler_encodes_each_prompt_once_and_drops_finished_rows(chaotic_model):
+    model, tokenizer = chaotic_model
+    eos = [frequent_token(model, tokenizer), tokenizer.eos_token_id]
+    rows_per_forward = []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape), with_kwargs=True)
+    try:
+        rollout = generate_completions(model, tokenizer, PROMPTS, 4, config(tokenizer, eos, do_sample=False), backend="lit")
+    finally:
+        hook.remove()
+    prefill, *decode = rows_per_forward
+    assert prefill[0] == len(PROMPTS)  # B prompts, not B * G rows
+    assert all(shape[1] == 1 for shape in decode)
+    # every decode step runs only completions that had not finished at the last compaction
+    lengths = rollout.completion_lengths
+    assert decode[0][0] == 4 * len(PROMPTS) - int((lengths == 1).sum()) or decode[0][0] == 4 * len(PROMPTS)
+    assert decode[-1][0] < 4 * len(PROMPTS)
+    assert sum(shape[0] for shape in decode) < 4 * len(PROMPTS) * len(decode)
+    # ... and never fewer rows than completions still running at that step
+    for step, shape in enumerate(decode, start=1):
+        assert shape[0] >= int((lengths > step).sum())
+
+
+def test_preallocated_kv_layer_writes_in_place_and_selects_rows():
+    layer = PreallocatedKVLayer(capacity=5)
+    keys = torch.arange(2 * 1 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2)  # [n, heads, t, d]
+    k, v = layer.update(keys, -keys)
+    assert torch.equal(k, keys) and torch.equal(v, -keys) and layer.get_seq_length() == 3
+    step = torch.full((2, 1, 1, 2), 100.0)
+    buffer = layer.key_buffer
+    k, _ = layer.update(step, step)
+    assert layer.key_buffer is buffer  # written in place, no new tensor per token
+    assert k.shape == (2, 1, 4, 2) and torch.equal(k[:, :, 3], step[:, :, 0])
+    layer.batch_repeat_interleave(2)
+    assert torch.equal(layer.keys[1], layer.keys[0]) and layer.keys.size(0) == 4
+    layer.batch_select_indices(torch.tensor([3]))
+    assert torch.equal(layer.keys[0, :, :3], keys[1]) and layer.keys.shape == (1, 1, 4, 2)
+    with pytest.raises(RuntimeError, match="5 positions cannot hold 6"):
+        layer.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+
+
+def test_preallocated_kv_layer_stores_the_autocast_dtype():
+    layer = PreallocatedKVLayer(capacity=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        k, _ = layer.update(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2))
+    assert k.dtype == torch.bfloat16
+
+
+def test_unsupported_options_and_models_fall_back_to_generate(chaotic_model, tiny_model_dir):
+    model, tokenizer = chaotic_model
+    generation_config = config(tokenizer, tokenizer.eos_token_id, do_sample=False, no_repeat_ngram_size=2)
+    assert "no_repeat_ngram_size" in lit_sampler_unsupported(model, generation_config)
+    expected = generate_completions(model, tokenizer, PROMPTS, 2, generation_config, backend="transformers")
+    rollout = generate_completions(model, tokenizer, PROMPTS, 2, generation_config, backend="lit")
+    assert torch.equal(rollout.completion_ids, expected.completion_ids)
+
+    sliding = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    sliding.config.layer_types = ["full_attention", "sliding_attention"]
+    assert "sliding_attention" in lit_sampler_unsupported(sliding, config(tokenizer, 1, do_sample=False))
+    with pytest.raises(ValueError, match="generation_backend must be one of .* got 'vllm'"):
+        generate_completions(model, tokenizer, PROMPTS, 2, generation_config, backend="vllm")
+    with pytest.raises(ValueError, match="model.generation_backend must be one of"):
+        GRPOModule(str(tiny_model_dir), rewards=[{"name": "char_fraction", "args": {"chars": "a"}}], generation_backend="vllm")
+
+
+def test_module_warns_when_lit_sampler_falls_back(tiny_model_dir):
+    module = GRPOModule(str(tiny_model_dir), rewards=[{"name": "char_fraction", "args": {"chars": "a"}}], num_generations=2, max_completion_length=4)
+    module.configure_model()
+    module.generation_config.no_repeat_ngram_size = 2
+    with pytest.warns(UserWarning, match="does not implement generation options \\['no_repeat_ngram_size'\\]"):
+        rollout = module.generate(["a", "b"])
+    assert rollout.completion_ids.size(0) == 4
+
+
+# --------------------------------------------------------------------------------------------------
+# forward_token_budget
+# --------------------------------------------------------------------------------------------------
+
+
+def test_token_budget_chunks_by_hand():
+    prompt_mask = torch.tensor([[1, 1], [0, 1], [1, 1], [0, 1], [1, 1]])  # prompt lengths 2 1 2 1 2
+    completion_lengths = torch.tensor([6, 1, 3, 5, 2])
+    completion_mask = (torch.arange(6) < completion_lengths[:, None]).long()
+    # longest first: rows 0 (8 tokens), 3 (1+5), 2 (2+3), 4 (2+2), 1 (1+1)
+    # budget 16: [0, 3] costs 2 x (2 + 6) = 16; adding 2 would cost 24 -> close; [2, 4, 1] = 3 x (2 + 3) = 15
+    chunks = token_budget_chunks(prompt_mask, completion_mask, 16)
+    assert [chunk.tolist() for chunk in chunks] == [[0, 3], [2, 4, 1]]
+    assert [c.tolist() for c in token_budget_chunks(prompt_mask, completion_mask, None)] == [[0, 1, 2, 3, 4]]
+    # a row longer than the budget is a chunk of its own
+    assert [c.tolist() for c in token_budget_chunks(prompt_mask, completion_mask, 4)] == [[0], [3], [2], [4], [1]]
+
+
+def test_chunked_logps_and_gradients_equal_one_forward(tiny_model_dir):
+    """Chunking changes what runs, not what comes out: log-probs, entropy and the gradient of a loss
+    over the micro-batch equal those of one padded forward."""
+    torch.manual_seed(0)
+    module = GRPOModule(
+        str(tiny_model_dir), rewards=[{"name": "char_fraction", "args": {"chars": "a"}}],
+        num_generations=4, max_completion_length=16, forward_token_budget=None,
+    )
+    module.configure_model()
+    module.generation_config.sequence_bias = {(module.tokenizer.eos_token_id,): 2.5}  # varied lengths
+    rollout = module.generate(["a:", "Say a:", "Please say the letter b, many times:"])
+    assert len(set(rollout.completion_lengths.tolist())) >= 3
+
+    def run(budget):
+        module.hparams.forward_token_budget = budget
+        module.policy.zero_grad()
+        logps, entropy = module.completion_logps(module.policy, rollout, with_entropy=True)
+        mask = rollout.completion_mask[:, : logps.size(1)]
+        ((logps * mask).sum() + (entropy * mask).sum()).backward()
+        grads = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
+        return logps.detach(), entropy.detach(), grads
+
+    chunks = token_budget_chunks(rollout.prompt_mask, rollout.completion_mask, 60)
+    assert len(chunks) >= 3
+    reference, chunked = run(None), run(60)
+    mask = rollout.completion_mask.bool()
+    assert reference[0].shape == chunked[0].shape
+    torch.testing.assert_close(chunked[0][mask], reference[0][mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked[1][mask], reference[1][mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked[2], reference[2], atol=1e-5, rtol=1e-4)
