@@ -61,6 +61,7 @@ class RunSpec:
     seed: int = 0
     count_matmuls: bool = False  # one extra, untimed step that counts matmul FLOPs by dtype
     threads: int | None = None  # torch.set_num_threads; None keeps torch's default (one per core)
+    lit_options: dict = field(default_factory=dict)  # extra GRPOModule arguments (bench/ablation.py), lit-grpo only
 
 
 @dataclass
@@ -266,6 +267,7 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
         log_completions_every_n_steps=0,
         save_completions=False,  # TRL runs with log_completions=False
         optimizer=lambda params: torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=0.0, fused=True),
+        **spec.lit_options,
     )
     global TOKENIZER
     TOKENIZER = module.tokenizer

@@ -76,33 +76,49 @@ class Rollout:
         )
 
 
-def token_budget_chunks(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, token_budget: int | None) -> list[torch.Tensor]:
-    """Split rows into chunks of similar length whose padded size (rows x (longest prompt + longest
-    completion)) stays within ``token_budget``, so a forward pass spends little on padding.
+# a forward pass costs about this many padded tokens' work on top of its tokens (kernel launches,
+# Python, small-matmul inefficiency): a chunk is split off only where it saves more padding than that
+FORWARD_OVERHEAD_TOKENS = 256
 
-    Rows are taken longest completion first; a chunk closes when the next row would push it over the
-    budget (a single row longer than the budget is a chunk of its own). ``None`` keeps all rows in
-    one chunk. Returns row indices ``[n_chunk]`` per chunk, together a permutation of the rows.
+
+def length_chunks(
+    prompt_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    token_budget: int | None = None,
+    overhead_tokens: int = FORWARD_OVERHEAD_TOKENS,
+) -> list[torch.Tensor]:
+    """Split rows into chunks of similar length for separate forward passes, so that little is spent
+    on padding: each chunk is trimmed to its longest prompt plus its longest completion.
+
+    Rows are sorted longest completion first and cut into consecutive runs minimising
+    ``sum(rows x (longest prompt + longest completion)) + overhead_tokens x chunks`` (dynamic
+    programming, exact): equal lengths stay in one forward, a tail of much shorter rows gets its own.
+    With ``token_budget`` no chunk of several rows exceeds that many padded tokens.
+    Returns row indices ``[n_chunk]`` per chunk, together a permutation of the rows.
     """
     n = completion_mask.size(0)
-    if token_budget is None:
-        return [torch.arange(n, device=completion_mask.device)]
     prompt_lengths = prompt_mask.sum(dim=1).tolist()
     completion_lengths = completion_mask.sum(dim=1).tolist()
     order = sorted(range(n), key=lambda r: (completion_lengths[r], prompt_lengths[r]), reverse=True)
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    longest_prompt = longest_completion = 0
-    for row in order:
-        prompt_width = max(longest_prompt, prompt_lengths[row])
-        completion_width = max(longest_completion, completion_lengths[row])
-        if current and (len(current) + 1) * (prompt_width + completion_width) > token_budget:
-            chunks.append(current)
-            current, prompt_width, completion_width = [], prompt_lengths[row], completion_lengths[row]
-        current.append(row)
-        longest_prompt, longest_completion = prompt_width, completion_width
-    chunks.append(current)
-    return [torch.tensor(chunk, device=completion_mask.device) for chunk in chunks]
+    p = [prompt_lengths[r] for r in order]
+    c = [completion_lengths[r] for r in order]  # non-increasing
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j sorted rows
+    start_of = [0] * (n + 1)  # start_of[j]: where the last chunk of that best split starts
+    for j in range(1, n + 1):
+        longest_prompt = 0
+        for i in range(j - 1, -1, -1):  # the last chunk is rows i .. j-1
+            longest_prompt = max(longest_prompt, p[i])
+            padded = (j - i) * (longest_prompt + c[i])
+            if token_budget is not None and padded > token_budget and j - i > 1:
+                break  # wider and longer for every smaller i
+            cost = best[i] + padded + overhead_tokens
+            if cost < best[j]:
+                best[j], start_of[j] = cost, i
+    chunks, end = [], n
+    while end > 0:
+        chunks.append(order[start_of[end] : end])
+        end = start_of[end]
+    return [torch.tensor(chunk, device=completion_mask.device) for chunk in reversed(chunks)]
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -189,25 +205,23 @@ def generate_completions(
     # would turn the KV cache off.
     was_training = model.training
     model.eval()
+    repeated_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
+    repeated_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
     try:
         if backend == "lit" and lit_sampler_unsupported(model, generation_config) is None:
             completion_ids = sample_groups(model, prompt_ids, prompt_mask, num_generations, generation_config)
-            prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
-            prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
         else:
-            prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
-            prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
             # synced_gpus=False: each rank decodes on its own (with FSDP2 the caller has gathered the
             # weights, see lit_grpo.distributed), so ranks that finish early do not run dummy steps.
             output = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config, synced_gpus=False
+                input_ids=repeated_ids, attention_mask=repeated_mask, generation_config=generation_config, synced_gpus=False
             )  # [N, P + C]
-            completion_ids = output[:, prompt_ids.size(1) :]  # [N, C]
+            completion_ids = output[:, repeated_ids.size(1) :]  # [N, C]
     finally:
         model.train(was_training)
     completion_mask, is_truncated = completion_mask_from_ids(completion_ids, generation_config.eos_token_id)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
-    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated).trimmed()
+    return Rollout(repeated_ids, repeated_mask, completion_ids, completion_mask, is_truncated).trimmed()
 
 
 def lit_sampler_unsupported(model: torch.nn.Module, generation_config: GenerationConfig) -> str | None:

@@ -58,7 +58,7 @@ from lit_grpo.generation import (
     generate_completions,
     is_conversational,
     lit_sampler_unsupported,
-    token_budget_chunks,
+    length_chunks,
     position_ids_from_mask,
     render_prompts,
 )
@@ -207,10 +207,12 @@ class GRPOModule(pl.LightningModule):
             (Hugging Face gradient checkpointing, non-reentrant) to save activation memory.
         logprob_micro_batch_size: completions per forward of the no-gradient log-prob passes (old
             and reference log-probs); None uses ``micro_batch_size``.
-        forward_token_budget: padded tokens per forward pass of the log-prob computations (training
-            and no-gradient): the rows of a micro-batch are grouped by length into chunks of at most
-            this many tokens (rows x longest sequence), so padding costs little; the loss is still
-            computed over the whole micro-batch. None runs each micro-batch in one forward.
+        group_by_length: run the log-prob forwards (training and no-gradient) in chunks of rows of
+            similar length where that saves padding (``lit_grpo.generation.length_chunks``); the values
+            and the loss, taken over the whole micro-batch, are unchanged. False runs each
+            micro-batch in one forward, padded to its longest row.
+        forward_token_budget: with ``group_by_length``, at most this many padded tokens (rows x
+            longest sequence) per forward of several rows; None sets no limit.
         generation_backend: ``lit`` (default): the group sampler of ``lit_grpo.generation`` (each
             prompt encoded once, preallocated KV cache, finished completions leave the batch);
             ``transformers``: Hugging Face ``generate``. ``lit`` falls back to ``generate`` (with a
@@ -268,7 +270,8 @@ class GRPOModule(pl.LightningModule):
         lora: dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
         logprob_micro_batch_size: int | None = None,
-        forward_token_budget: int | None = 2048,
+        group_by_length: bool = True,
+        forward_token_budget: int | None = None,
         generation_backend: str = "lit",
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -667,12 +670,16 @@ class GRPOModule(pl.LightningModule):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[n, C]`` of the completion tokens (and their entropy) at the sampling temperature.
 
-        The rows go through the model in chunks of similar length (``forward_token_budget``), each
+        With ``group_by_length`` the rows go through the model in chunks of similar length, each
         trimmed to its longest sequence, and come back in their original order, padded with 0 to the
         longest completion ``C`` of the rollout: the values are those of one forward over all rows,
         without the cost of their padding.
         """
-        chunks = token_budget_chunks(rollout.prompt_mask, rollout.completion_mask, self.hparams.forward_token_budget)
+        hp = self.hparams
+        if hp.group_by_length:
+            chunks = length_chunks(rollout.prompt_mask, rollout.completion_mask, hp.forward_token_budget)
+        else:
+            chunks = [torch.arange(rollout.completion_ids.size(0), device=rollout.completion_ids.device)]
         if len(chunks) == 1:
             return self._chunk_logps(model, rollout.trimmed(), with_entropy)
         width = int(rollout.completion_mask.any(dim=0).sum())

@@ -1,5 +1,5 @@
 """The group sampler (``generation_backend: lit``) against Hugging Face ``generate``, and the
-length-chunked log-prob forwards (``forward_token_budget``)."""
+length-chunked log-prob forwards (``group_by_length``, ``forward_token_budget``)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from lit_grpo.generation import (
     PreallocatedKVLayer,
     generate_completions,
     lit_sampler_unsupported,
-    token_budget_chunks,
+    length_chunks,
 )
 from lit_grpo.module import GRPOModule
 
@@ -167,21 +167,33 @@ def test_module_warns_when_lit_sampler_falls_back(tiny_model_dir):
 
 
 # --------------------------------------------------------------------------------------------------
-# forward_token_budget
+# group_by_length, forward_token_budget
 # --------------------------------------------------------------------------------------------------
 
 
-def test_token_budget_chunks_by_hand():
+def test_length_chunks_by_hand():
     prompt_mask = torch.tensor([[1, 1], [0, 1], [1, 1], [0, 1], [1, 1]])  # prompt lengths 2 1 2 1 2
     completion_lengths = torch.tensor([6, 1, 3, 5, 2])
     completion_mask = (torch.arange(6) < completion_lengths[:, None]).long()
-    # longest first: rows 0 (8 tokens), 3 (1+5), 2 (2+3), 4 (2+2), 1 (1+1)
-    # budget 16: [0, 3] costs 2 x (2 + 6) = 16; adding 2 would cost 24 -> close; [2, 4, 1] = 3 x (2 + 3) = 15
-    chunks = token_budget_chunks(prompt_mask, completion_mask, 16)
-    assert [chunk.tolist() for chunk in chunks] == [[0, 3], [2, 4, 1]]
-    assert [c.tolist() for c in token_budget_chunks(prompt_mask, completion_mask, None)] == [[0, 1, 2, 3, 4]]
+
+    def chunks(**kwargs):
+        return [chunk.tolist() for chunk in length_chunks(prompt_mask, completion_mask, **kwargs)]
+
+    # longest completion first: rows 0 (2 + 6), 3 (1 + 5), 2 (2 + 3), 4 (2 + 2), 1 (1 + 1)
+    # a forward costs nothing extra: every row alone, no padding at all (8 + 6 + 5 + 4 + 2 = 25 tokens)
+    assert chunks(overhead_tokens=0) == [[0], [3], [2], [4], [1]]
+    # a forward costs 100 tokens: no split saves that much, one forward of 5 x 8 = 40 tokens
+    assert chunks(overhead_tokens=100) == [[0, 3, 2, 4, 1]]
+    # costs 5: [0, 3] + [2, 4, 1] = 2 x 8 + 3 x 5 + 2 x 5 = 41 beats one chunk (45) and every other split
+    # ([0, 3, 2] + [4, 1] = 42, [0, 3] + [2, 4] + [1] = 43, [0] + [3, 2, 4, 1] = 46)
+    assert chunks(overhead_tokens=5) == [[0, 3], [2, 4, 1]]
+    # a budget of 16 padded tokens forbids the single chunk (40): the cheapest split within it
+    assert chunks(overhead_tokens=100, token_budget=16) == [[0, 3], [2, 4, 1]]
     # a row longer than the budget is a chunk of its own
-    assert [c.tolist() for c in token_budget_chunks(prompt_mask, completion_mask, 4)] == [[0], [3], [2], [4], [1]]
+    assert chunks(overhead_tokens=100, token_budget=4) == [[0], [3], [2], [4], [1]]
+    # equal lengths are never split without a budget: one forward, no padding to save
+    equal = torch.ones(64, 128, dtype=torch.long)
+    assert len(length_chunks(torch.ones(64, 6, dtype=torch.long), equal)) == 1
 
 
 def test_chunked_logps_and_gradients_equal_one_forward(tiny_model_dir):
@@ -190,7 +202,7 @@ def test_chunked_logps_and_gradients_equal_one_forward(tiny_model_dir):
     torch.manual_seed(0)
     module = GRPOModule(
         str(tiny_model_dir), rewards=[{"name": "char_fraction", "args": {"chars": "a"}}],
-        num_generations=4, max_completion_length=16, forward_token_budget=None,
+        num_generations=4, max_completion_length=16, group_by_length=False,
     )
     module.configure_model()
     module.generation_config.sequence_bias = {(module.tokenizer.eos_token_id,): 2.5}  # varied lengths
@@ -198,6 +210,7 @@ def test_chunked_logps_and_gradients_equal_one_forward(tiny_model_dir):
     assert len(set(rollout.completion_lengths.tolist())) >= 3
 
     def run(budget):
+        module.hparams.group_by_length = budget is not None
         module.hparams.forward_token_budget = budget
         module.policy.zero_grad()
         logps, entropy = module.completion_logps(module.policy, rollout, with_entropy=True)
@@ -206,7 +219,7 @@ def test_chunked_logps_and_gradients_equal_one_forward(tiny_model_dir):
         grads = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
         return logps.detach(), entropy.detach(), grads
 
-    chunks = token_budget_chunks(rollout.prompt_mask, rollout.completion_mask, 60)
+    chunks = length_chunks(rollout.prompt_mask, rollout.completion_mask, 60)
     assert len(chunks) >= 3
     reference, chunked = run(None), run(60)
     mask = rollout.completion_mask.bool()
@@ -214,3 +227,43 @@ def test_chunked_logps_and_gradients_equal_one_forward(tiny_model_dir):
     torch.testing.assert_close(chunked[0][mask], reference[0][mask], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunked[1][mask], reference[1][mask], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunked[2], reference[2], atol=1e-5, rtol=1e-4)
+
+
+def test_forward_token_budget_must_be_positive(tiny_model_dir):
+    with pytest.raises(ValueError, match="model.forward_token_budget must be at least 1 or null, got 0"):
+        GRPOModule(str(tiny_model_dir), rewards=[{"name": "char_fraction", "args": {"chars": "a"}}], forward_token_budget=0)
+
+
+def test_training_step_is_the_same_with_and_without_chunking(tiny_model_dir, say_a_or_b_file, fast_trainer):
+    """A whole GRPO step (beta > 0, two iterations, micro-batches) gives the same loss, KL and weights
+    whether the log-prob forwards run in length chunks or one padded forward each."""
+    import lightning.pytorch as pl
+
+    from lit_grpo.data import GRPODataModule
+
+    def train(budget):
+        pl.seed_everything(0, verbose=False)
+        module = GRPOModule(
+            str(tiny_model_dir), rewards=[{"name": "char_fraction", "args": {"chars": "a"}}], num_generations=4,
+            max_completion_length=12, beta=0.1, num_iterations=2, micro_batch_size=4,
+            group_by_length=budget is not None, forward_token_budget=budget,
+            log_completions_every_n_steps=0, optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+        )
+        module.configure_model()
+        module.generation_config.sequence_bias = {(module.tokenizer.eos_token_id,): 2.0}  # lengths vary
+        logged = {}
+        module.log = lambda name, value, **kwargs: logged.setdefault(name, []).append(float(value))
+        data = GRPODataModule(path="json", data_files=str(say_a_or_b_file), batch_size=2, seed=0)
+        gradient_forwards = []
+        module.policy.register_forward_pre_hook(lambda m, args: gradient_forwards.append(torch.is_grad_enabled()))
+        fast_trainer(max_steps=4).fit(module, datamodule=data)
+        weights = torch.cat([p.detach().flatten() for p in module.policy.parameters()])
+        return logged, weights, sum(gradient_forwards)
+
+    one_forward, weights, forwards = train(None)
+    chunked, chunked_weights, chunked_forwards = train(24)
+    assert chunked_forwards > forwards  # the budget really split the micro-batches
+    for name in ("loss", "kl", "entropy", "reward", "completions/mean_length"):
+        torch.testing.assert_close(torch.tensor(chunked[name]), torch.tensor(one_forward[name]), atol=1e-5, rtol=1e-4)
+    assert (weights != 0).any()
+    torch.testing.assert_close(chunked_weights, weights, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,138 @@
+"""What each speed change of lit-grpo buys: lit-grpo with one change turned off at a time.
+
+Same identical-work setup as ``bench/compare_trl.py`` (quickstart prompts and reward, G = 8, 8 prompts
+per step, dapo, one optimizer step per generation batch), lit-grpo only. The variants run in turn
+(A B C ... A B C ...) so that a slow spell of the machine hits all of them:
+
+* ``default``: the group sampler (``generation_backend: lit``) and length-chunked log-prob forwards
+  (``group_by_length: true``);
+* ``transformers generate``: ``generation_backend: transformers`` (Hugging Face ``generate`` on the
+  prompts repeated G times);
+* ``one forward per micro-batch``: ``group_by_length: false`` (every row padded to the longest);
+* ``neither``: both off, lit-grpo as it was before these changes.
+
+    python bench/ablation.py --threads 1                      # 4M, L = 128, beta 0, fp32
+    python bench/ablation.py --threads 1 --size 30M --length 32 --precision bf16
+
+Writes ``bench/results/ablation.md`` and ``.json`` (``--name`` changes the file name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (  # noqa: E402
+    MODEL_SIZES,
+    QUICKSTART_DATA,
+    RunSpec,
+    add_contention_options,
+    build_models,
+    fmt,
+    load_line,
+    machine_description,
+    markdown_table,
+    matmul_rates,
+    run_measured,
+    summarize_runs,
+    write_outputs,
+)
+
+VARIANTS = {
+    "default": {},
+    "transformers generate": {"generation_backend": "transformers"},
+    "one forward per micro-batch": {"group_by_length": False},
+    "neither": {"generation_backend": "transformers", "group_by_length": False},
+}
+PHASES = ("generate", "logprobs", "train")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="4M", choices=[name for name in MODEL_SIZES if name != "quickstart"])
+    parser.add_argument("--length", type=int, default=128, help="max_completion_length")
+    parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--fixed-length", action="store_true", help="every completion exactly --length tokens")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of every run")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds over all variants")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
+    add_contention_options(parser)
+    parser.add_argument("--name", default="ablation", help="output file name in bench/results/")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    command = ("python bench/ablation.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    machine_before = machine_description()
+    start = time.perf_counter()
+    runs: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="lit-grpo-bench-") as tmp:
+        model = build_models([args.size], Path(tmp))[args.size]
+        rate = matmul_rates(model.shape, 64, args.length, args.threads)[args.precision]["best"]
+        for repeat in range(args.repeats):
+            for variant, options in VARIANTS.items():
+                spec = RunSpec(
+                    trainer="lit-grpo",
+                    model_dir=model.path,
+                    data_file=str(QUICKSTART_DATA),
+                    steps=args.warmup + args.steps,
+                    max_completion_length=args.length,
+                    fixed_length=args.fixed_length,
+                    beta=args.beta,
+                    precision=args.precision,
+                    threads=args.threads,
+                    lit_options=options,
+                )
+                runs[variant].append(run_measured(spec, args.warmup, args.quiet_wait, args.retries, args.min_cpu_share))
+                print(f"[{repeat + 1}/{args.repeats} {(time.perf_counter() - start) / 60:5.1f} min] {variant}",
+                      file=sys.stderr, flush=True)
+        summaries = {variant: summarize_runs(runs[variant], args.warmup, model.shape, rate) for variant in VARIANTS}
+    machine_after = machine_description()
+
+    default_rate = summaries["default"]["tokens_per_second"]
+    header = ["lit-grpo variant", "s/step", "tok/s", "default's tok/s over this", *(f"{p} s" for p in PHASES), "peak MiB"]
+    table = []
+    for variant, summary in summaries.items():
+        phases = summary["phases_median_seconds"]
+        table.append(
+            [
+                variant,
+                fmt(summary["median_step_seconds"]),
+                fmt(summary["tokens_per_second"], 0),
+                fmt(default_rate / summary["tokens_per_second"]),  # > 1: the change turned off here helps
+                *(fmt(phases.get(phase), 3) for phase in PHASES),
+                fmt(summary["peak_rss_mib"], 0),
+            ]
+        )
+    config = f"{args.size}, L={args.length}, beta={args.beta:g}, {args.precision}" + (", fixed length" if args.fixed_length else "")
+    markdown = "\n".join(
+        [
+            "# What each speed change buys (lit-grpo only)",
+            "",
+            f"`{command}`",
+            "",
+            f"Machine: {machine_before['cpu']}, {machine_before['cores']} cores, {args.threads or 'default'} torch threads "
+            f"per run; {load_line(machine_before)} before, {load_line(machine_after)} after. {config}; G 8, 8 prompts "
+            f"per step; {args.warmup} warm-up + {args.steps} timed steps per run, {args.repeats} run(s) per variant, "
+            "variants alternating. Times are medians over the timed steps of all runs of a variant.",
+            "",
+            markdown_table(header, table),
+            "",
+        ]
+    )
+    data = {"command": command, "machine_before": machine_before, "machine_after": machine_after, "config": config,
+            "variants": VARIANTS, "summaries": summaries, "runs": runs}
+    md_path, json_path = write_outputs(args.name, markdown, data)
+    print(markdown)
+    print(f"wrote {md_path} and {json_path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
