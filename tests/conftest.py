@@ -46,26 +46,29 @@ def say_a_or_b_file(write_jsonl):
     return write_jsonl([{"prompt": f"Say {c}:", "target": c} for c in "ab" * 8])
 
 
-@pytest.fixture
-def fast_trainer():
-    """``fast_trainer(**overrides) -> lightning Trainer`` on CPU without logger, bars or checkpoints."""
+def cpu_trainer(**overrides):
+    """A Lightning Trainer on CPU without logger, bars or checkpoints (1 step unless overridden);
+    a plain function too, for module-scoped fixtures that cannot use ``fast_trainer``."""
     import lightning.pytorch as pl
 
-    def make(**overrides):
-        kwargs = dict(
-            accelerator="cpu",
-            devices=1,
-            max_steps=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            log_every_n_steps=1,
-        )
-        kwargs.update(overrides)
-        return pl.Trainer(**kwargs)
+    kwargs = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=1,
+    )
+    kwargs.update(overrides)
+    return pl.Trainer(**kwargs)
 
-    return make
+
+@pytest.fixture
+def fast_trainer():
+    """``fast_trainer(**overrides) -> lightning Trainer``: :func:`cpu_trainer`."""
+    return cpu_trainer
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from lit_grpo.export import ExportOnFitEnd, export_checkpoint
 from lit_grpo.module import GRPOModule
 
 import test_module
+from conftest import cpu_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 # The fraction of lowercase letters varies between a random model's completions: non-zero advantages.
@@ -51,18 +52,7 @@ def make_data(data_file) -> GRPODataModule:
 
 
 def make_trainer(max_steps=2, **overrides) -> pl.Trainer:
-    kwargs = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        log_every_n_steps=1,
-    )
-    kwargs.update(overrides)
-    return pl.Trainer(**kwargs)
+    return cpu_trainer(max_steps=max_steps, **overrides)
 
 
 def greedy_tokens(model, tokenizer, max_new_tokens=12) -> torch.Tensor:
