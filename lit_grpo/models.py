@@ -61,6 +61,20 @@ def model_init_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
+def cpu_multiplies_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU multiplies bf16 in hardware (the ``avx512_bf16`` or ``amx_bf16`` flag of Linux's
+    ``/proc/cpuinfo``); None where that cannot be read. Without them PyTorch emulates bf16 matmuls,
+    several times slower than float32 (measured 31 vs 115 GFLOP/s on an AVX-512 Xeon, 1 thread)."""
+    try:
+        with open(cpuinfo) as file:
+            flags = next((line.split(":", 1)[1].split() for line in file if line.startswith("flags")), None)
+    except OSError:
+        return None
+    if flags is None:
+        return None
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def load_causal_lm(path: str, init_kwargs: dict[str, Any]) -> PreTrainedModel:
     """``AutoModelForCausalLM.from_pretrained`` with an error that names ``model.model_name_or_path``."""
     try:

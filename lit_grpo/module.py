@@ -35,6 +35,7 @@ import lightning.pytorch as pl
 import torch
 import torchmetrics
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -340,6 +341,7 @@ class GRPOModule(pl.LightningModule):
         self.eval_generation_config = eval_generation_config(self.generation_config, self.hparams.temperature_eval)
 
     def setup(self, stage: str) -> None:
+        self._warn_if_bf16_is_emulated()
         datamodule = getattr(self.trainer, "datamodule", None)
         if stage == "fit" and datamodule is not None and hasattr(datamodule, "batch_size"):
             check_batch_sizes(
@@ -347,6 +349,18 @@ class GRPOModule(pl.LightningModule):
                 self.hparams.num_generations,
                 self.hparams.steps_per_generation,
                 self.hparams.micro_batch_size,
+            )
+
+    def _warn_if_bf16_is_emulated(self) -> None:
+        """bf16 on a CPU without bf16 matmul instructions is emulated, and slower than float32."""
+        precision = str(getattr(self.trainer, "precision", ""))
+        bf16_weights = self.policy is not None and any(p.dtype == torch.bfloat16 for p in self.policy.parameters())
+        on_cpu = self.trainer.strategy.root_device.type == "cpu"
+        if on_cpu and (precision.startswith("bf16") or bf16_weights) and models.cpu_multiplies_bf16() is False:
+            rank_zero_warn(
+                f"bf16 on this CPU (trainer.precision={precision}, bf16 weights: {bf16_weights}) is emulated: it has no "
+                "avx512_bf16/amx_bf16 instructions, so bf16 matmuls run several times slower than float32; "
+                "use trainer.precision: 32-true here"
             )
 
     def teardown(self, stage: str) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 import string
+import warnings
 
 import lightning.pytorch as pl
+
 import pytest
 import torch
 
@@ -201,3 +203,36 @@ def test_logprob_micro_batch_size_in_a_training_step(tiny_model_dir, say_a_or_b_
 def test_logprob_micro_batch_size_must_be_positive(tiny_model_dir):
     with pytest.raises(ValueError, match="model.logprob_micro_batch_size must be at least 1 or null, got 0"):
         make_module(tiny_model_dir, logprob_micro_batch_size=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# bf16 on a CPU without bf16 matmul instructions
+# --------------------------------------------------------------------------------------------------
+
+
+def test_cpu_bf16_support_read_from_cpuinfo(tmp_path):
+    from lit_grpo.models import cpu_multiplies_bf16
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n")
+    assert cpu_multiplies_bf16(str(cpuinfo)) is False
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
+    assert cpu_multiplies_bf16(str(cpuinfo)) is True
+    cpuinfo.write_text("flags\t\t: fpu amx_bf16 amx_tile\n")
+    assert cpu_multiplies_bf16(str(cpuinfo)) is True
+    assert cpu_multiplies_bf16(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize("has_bf16_matmul, precision, warns", [(False, "bf16-mixed", True), (True, "bf16-mixed", False), (False, "32-true", False)])
+def test_bf16_on_a_cpu_that_emulates_it_warns(tiny_model_dir, say_a_or_b_file, fast_trainer, monkeypatch, has_bf16_matmul, precision, warns):
+    from lit_grpo import models
+
+    monkeypatch.setattr(models, "cpu_multiplies_bf16", lambda: has_bf16_matmul)
+    module = make_module(tiny_model_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast_trainer(precision=precision).fit(module, datamodule=make_data(say_a_or_b_file))
+    emulated = [w for w in caught if "is emulated" in str(w.message)]
+    assert bool(emulated) == warns
+    if warns:
+        assert "trainer.precision=bf16-mixed" in str(emulated[0].message)
