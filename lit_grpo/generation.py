@@ -19,6 +19,7 @@ tokens; sampling draws from the same distribution):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -208,7 +209,13 @@ def generate_completions(
     repeated_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
     repeated_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
     try:
-        if backend == "lit" and lit_sampler_unsupported(model, generation_config) is None:
+        reason = lit_sampler_unsupported(model, generation_config) if backend == "lit" else None
+        if reason is not None:
+            warnings.warn(
+                f"model.generation_backend=lit does not implement {reason}; sampling with transformers' generate",
+                stacklevel=3,
+            )
+        if backend == "lit" and reason is None:
             completion_ids = sample_groups(model, prompt_ids, prompt_mask, num_generations, generation_config)
         else:
             # synced_gpus=False: each rank decodes on its own (with FSDP2 the caller has gathered the
@@ -229,7 +236,7 @@ def lit_sampler_unsupported(model: torch.nn.Module, generation_config: Generatio
     options = set(generation_config.to_diff_dict()) - LIT_SAMPLER_OPTIONS
     if options:
         return f"generation options {sorted(options)}"
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
         return f"layer types {sorted(set(layer_types))}"
@@ -238,6 +245,11 @@ def lit_sampler_unsupported(model: torch.nn.Module, generation_config: Generatio
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model"
     return None
+
+
+def text_config(model: torch.nn.Module):
+    """The config of the language model itself (a multimodal config's text part)."""
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
 class PreallocatedKVLayer(DynamicLayer):
@@ -366,9 +378,9 @@ def sample_groups(
     N, device = B * G, prompt_ids.device
     pad_token_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
     eos = torch.tensor(eos_token_ids(generation_config), device=device, dtype=torch.long)
-    processors = logits_processors(generation_config, prompt_mask.repeat_interleave(G, dim=0))
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    cache = Cache(layers=[PreallocatedKVLayer(P + max_new) for _ in range(config.num_hidden_layers)])
+    repeated_mask = prompt_mask.repeat_interleave(G, dim=0)  # [N, P]
+    processors = logits_processors(generation_config, repeated_mask)
+    cache = Cache(layers=[PreallocatedKVLayer(P + max_new) for _ in range(text_config(model).num_hidden_layers)])
 
     # 1. Prefill once per prompt, then give each completion its own copy of the prompt's cache.
     positions = (prompt_mask.long().cumsum(dim=-1) - 1).clamp(min=0)  # [B, P]
@@ -381,7 +393,7 @@ def sample_groups(
     logits = logits.repeat_interleave(G, dim=0)  # [N, V]
     # every completion's tokens so far (prompt, then sampled) and attention mask, for all steps
     token_ids = torch.cat([prompt_ids.repeat_interleave(G, dim=0), prompt_ids.new_full((N, max_new), pad_token_id)], dim=1)
-    attention_mask = torch.cat([prompt_mask.repeat_interleave(G, dim=0), prompt_mask.new_ones(N, max_new)], dim=1)
+    attention_mask = torch.cat([repeated_mask, prompt_mask.new_ones(N, max_new)], dim=1)
     next_position = positions[:, -1].repeat_interleave(G) + 1  # [N]
     completions = prompt_ids.new_full((N, max_new), pad_token_id)  # [N, C] the result
     rows = torch.arange(N, device=device)  # the completions still in the batch (indices into N)

@@ -58,7 +58,6 @@ from lit_grpo.generation import (
     decode_completions,
     generate_completions,
     is_conversational,
-    lit_sampler_unsupported,
     length_chunks,
     position_ids_from_mask,
     render_prompts,
@@ -663,21 +662,8 @@ class GRPOModule(pl.LightningModule):
                 self.hparams.num_generations,
                 self.generation_config,
                 self.hparams.max_prompt_length,
-                backend=self._generation_backend(self.generation_config),
+                backend=self.hparams.generation_backend,
             )
-
-    def _generation_backend(self, generation_config: GenerationConfig) -> str:
-        """``generation_backend``, or ``transformers`` (warned once) where the ``lit`` sampler cannot serve."""
-        if self.hparams.generation_backend != "lit":
-            return self.hparams.generation_backend
-        reason = lit_sampler_unsupported(self.policy, generation_config)
-        if reason is not None:
-            warnings.warn(
-                f"model.generation_backend=lit does not implement {reason}; sampling with transformers' generate",
-                stacklevel=2,
-            )
-            return "transformers"
-        return "lit"
 
     def completion_logps(
         self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool = False
@@ -774,7 +760,7 @@ class GRPOModule(pl.LightningModule):
                 k,
                 self.eval_generation_config,
                 hp.max_prompt_length,
-                backend=self._generation_backend(self.eval_generation_config),
+                backend=hp.generation_backend,
             )
         texts, completion_ids = decode_completions(self.tokenizer, rollout)
         prompts = [prompt for prompt in batch.prompts for _ in range(k)]
