@@ -63,10 +63,11 @@ class Rollout:
             is_truncated=self.is_truncated[rows],
         )
 
-    def trimmed(self) -> "Rollout":
-        """Drop the prompt columns that are padding in every row and completion columns after the
-        longest completion, so a micro-batch costs only as much as its longest sequence."""
-        first_prompt_col = int(self.prompt_mask.any(dim=0).int().argmax()) if self.prompt_mask.any() else 0
+    def trimmed(self, prompts: bool = True) -> "Rollout":
+        """Drop the prompt columns that are padding in every row (unless ``prompts=False``) and
+        completion columns after the longest completion, so a micro-batch costs only as much as its
+        longest sequence."""
+        first_prompt_col = int(self.prompt_mask.any(dim=0).int().argmax()) if prompts and self.prompt_mask.any() else 0
         completion_cols = int(self.completion_mask.any(dim=0).sum())
         return Rollout(
             prompt_ids=self.prompt_ids[:, first_prompt_col:],

@@ -35,7 +35,7 @@ import lightning.pytorch as pl
 import torch
 import torchmetrics
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -58,12 +58,21 @@ from lit_grpo.generation import (
     decode_completions,
     generate_completions,
     is_conversational,
+    FORWARD_OVERHEAD_TOKENS,
     length_chunks,
     position_ids_from_mask,
     render_prompts,
 )
 from lit_grpo.reference import ReferenceModelSync
 from lit_grpo.scoring import RewardScorer, RewardSpec
+from lit_grpo.shared_prompt import (
+    PromptGroups,
+    PromptPrefix,
+    completion_logits,
+    distinct_prompts,
+    encode_prompts,
+    shared_prompt_unsupported,
+)
 
 
 
@@ -213,6 +222,10 @@ class GRPOModule(pl.LightningModule):
             micro-batch in one forward, padded to its longest row.
         forward_token_budget: with ``group_by_length``, at most this many padded tokens (rows x
             longest sequence) per forward of several rows; None sets no limit.
+        share_prompt_forward: in the log-prob forwards, encode each distinct prompt once and let its
+            completions attend to its KV cache (``lit_grpo.shared_prompt``) where that saves more
+            than a forward's overhead; the values and gradients are those of full forwards. Not used
+            with gradient checkpointing or sliding-window / linear-attention layers.
         generation_backend: ``lit`` (default): the group sampler of ``lit_grpo.generation`` (each
             prompt encoded once, preallocated KV cache, finished completions leave the batch);
             ``transformers``: Hugging Face ``generate``. ``lit`` falls back to ``generate`` (with a
@@ -272,6 +285,7 @@ class GRPOModule(pl.LightningModule):
         logprob_micro_batch_size: int | None = None,
         group_by_length: bool = True,
         forward_token_budget: int | None = None,
+        share_prompt_forward: bool = True,
         generation_backend: str = "lit",
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -300,6 +314,7 @@ class GRPOModule(pl.LightningModule):
         self.tokenizer = load_tokenizer(model_name_or_path)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
+        self._prompt_sharing_notes: set[str] = set()  # reasons share_prompt_forward was not used, said once
 
     # ------------------------------------------------------------------------------------------
     # Setup
@@ -670,20 +685,37 @@ class GRPOModule(pl.LightningModule):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[n, C]`` of the completion tokens (and their entropy) at the sampling temperature.
 
-        With ``group_by_length`` the rows go through the model in chunks of similar length, each
-        trimmed to its longest sequence, and come back in their original order, padded with 0 to the
-        longest completion ``C`` of the rollout: the values are those of one forward over all rows,
-        without the cost of their padding.
+        With ``share_prompt_forward`` each distinct prompt goes through the model once and its rows'
+        completions attend to its KV cache. With ``group_by_length`` the rows go through the model
+        in chunks of similar length, each trimmed to its longest sequence, and come back in their
+        original order, padded with 0 to the longest completion ``C`` of the rollout. Either way the
+        values are those of one forward over all rows, without the cost of their padding or of
+        repeated prompts.
         """
         hp = self.hparams
+        prefix = None
+        groups = self._prompt_groups_worth_sharing(model, rollout)
+        if groups is not None:
+            rollout = rollout.trimmed()  # the prompt columns are fixed here; chunks trim only completions
+            prefix = encode_prompts(model, rollout.prompt_ids, rollout.prompt_mask, groups)
         if hp.group_by_length:
-            chunks = length_chunks(rollout.prompt_mask, rollout.completion_mask, hp.forward_token_budget)
+            # a shared prompt costs nothing per row: chunk by completion length alone
+            prompt_mask = rollout.prompt_mask if prefix is None else rollout.prompt_mask[:, :0]
+            chunks = length_chunks(prompt_mask, rollout.completion_mask, hp.forward_token_budget)
         else:
             chunks = [torch.arange(rollout.completion_ids.size(0), device=rollout.completion_ids.device)]
         if len(chunks) == 1:
-            return self._chunk_logps(model, rollout.trimmed(), with_entropy)
+            return self._chunk_logps(model, rollout.trimmed(prompts=prefix is None), with_entropy, prefix)
         width = int(rollout.completion_mask.any(dim=0).sum())
-        outputs = [self._chunk_logps(model, rollout.select(rows).trimmed(), with_entropy) for rows in chunks]
+        outputs = [
+            self._chunk_logps(
+                model,
+                rollout.select(rows).trimmed(prompts=prefix is None),
+                with_entropy,
+                prefix.select(rows) if prefix is not None else None,
+            )
+            for rows in chunks
+        ]
         inverse = torch.argsort(torch.cat(chunks))  # position of each original row in the chunk order
 
         def reassemble(parts: list[torch.Tensor]) -> torch.Tensor:  # [n_chunk, c_chunk] each -> [n, C]
@@ -694,22 +726,39 @@ class GRPOModule(pl.LightningModule):
         entropy = reassemble([entropy for _, entropy in outputs]) if with_entropy else None
         return logps, entropy
 
+    def _prompt_groups_worth_sharing(self, model: torch.nn.Module, rollout: Rollout) -> PromptGroups | None:
+        """The rows' distinct prompts when ``share_prompt_forward`` applies to this model and saves
+        more prompt tokens than the extra forward costs (``FORWARD_OVERHEAD_TOKENS``); else None."""
+        if not self.hparams.share_prompt_forward:
+            return None
+        reason = shared_prompt_unsupported(model)
+        if reason is not None:
+            if reason not in self._prompt_sharing_notes:
+                self._prompt_sharing_notes.add(reason)
+                rank_zero_info(f"model.share_prompt_forward: prompts are encoded with every completion ({reason})")
+            return None
+        prompt_width = int(rollout.prompt_mask.any(dim=0).sum())  # the trimmed prompt
+        groups = distinct_prompts(rollout.prompt_ids, rollout.prompt_mask)
+        return groups if groups.saved_tokens(prompt_width) > FORWARD_OVERHEAD_TOKENS else None
+
     def _chunk_logps(
-        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool
+        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, prefix: PromptPrefix | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward of a trimmed rollout. Only the last ``C + 1`` positions' logits are computed
-        (``logits_to_keep``); positions skip left padding exactly as in generation."""
-        input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)  # [n, P + C]
-        attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)  # [n, P + C]
-        num_completion_tokens = rollout.completion_ids.size(1)
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            logits_to_keep=num_completion_tokens + 1,
-            use_cache=False,
-        ).logits  # [n, C + 1, V]
-        logits = logits[:, :-1]  # [n, C, V]: position t predicts completion token t
+        """One forward of a trimmed rollout (after its shared prompt's forward, given ``prefix``).
+        Only the ``C`` positions that predict completion tokens get logits (``logits_to_keep``);
+        positions skip left padding exactly as in generation."""
+        if prefix is not None:
+            logits = completion_logits(model, prefix, rollout.completion_ids, rollout.completion_mask)  # [n, C, V]
+        else:
+            input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)  # [n, P + C]
+            attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)  # [n, P + C]
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask),
+                logits_to_keep=rollout.completion_ids.size(1) + 1,
+                use_cache=False,
+            ).logits[:, :-1]  # [n, C, V]: position t predicts completion token t
         temperature = self.hparams.temperature
         logps = algorithm.selective_log_softmax(logits, rollout.completion_ids, temperature)
         entropy = algorithm.entropy_from_logits(logits, temperature) if with_entropy else None

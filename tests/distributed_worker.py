@@ -96,6 +96,10 @@ def main() -> None:
     parser.add_argument("--fixed-completions", action="store_true")
     parser.add_argument("--generation-check", action="store_true")
     parser.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
+    parser.add_argument(
+        "--share-prompts-always", action="store_true",
+        help="share_prompt_forward even where it saves few tokens (the tests' prompts are short)",
+    )
     parser.add_argument("--validate", action="store_true", help="run trainer.validate and save its metrics")
     parser.add_argument(
         "--gated-reward", action="store_true",
@@ -112,6 +116,8 @@ def main() -> None:
 
     if args.fixed_completions:
         lit_grpo.module.generate_completions = fixed_generate_completions
+    if args.share_prompts_always:
+        lit_grpo.module.FORWARD_OVERHEAD_TOKENS = 0
     if args.gated_reward:
         register_gated_reward()
 

@@ -97,6 +97,13 @@ VARIANTS = {
     # the reference follows the policy after every optimizer step, shard by shard
     "ref_sync": {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5},
 }
+# variants whose log-prob forwards run each distinct prompt once (share_prompt_forward, forced on for
+# these short prompts) on both the one- and the two-process run; the others run every row's prompt
+SHARED_PROMPT_VARIANTS = {"lora", "ref_sync"}
+
+
+def variant_flags(variant: str) -> list[str]:
+    return ["--fixed-completions", *(["--share-prompts-always"] if variant in SHARED_PROMPT_VARIANTS else [])]
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +114,7 @@ def single_process_runs(run_dir):
     def get(variant: str) -> dict:
         if variant not in runs:
             overrides = {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}, "model": VARIANTS[variant]}
-            runs[variant] = run_worker(run_dir, f"single_{variant}", 1, overrides, "--fixed-completions")
+            runs[variant] = run_worker(run_dir, f"single_{variant}", 1, overrides, *variant_flags(variant))
         return runs[variant]
 
     return get
@@ -120,7 +127,7 @@ def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_mode
         "data": {"batch_size": GLOBAL_BATCH // 2},
         "model": VARIANTS[variant],
     }
-    two = run_worker(run_dir, f"{strategy}_{variant}", 2, overrides, "--fixed-completions")
+    two = run_worker(run_dir, f"{strategy}_{variant}", 2, overrides, *variant_flags(variant))
     one = single_process_runs(variant)
     assert two["world_size"] == 2 and one["world_size"] == 1
 

@@ -202,7 +202,7 @@ def test_chunked_logps_and_gradients_equal_one_forward(tiny_model_dir):
     torch.manual_seed(0)
     module = GRPOModule(
         str(tiny_model_dir), rewards=[{"name": "char_fraction", "args": {"chars": "a"}}],
-        num_generations=4, max_completion_length=16, group_by_length=False,
+        num_generations=4, max_completion_length=16, group_by_length=False, share_prompt_forward=False,
     )
     module.configure_model()
     module.generation_config.sequence_bias = {(module.tokenizer.eos_token_id,): 2.5}  # varied lengths
@@ -246,7 +246,7 @@ def test_training_step_is_the_same_with_and_without_chunking(tiny_model_dir, say
         module = GRPOModule(
             str(tiny_model_dir), rewards=[{"name": "char_fraction", "args": {"chars": "a"}}], num_generations=4,
             max_completion_length=12, beta=0.1, num_iterations=2, micro_batch_size=4,
-            group_by_length=budget is not None, forward_token_budget=budget,
+            group_by_length=budget is not None, forward_token_budget=budget, share_prompt_forward=False,
             log_completions_every_n_steps=0, optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
         )
         module.configure_model()
