@@ -4,15 +4,18 @@ Same identical-work setup as ``bench/compare_trl.py`` (quickstart prompts and re
 per step, dapo, one optimizer step per generation batch), lit-grpo only. The variants run in turn
 (A B C ... A B C ...) so that a slow spell of the machine hits all of them:
 
-* ``default``: the group sampler (``generation_backend: lit``) and length-chunked log-prob forwards
-  (``group_by_length: true``);
+* ``default``: the group sampler (``generation_backend: lit``), length-chunked log-prob forwards
+  (``group_by_length: true``) and prompts encoded once per group in the log-prob forwards
+  (``share_prompt_forward: true``);
+* ``every row runs its prompt``: ``share_prompt_forward: false``;
 * ``transformers generate``: ``generation_backend: transformers`` (Hugging Face ``generate`` on the
   prompts repeated G times);
 * ``one forward per micro-batch``: ``group_by_length: false`` (every row padded to the longest);
-* ``neither``: both off, lit-grpo as it was before these changes.
+* ``none``: all three off, lit-grpo as it was before these changes.
 
     python bench/ablation.py --threads 1                      # 4M, L = 128, beta 0, fp32
     python bench/ablation.py --threads 1 --size 30M --length 32 --precision bf16
+    python bench/ablation.py --threads 1 --prompt-chars 120     # prompts 120 tokens longer
 
 Writes ``bench/results/ablation.md`` and ``.json`` (``--name`` changes the file name).
 """
@@ -34,6 +37,7 @@ from harness import (  # noqa: E402
     build_models,
     fmt,
     load_line,
+    long_prompt_data,
     machine_description,
     markdown_table,
     matmul_rates,
@@ -44,9 +48,10 @@ from harness import (  # noqa: E402
 
 VARIANTS = {
     "default": {},
+    "every row runs its prompt": {"share_prompt_forward": False},
     "transformers generate": {"generation_backend": "transformers"},
     "one forward per micro-batch": {"group_by_length": False},
-    "neither": {"generation_backend": "transformers", "group_by_length": False},
+    "none": {"generation_backend": "transformers", "group_by_length": False, "share_prompt_forward": False},
 }
 PHASES = ("generate", "logprobs", "train")
 
@@ -58,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--fixed-length", action="store_true", help="every completion exactly --length tokens")
+    parser.add_argument("--prompt-chars", type=int, default=0, help="an instruction of this many tokens before every prompt")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of every run")
     parser.add_argument("--repeats", type=int, default=2, help="rounds over all variants")
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
                 spec = RunSpec(
                     trainer="lit-grpo",
                     model_dir=model.path,
-                    data_file=str(QUICKSTART_DATA),
+                    data_file=str(long_prompt_data(Path(tmp), args.prompt_chars) if args.prompt_chars else QUICKSTART_DATA),
                     steps=args.warmup + args.steps,
                     max_completion_length=args.length,
                     fixed_length=args.fixed_length,
@@ -112,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             ]
         )
     config = f"{args.size}, L={args.length}, beta={args.beta:g}, {args.precision}" + (", fixed length" if args.fixed_length else "")
+    config += f", prompts +{args.prompt_chars} tokens" if args.prompt_chars else ""
     markdown = "\n".join(
         [
             "# What each speed change buys (lit-grpo only)",

@@ -50,6 +50,7 @@ from harness import (  # noqa: E402
     QUICKSTART_DATA,
     RunSpec,
     build_models,
+    long_prompt_data,
     fmt,
     load_line,
     machine_description,
@@ -75,11 +76,13 @@ class Config:
     beta: float
     precision: str
     fixed_length: bool
+    prompt_chars: int = 0  # an instruction of this many characters before every prompt
 
     @property
     def label(self) -> str:
         fixed = ", fixed length" if self.fixed_length else ""
-        return f"{self.size}, L={self.max_completion_length}, beta={self.beta:g}, {self.precision}{fixed}"
+        longer = f", prompts +{self.prompt_chars} tokens" if self.prompt_chars else ""
+        return f"{self.size}, L={self.max_completion_length}, beta={self.beta:g}, {self.precision}{fixed}{longer}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run beta 0 with every completion exactly L tokens (EOS suppressed), for each size and "
         "precision; give no value to skip",
     )
+    parser.add_argument(
+        "--long-prompts-at", nargs="*", type=int, default=[], metavar="L",
+        help="also run beta 0 at max_completion_length L with --long-prompt-chars more prompt tokens, for each "
+        "size and precision",
+    )
+    parser.add_argument("--long-prompt-chars", type=int, default=120, help="instruction length of --long-prompts-at")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: by size and length)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")
     parser.add_argument("--repeats", type=int, default=1, help="lit-grpo/TRL pairs per configuration")
@@ -121,12 +130,19 @@ def configs_from(args: argparse.Namespace) -> list[Config]:
         Config(size, length, 0.0, precision, fixed_length=True)
         for size, length, precision in itertools.product(args.sizes, args.fixed_length_at, args.precisions)
     ]
+    configs += [
+        Config(size, length, 0.0, precision, fixed_length=False, prompt_chars=args.long_prompt_chars)
+        for size, length, precision in itertools.product(args.sizes, args.long_prompts_at, args.precisions)
+    ]
     return configs
 
 
-def run_matrix(args: argparse.Namespace, models: dict, rates: dict, on_row=None, done: dict | None = None) -> list[dict]:
+def run_matrix(
+    args: argparse.Namespace, models: dict, rates: dict, on_row=None, done: dict | None = None, data_dir: Path | None = None
+) -> list[dict]:
     """Run every configuration (A B A B ... per configuration); ``on_row(rows)`` after each one.
-    ``done`` maps labels of configurations already measured to their rows, which are kept."""
+    ``done`` maps labels of configurations already measured to their rows, which are kept; the
+    long-prompt data files are written to ``data_dir``."""
     rows = []
     configs = configs_from(args)
     start = time.perf_counter()
@@ -141,7 +157,7 @@ def run_matrix(args: argparse.Namespace, models: dict, rates: dict, on_row=None,
                 spec = RunSpec(
                     trainer=trainer,
                     model_dir=models[config.size].path,
-                    data_file=str(QUICKSTART_DATA),
+                    data_file=str(long_prompt_data(data_dir, config.prompt_chars) if config.prompt_chars else QUICKSTART_DATA),
                     steps=args.warmup + timed_steps,
                     num_generations=args.num_generations,
                     prompts_per_step=args.prompts_per_step,
@@ -372,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.resume and previous.exists():
             done = {row["label"]: row for row in json.loads(previous.read_text())["rows"]}
             rates = json.loads(previous.read_text())["matmul_rates_flops_per_second"]
-        rows = run_matrix(args, models, rates, on_row=write, done=done)
+        rows = run_matrix(args, models, rates, on_row=write, done=done, data_dir=Path(tmp))
         md_path, json_path = write(rows)
     print(md_path.read_text())
     print(f"\nwrote {md_path} and {json_path}", file=sys.stderr)

@@ -10,11 +10,17 @@ padding and no wasted rows:
 * **generation** (KV-cached sampling): the prefill of each *distinct* prompt once (its KV cache can
   serve all G completions of its group), then one single-token forward per sampled token after the
   first (the first comes from the prefill's logits; the last sampled token needs no forward);
-* **training forward + backward** of every completion with its prompt: backward = 2 x forward
-  (gradients with respect to inputs and to weights);
-* **extra log-prob passes** without gradient: the reference model's forward when ``beta > 0``, and the
-  sampling policy's (``old_logps``) only when the policy moves before it is used
-  (``num_iterations > 1`` or ``steps_per_generation > 1``).
+* **training forward + backward** of every completion: backward = 2 x forward (gradients with
+  respect to inputs and to weights). The forward needs no more than sampling did: each distinct
+  prompt once (the G completions of a group attend to the same prompt keys and values, and in the
+  backward their gradients add up there), then every completion token but the last (whose output
+  predicts nothing that is scored);
+* **extra log-prob passes** without gradient, the same minimal forward: the reference model's when
+  ``beta > 0``, and the sampling policy's (``old_logps``) only when the policy moves before it is
+  used (``num_iterations > 1`` or ``steps_per_generation > 1``).
+
+A trainer that runs every row's prompt through the model, and the last completion token, executes
+more than this floor (``executed/floor`` in the benchmark tables).
 
 A forward of one token at a position with ``context`` visible keys costs
 
@@ -110,18 +116,12 @@ def _causal_contexts(length: int) -> int:
     return length * (length + 1) // 2
 
 
-def sequence_forward_flops(shape: ModelShape, prompt_length: int, completion_length: int) -> int:
-    """One full (teacher-forced) forward over prompt + completion, with logits only for the
-    ``completion_length`` positions that predict completion tokens."""
-    length = prompt_length + completion_length
-    return forward_flops(shape, length, _causal_contexts(length), completion_length)
-
-
 def generation_flops(
     shape: ModelShape, distinct_prompt_lengths: Iterable[int], rows: Iterable[tuple[int, int]]
 ) -> int:
     """KV-cached sampling: each distinct prompt prefilled once, then one single-token forward per
-    sampled token after the first.
+    sampled token after the first. The same FLOPs are the least a teacher-forced log-prob forward
+    of the finished completions needs (the prompt once per group, every completion token but the last).
 
     Args:
         distinct_prompt_lengths: token length of each distinct prompt (each prefilled once).
@@ -172,10 +172,10 @@ def grpo_step_flops(
     if len(rows) % num_generations:
         raise ValueError(f"{len(rows)} rows do not form groups of num_generations = {num_generations}")
     distinct_prompt_lengths = [rows[i][0] for i in range(0, len(rows), num_generations)]
-    forward = sum(sequence_forward_flops(shape, p, c) for p, c in rows)
+    forward = generation_flops(shape, distinct_prompt_lengths, rows)  # sampling and one log-prob forward alike
     extra_passes = int(beta > 0) + int(num_iterations > 1 or steps_per_generation > 1)
     return StepFlops(
-        generation=generation_flops(shape, distinct_prompt_lengths, rows),
+        generation=forward,
         training=3 * forward * num_iterations,
         logprobs=forward * extra_passes,
     )

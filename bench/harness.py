@@ -71,6 +71,22 @@ class BuiltModel:
     shape: ModelShape
 
 
+LONG_PROMPT_INSTRUCTION = (
+    "You are a careful assistant. Read the request at the end of this message and answer it with the "
+    "single letter it names, nothing else, no punctuation and no explanation. "
+)
+
+
+def long_prompt_data(directory: Path, extra_chars: int) -> Path:
+    """The quickstart prompts behind an instruction of ``extra_chars`` characters (tokens, with the
+    benchmark models' character-level tokenizer): the same task and reward with long prompts."""
+    instruction = (LONG_PROMPT_INSTRUCTION * (extra_chars // len(LONG_PROMPT_INSTRUCTION) + 1))[:extra_chars]
+    path = Path(directory) / f"quickstart_prompt_plus_{extra_chars}.jsonl"
+    rows = [json.loads(line) for line in QUICKSTART_DATA.read_text().splitlines() if line.strip()]
+    path.write_text("".join(json.dumps({**row, "prompt": instruction + row["prompt"]}) + "\n" for row in rows))
+    return path
+
+
 def build_models(names: list[str], directory: Path, max_position_embeddings: int = 1024) -> dict[str, BuiltModel]:
     """Write each named model (seed 0 weights) under ``directory`` and count its parameters."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from flops import ModelShape, forward_flops, generation_flops, grpo_step_flops, sequence_forward_flops  # noqa: E402
+from flops import ModelShape, forward_flops, generation_flops, grpo_step_flops  # noqa: E402
 
 TOY = ModelShape(
     hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=10
@@ -27,11 +27,6 @@ def test_forward_flops_adds_projections_attention_and_output_head():
     assert forward_flops(TOY, num_tokens=3, sum_of_contexts=6, num_logits=2) == 864 + 96 + 160
 
 
-def test_sequence_forward_counts_logits_only_for_completion_positions():
-    # prompt 2 + completion 1 = 3 tokens, causal contexts 1 + 2 + 3, one logit row
-    assert sequence_forward_flops(TOY, prompt_length=2, completion_length=1) == 864 + 96 + 80
-
-
 def test_generation_prefills_once_and_decodes_all_but_the_first_token():
     # prefill of the 2-token prompt: 2 * 144 * 2 + 4 * 4 * (1 + 2) + 80 = 704
     # 3 sampled tokens need 2 decode forwards, seeing 3 and 4 keys: 576 + 4 * 4 * 7 + 160 = 848
@@ -40,16 +35,17 @@ def test_generation_prefills_once_and_decodes_all_but_the_first_token():
 
 def test_grpo_step_flops_by_phase():
     rows = [(2, 3), (2, 1)]  # one prompt, G = 2
-    # training forward: (2, 3) is 2*144*5 + 4*4*15 + 2*4*10*3 = 1920, (2, 1) is 1040
+    # a log-prob forward needs what sampling needed: the prompt once (704, as in the test above),
+    # then (2, 3)'s tokens 1 and 2 (848) and nothing of (2, 1), whose only token predicts nothing
     with_kl = grpo_step_flops(TOY, rows, num_generations=2, beta=0.04)
-    assert (with_kl.generation, with_kl.training, with_kl.logprobs) == (1552, 3 * 2960, 2960)
-    assert with_kl.total == 1552 + 8880 + 2960
+    assert (with_kl.generation, with_kl.training, with_kl.logprobs) == (1552, 3 * 1552, 1552)
+    assert with_kl.total == 1552 + 4656 + 1552
 
     no_kl = grpo_step_flops(TOY, rows, num_generations=2, beta=0.0)
     assert no_kl.logprobs == 0
 
     two_passes = grpo_step_flops(TOY, rows, num_generations=2, beta=0.0, num_iterations=2)
-    assert (two_passes.training, two_passes.logprobs) == (2 * 8880, 2960)  # old log-probs needed
+    assert (two_passes.training, two_passes.logprobs) == (2 * 4656, 1552)  # old log-probs needed
 
 
 def test_grpo_step_flops_rejects_partial_groups():
