@@ -750,15 +750,16 @@ class GRPOModule(pl.LightningModule):
         if prefix is not None:
             logits = completion_logits(model, prefix, rollout.completion_ids, rollout.completion_mask)  # [n, C, V]
         else:
-            input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)  # [n, P + C]
-            attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)  # [n, P + C]
+            # the last completion token predicts nothing that is scored: it is not part of the input
+            input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids[:, :-1]], dim=1)  # [n, P + C - 1]
+            attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask[:, :-1]], dim=1)
             logits = model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask),
-                logits_to_keep=rollout.completion_ids.size(1) + 1,
+                logits_to_keep=rollout.completion_ids.size(1),
                 use_cache=False,
-            ).logits[:, :-1]  # [n, C, V]: position t predicts completion token t
+            ).logits  # [n, C, V]: the last C positions, position P - 1 + t predicts completion token t
         temperature = self.hparams.temperature
         logps = algorithm.selective_log_softmax(logits, rollout.completion_ids, temperature)
         entropy = algorithm.entropy_from_logits(logits, temperature) if with_entropy else None

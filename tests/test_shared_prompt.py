@@ -107,7 +107,7 @@ def test_prompts_are_not_shared_where_that_saves_less_than_a_forward(module):
     assert 9 * rollout.trimmed().prompt_mask.size(1) <= lit_grpo.module.FORWARD_OVERHEAD_TOKENS
     shapes = input_shapes(module.policy)
     logps_entropy_grads(module, rollout, share=True, group_by_length=True)
-    assert shapes == [(12, rollout.trimmed().prompt_mask.size(1) + 4)]
+    assert shapes == [(12, rollout.trimmed().prompt_mask.size(1) + 4 - 1)]  # prompt + completion but its last token
 
 
 def test_gradient_checkpointing_turns_sharing_off_and_says_why(tiny_model_dir, monkeypatch):
