@@ -52,13 +52,13 @@ from lit_grpo.distributed import (
     shard_model,
 )
 from lit_grpo.generation import (
+    FORWARD_OVERHEAD_TOKENS,
     GENERATION_BACKENDS,
     Rollout,
     concat_rollouts,
     decode_completions,
     generate_completions,
     is_conversational,
-    FORWARD_OVERHEAD_TOKENS,
     length_chunks,
     position_ids_from_mask,
     render_prompts,
