@@ -237,6 +237,12 @@ def lit_sampler_unsupported(model: torch.nn.Module, generation_config: Generatio
     options = set(generation_config.to_diff_dict()) - LIT_SAMPLER_OPTIONS
     if options:
         return f"generation options {sorted(options)}"
+    return partial_kv_cache_reason(model)
+
+
+def partial_kv_cache_reason(model: torch.nn.Module) -> str | None:
+    """Why a KV cache of this model may not hold the whole prompt, or the model is not a plain
+    decoder (sliding-window or linear-attention layers, encoder-decoder); None for full attention."""
     config = text_config(model)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and any(kind != "full_attention" for kind in layer_types):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from lit_grpo.generation import position_ids_from_mask, text_config
+from lit_grpo.generation import partial_kv_cache_reason, position_ids_from_mask, text_config
 
 __all__ = ["PromptGroups", "PromptPrefix", "completion_logits", "distinct_prompts", "encode_prompts", "shared_prompt_unsupported"]
 
@@ -54,15 +54,7 @@ def shared_prompt_unsupported(model: torch.nn.Module) -> str | None:
         checkpointing = getattr(model, "is_gradient_checkpointing", False)
     if checkpointing:
         return "gradient checkpointing"
-    config = text_config(model)
-    if getattr(config, "is_encoder_decoder", False):
-        return "an encoder-decoder model"
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
-        return f"layer types {sorted(set(layer_types))}"
-    if layer_types is None and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention"
-    return None
+    return partial_kv_cache_reason(model)
 
 
 @dataclass
