@@ -36,11 +36,11 @@ class PromptPrefix:
     values: list[torch.Tensor]  # per decoder layer [U, kv_heads, P, head_dim]
     last_logits: torch.Tensor  # [U, V] logits at the last prompt position (they predict completion token 0)
     row_prompt: torch.Tensor  # [n] index of each row's prompt among the U
-    prompt_mask: torch.Tensor  # [n, P] each row's prompt attention mask
+    prompt_mask: torch.Tensor  # [U, P] the distinct prompts' attention masks
 
     def select(self, rows: torch.Tensor) -> "PromptPrefix":
         """The prefix of a subset of the rows (the shared tensors are not copied)."""
-        return PromptPrefix(self.keys, self.values, self.last_logits, self.row_prompt[rows], self.prompt_mask[rows])
+        return PromptPrefix(self.keys, self.values, self.last_logits, self.row_prompt[rows], self.prompt_mask)
 
 
 def shared_prompt_unsupported(model: torch.nn.Module) -> str | None:
@@ -83,12 +83,10 @@ def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Pro
 
 
 def encode_prompts(
-    model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, groups: PromptGroups | None = None
+    model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, groups: PromptGroups
 ) -> PromptPrefix:
     """One forward over the distinct prompts among the left-padded rows ``prompt_ids [n, P]``."""
-    groups = groups if groups is not None else distinct_prompts(prompt_ids, prompt_mask)
-    first_row, row_prompt = groups.first_row, groups.row_prompt
-    unique_ids, unique_mask = prompt_ids[first_row], prompt_mask[first_row]  # [U, P]
+    unique_ids, unique_mask = prompt_ids[groups.first_row], prompt_mask[groups.first_row]  # [U, P]
     cache = Cache(layers=[DynamicLayer() for _ in range(text_config(model).num_hidden_layers)])
     logits = model(
         input_ids=unique_ids,
@@ -102,8 +100,8 @@ def encode_prompts(
         keys=[layer.keys for layer in cache.layers],
         values=[layer.values for layer in cache.layers],
         last_logits=logits,
-        row_prompt=row_prompt,
-        prompt_mask=prompt_mask,
+        row_prompt=groups.row_prompt,
+        prompt_mask=unique_mask,
     )
 
 
@@ -120,7 +118,8 @@ def completion_logits(
     cache = Cache(layers=[DynamicLayer() for _ in prefix.keys])
     for layer_idx, (keys, values) in enumerate(zip(prefix.keys, prefix.values)):
         cache.update(keys[prefix.row_prompt], values[prefix.row_prompt], layer_idx)  # [n, kv_heads, P, head_dim]
-    attention_mask = torch.cat([prefix.prompt_mask, completion_mask[:, :-1]], dim=1)  # [n, P + C - 1]
+    prompt_mask = prefix.prompt_mask[prefix.row_prompt]  # [n, P]
+    attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)  # [n, P + C - 1]
     P = prefix.prompt_mask.size(1)
     rest = model(
         input_ids=completion_ids[:, :-1],  # the last token predicts nothing that is scored
