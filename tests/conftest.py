@@ -65,6 +65,21 @@ def cpu_trainer(**overrides):
     return pl.Trainer(**kwargs)
 
 
+def logps_entropy_grads(module, rollout, **hparams):
+    """With ``module.hparams`` updated by ``hparams``: the rollout's log-probs and entropy ``[n, C]``
+    and the gradient (all policy parameters, flattened) of their masked sum."""
+    import torch
+
+    for name, value in hparams.items():
+        setattr(module.hparams, name, value)
+    module.policy.zero_grad()
+    logps, entropy = module.completion_logps(module.policy, rollout, with_entropy=True)
+    mask = rollout.completion_mask[:, : logps.size(1)]
+    ((logps * mask).sum() + (entropy * mask).sum()).backward()
+    grads = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
+    return logps.detach(), entropy.detach(), grads
+
+
 @pytest.fixture
 def fast_trainer():
     """``fast_trainer(**overrides) -> lightning Trainer``: :func:`cpu_trainer`."""

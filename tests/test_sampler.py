@@ -3,6 +3,7 @@ length-chunked log-prob forwards (``group_by_length``, ``forward_token_budget``)
 
 import pytest
 import torch
+from conftest import logps_entropy_grads
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from lit_grpo.generation import (
@@ -210,14 +211,7 @@ def test_chunked_logps_and_gradients_equal_one_forward(tiny_model_dir):
     assert len(set(rollout.completion_lengths.tolist())) >= 3
 
     def run(budget):
-        module.hparams.group_by_length = budget is not None
-        module.hparams.forward_token_budget = budget
-        module.policy.zero_grad()
-        logps, entropy = module.completion_logps(module.policy, rollout, with_entropy=True)
-        mask = rollout.completion_mask[:, : logps.size(1)]
-        ((logps * mask).sum() + (entropy * mask).sum()).backward()
-        grads = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
-        return logps.detach(), entropy.detach(), grads
+        return logps_entropy_grads(module, rollout, group_by_length=budget is not None, forward_token_budget=budget)
 
     chunks = length_chunks(rollout.prompt_mask, rollout.completion_mask, 60)
     assert len(chunks) >= 3

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import lit_grpo.module
+from conftest import logps_entropy_grads
 from lit_grpo.generation import Rollout
 from lit_grpo.module import GRPOModule
 from lit_grpo.shared_prompt import distinct_prompts, shared_prompt_unsupported
@@ -46,17 +47,6 @@ def hand_made_rollout(tokenizer, completion_lengths, order) -> Rollout:
     )
 
 
-def logps_entropy_grads(module, rollout, share, group_by_length):
-    module.hparams.share_prompt_forward = share
-    module.hparams.group_by_length = group_by_length
-    module.policy.zero_grad()
-    logps, entropy = module.completion_logps(module.policy, rollout, with_entropy=True)
-    mask = rollout.completion_mask[:, : logps.size(1)]
-    ((logps * mask).sum() + (entropy * mask).sum()).backward()
-    grads = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
-    return logps.detach(), entropy.detach(), grads
-
-
 def input_shapes(model):
     """Record the input_ids shape of every forward of ``model``."""
     shapes = []
@@ -73,10 +63,10 @@ def test_shared_prompt_logps_and_gradients_equal_one_forward(module, monkeypatch
     lengths = [9, 3, 5, 1, 2, 9, 6, 4, 3, 2, 7, 1]
     rollout = hand_made_rollout(module.tokenizer, lengths, order=[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2])
     P = rollout.prompt_mask.size(1)
-    reference = logps_entropy_grads(module, rollout, share=False, group_by_length=False)
+    reference = logps_entropy_grads(module, rollout, share_prompt_forward=False, group_by_length=False)
     module.hparams.forward_token_budget = 30  # with group_by_length: several chunks of completions
     shapes = input_shapes(module.policy)
-    shared = logps_entropy_grads(module, rollout, share=True, group_by_length=group_by_length)
+    shared = logps_entropy_grads(module, rollout, share_prompt_forward=True, group_by_length=group_by_length)
 
     assert shapes[0] == (3, P)  # the distinct prompts, once
     assert all(width <= 9 - 1 for _, width in shapes[1:])  # completions only, last token dropped
@@ -93,9 +83,9 @@ def test_shared_prompt_logps_and_gradients_equal_one_forward(module, monkeypatch
 def test_single_token_completions_need_only_the_prompt_forward(module, monkeypatch):
     monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)
     rollout = hand_made_rollout(module.tokenizer, [1] * 6, order=[2, 2, 2, 0, 0, 0])
-    reference = logps_entropy_grads(module, rollout, share=False, group_by_length=False)
+    reference = logps_entropy_grads(module, rollout, share_prompt_forward=False, group_by_length=False)
     shapes = input_shapes(module.policy)
-    shared = logps_entropy_grads(module, rollout, share=True, group_by_length=True)
+    shared = logps_entropy_grads(module, rollout, share_prompt_forward=True, group_by_length=True)
     assert shapes == [(2, rollout.trimmed().prompt_mask.size(1))]
     for got, expected in zip(shared, reference):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
@@ -106,7 +96,7 @@ def test_prompts_are_not_shared_where_that_saves_less_than_a_forward(module):
     rollout = hand_made_rollout(module.tokenizer, [4] * 12, order=[0, 1, 2] * 4)
     assert 9 * rollout.trimmed().prompt_mask.size(1) <= lit_grpo.module.FORWARD_OVERHEAD_TOKENS
     shapes = input_shapes(module.policy)
-    logps_entropy_grads(module, rollout, share=True, group_by_length=True)
+    logps_entropy_grads(module, rollout, share_prompt_forward=True, group_by_length=True)
     assert shapes == [(12, rollout.trimmed().prompt_mask.size(1) + 4 - 1)]  # prompt + completion but its last token
 
 
