@@ -380,6 +380,9 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # generation batch (across ranks and micro-batches). For aggregations that are means over the
 # micro-batch (``accumulates_by_mean``) the caller divides by the number of micro-batches of an
 # optimizer step, as Hugging Face's Trainer and TRL do; a global normaliser (dapo) needs no division.
+# Every built-in loss is a sum of per-row terms whose normalisers depend only on the masks
+# (``rows_independent``): a row's gradient does not depend on the other rows' log-probs, so a
+# micro-batch may go forward and backward in chunks of rows (``GRPOModule._micro_batch_backward``).
 Aggregation = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 
@@ -419,24 +422,29 @@ class LossType:
     aggregate: Aggregation
     objective: Objective = ppo_objective
     accumulates_by_mean: bool = True
+    rows_independent: bool = False  # the loss is a sum of per-row terms (normalisers from the masks only)
 
 
 LOSS_TYPES: dict[str, LossType] = {}
 
 
 def register_loss_type(
-    name: str, objective: Objective = ppo_objective, accumulates_by_mean: bool = True
+    name: str, objective: Objective = ppo_objective, accumulates_by_mean: bool = True, rows_independent: bool = False
 ) -> Callable[[Aggregation], Aggregation]:
-    """Register a ``loss_type`` by its aggregation (decorator), with its per-token objective."""
+    """Register a ``loss_type`` by its aggregation (decorator), with its per-token objective.
+    ``rows_independent``: say so only if the loss is a sum of per-row terms whose weights depend on
+    the masks alone (then micro-batches may be trained in chunks of rows)."""
 
     def decorator(fn: Aggregation) -> Aggregation:
-        LOSS_TYPES[name] = LossType(aggregate=fn, objective=objective, accumulates_by_mean=accumulates_by_mean)
+        LOSS_TYPES[name] = LossType(
+            aggregate=fn, objective=objective, accumulates_by_mean=accumulates_by_mean, rows_independent=rows_independent
+        )
         return fn
 
     return decorator
 
 
-@register_loss_type("grpo")
+@register_loss_type("grpo", rows_independent=True)
 def grpo_aggregation(per_token_loss, completion_mask, max_completion_length, num_items_in_batch):
     """GRPO (Shao et al. 2024): mean over sequences of each sequence's token mean.
 
@@ -447,14 +455,14 @@ def grpo_aggregation(per_token_loss, completion_mask, max_completion_length, num
     return per_sequence.mean()
 
 
-@register_loss_type("bnpo")
+@register_loss_type("bnpo", rows_independent=True)
 def bnpo_aggregation(per_token_loss, completion_mask, max_completion_length, num_items_in_batch):
     """BNPO (Xiao et al. 2025, arXiv:2506.02864): token mean over the whole micro-batch."""
     mask = completion_mask.to(per_token_loss.dtype)
     return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-@register_loss_type("dr_grpo")
+@register_loss_type("dr_grpo", rows_independent=True)
 def dr_grpo_aggregation(per_token_loss, completion_mask, max_completion_length, num_items_in_batch):
     """Dr. GRPO (Liu et al. 2025, arXiv:2503.20783): sum over tokens / (sequences * max length).
 
@@ -464,7 +472,7 @@ def dr_grpo_aggregation(per_token_loss, completion_mask, max_completion_length, 
     return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
 
 
-@register_loss_type("dapo", accumulates_by_mean=False)
+@register_loss_type("dapo", accumulates_by_mean=False, rows_independent=True)
 def dapo_aggregation(per_token_loss, completion_mask, max_completion_length, num_items_in_batch):
     """DAPO (Yu et al. 2025, arXiv:2503.14476): token-level sum / real tokens of the generation batch.
 
@@ -478,8 +486,8 @@ def dapo_aggregation(per_token_loss, completion_mask, max_completion_length, num
 
 # CISPO aggregates like DAPO (token sum over the generation batch's tokens), SAPO like GRPO
 # (sequence means), as in their papers and in TRL.
-LOSS_TYPES["cispo"] = LossType(aggregate=dapo_aggregation, objective=cispo_objective, accumulates_by_mean=False)
-LOSS_TYPES["sapo"] = LossType(aggregate=grpo_aggregation, objective=sapo_objective, accumulates_by_mean=True)
+LOSS_TYPES["cispo"] = LossType(dapo_aggregation, cispo_objective, accumulates_by_mean=False, rows_independent=True)
+LOSS_TYPES["sapo"] = LossType(grpo_aggregation, sapo_objective, accumulates_by_mean=True, rows_independent=True)
 
 
 def aggregate_loss(

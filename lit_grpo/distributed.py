@@ -34,6 +34,7 @@ from lit_grpo.checkpointing import fsync_directory
 
 __all__ = [
     "ModelParallelStrategy",
+    "agreed_over_sharded_ranks",
     "data_parallel_mesh",
     "gather_real_values",
     "gather_rows",
@@ -59,6 +60,24 @@ def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
             f"to the number of processes ({data_parallel * tensor_parallel}) and tensor_parallel_size to 1."
         )
     return device_mesh["data_parallel"]
+
+
+def agreed_over_sharded_ranks(value: int, model: torch.nn.Module, reduce: str) -> int:
+    """``value`` reduced (``"max"`` or ``"min"``) over the ranks where ``model`` is FSDP2-sharded;
+    ``value`` itself otherwise.
+
+    Every forward and backward of a sharded model is a collective (all-gather, reduce-scatter), so
+    every rank must run as many as the others: how many chunks a micro-batch is split into, or
+    whether prompts get their own forward, is agreed through this before it is acted on.
+    """
+    if not _fsdp_modules(model):
+        return value
+    import torch.distributed as dist
+
+    op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[reduce]
+    tensor = torch.tensor([value], dtype=torch.long, device=next(model.parameters()).device)
+    dist.all_reduce(tensor, op=op)
+    return int(tensor.item())
 
 
 def decoder_layer_classes(model: torch.nn.Module) -> set[type]:

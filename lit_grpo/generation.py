@@ -123,6 +123,21 @@ def length_chunks(
     return [torch.tensor(chunk, device=completion_mask.device) for chunk in reversed(chunks)]
 
 
+def split_chunks(chunks: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """``chunks`` (row indices) split further until there are ``count`` of them, the largest chunk
+    in halves first (sharded ranks must run the same number of forwards, see
+    ``lit_grpo.distributed.agreed_over_sharded_ranks``)."""
+    chunks = list(chunks)
+    while len(chunks) < count:
+        largest = max(range(len(chunks)), key=lambda i: chunks[i].numel())
+        chunk = chunks[largest]
+        if chunk.numel() < 2:
+            raise ValueError(f"cannot split {sum(c.numel() for c in chunks)} rows into {count} chunks")
+        half = (chunk.numel() + 1) // 2
+        chunks[largest : largest + 1] = [chunk[:half], chunk[half:]]
+    return chunks
+
+
 def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
     """Stack rollouts of different widths: prompts left-padded, completions right-padded."""
     prompt_width = max(r.prompt_ids.size(1) for r in rollouts)

@@ -45,6 +45,7 @@ from lit_grpo.checkpointing import RNGStateCheckpoint
 from lit_grpo.completions import COMPLETIONS_FILE, append_records, completion_records, format_table
 from lit_grpo.data import PromptBatch
 from lit_grpo.distributed import (
+    agreed_over_sharded_ranks,
     data_parallel_mesh,
     gather_real_values,
     gather_rows,
@@ -62,6 +63,7 @@ from lit_grpo.generation import (
     length_chunks,
     position_ids_from_mask,
     render_prompts,
+    split_chunks,
 )
 from lit_grpo.reference import ReferenceModelSync
 from lit_grpo.scoring import RewardScorer, RewardSpec
@@ -221,7 +223,9 @@ class GRPOModule(pl.LightningModule):
             and the loss, taken over the whole micro-batch, are unchanged. False runs each
             micro-batch in one forward, padded to its longest row.
         forward_token_budget: with ``group_by_length``, at most this many padded tokens (rows x
-            longest sequence) per forward of several rows; None sets no limit.
+            longest sequence) per forward of several rows; a training micro-batch above it goes
+            forward and backward in chunks within it (the same gradient), so it bounds activation
+            memory. None sets no limit.
         share_prompt_forward: in the log-prob forwards, encode each distinct prompt once and let its
             completions attend to its KV cache (``lit_grpo.shared_prompt``) where that saves more
             than a forward's overhead; the values and gradients are those of full forwards. Not used
@@ -284,7 +288,7 @@ class GRPOModule(pl.LightningModule):
         gradient_checkpointing: bool = False,
         logprob_micro_batch_size: int | None = None,
         group_by_length: bool = True,
-        forward_token_budget: int | None = None,
+        forward_token_budget: int | None = 4096,
         share_prompt_forward: bool = True,
         generation_backend: str = "lit",
         optimizer: OptimizerCallable | None = None,
@@ -449,16 +453,10 @@ class GRPOModule(pl.LightningModule):
                 for micro_start in range(mini_start, mini_start + mini_batch_size, micro_batch_size):
                     rows = torch.arange(micro_start, micro_start + micro_batch_size, device=self.device)
                     rows = order[rows] if order is not None else rows
-                    loss, stats = self._micro_batch_loss(scored, rows)
-                    if algorithm.LOSS_TYPES[hp.loss_type].accumulates_by_mean:
-                        loss = loss / micro_batches_per_step
+                    scale = 1 / micro_batches_per_step if algorithm.LOSS_TYPES[hp.loss_type].accumulates_by_mean else 1.0
                     # DDP all-reduces the accumulated gradient once, after the last micro-batch
                     is_last = micro_start + micro_batch_size == mini_start + mini_batch_size
-                    block_sync = getattr(self.trainer.strategy, "block_backward_sync", None)  # DDP only
-                    with nullcontext() if is_last or block_sync is None else block_sync():
-                        self.manual_backward(loss)
-                    stats["loss"] = loss.detach()
-                    step_stats.append(stats)
+                    step_stats.append(self._micro_batch_backward(scored, rows, scale, sync=is_last))
                 grad_norm = self._clip_gradients()
                 optimizer.step()
                 if scheduler is not None:
@@ -620,10 +618,81 @@ class GRPOModule(pl.LightningModule):
             self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
         return batch
 
-    def _micro_batch_loss(self, scored: ScoredRollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def _micro_batch_backward(self, scored: ScoredRollout, rows: torch.Tensor, scale: float, sync: bool) -> dict:
+        """Forward, loss and backward of the micro-batch ``rows``, its loss multiplied by ``scale``
+        (gradient accumulation); ``sync=False`` keeps DDP from all-reducing. Returns its statistics.
+
+        A micro-batch wider than ``forward_token_budget`` goes forward and backward in chunks of rows
+        (:meth:`_backward_chunks`), so only one chunk's activations are alive at a time. Chunk k
+        backpropagates the micro-batch loss with every other row's log-probs held constant: the loss
+        is a sum of per-row terms (``rows_independent``), so that is exactly the part of the
+        micro-batch gradient that flows through chunk k's rows, and the chunks add up to all of it.
+        """
+        micro = scored.rollout.select(rows)
+        chunks = self._backward_chunks(micro)
+        if len(chunks) == 1:
+            loss, stats = self._micro_batch_loss(scored, rows)
+            self._backward(loss * scale, sync)
+        else:
+            width = int(micro.completion_mask.any(dim=0).sum())  # the micro-batch's longest completion
+            # [n, C] each row's log-probs: constants (the sampling policy's) until its chunk has run
+            if scored.old_logps is not None:
+                logps = scored.old_logps[rows, :width].clone()
+            else:
+                logps = torch.zeros(len(rows), width, device=self.device)
+            entropy = torch.zeros_like(logps)
+            for index, chunk in enumerate(chunks):
+                chunk_logps, chunk_entropy = self.completion_logps(
+                    self.policy, micro.select(chunk), with_entropy=True, group_by_length=False
+                )
+                padding = (0, width - chunk_logps.size(1))  # [k, c] -> [k, C]
+                chunk_logps = torch.nn.functional.pad(chunk_logps, padding)
+                chunk_loss, _ = self._policy_loss(scored, rows, logps.index_put((chunk,), chunk_logps))
+                self._backward(chunk_loss * scale, sync and index == len(chunks) - 1)
+                logps[chunk] = chunk_logps.detach()
+                entropy[chunk] = torch.nn.functional.pad(chunk_entropy, padding).detach()
+            with torch.no_grad():  # the loss and statistics of the whole micro-batch, as one pass reports them
+                loss, stats = self._policy_loss(scored, rows, logps, entropy)
+        stats["loss"] = (loss * scale).detach()
+        return stats
+
+    def _backward_chunks(self, micro: Rollout) -> list[torch.Tensor]:
+        """The row chunks of a micro-batch for separate forward and backward passes: one chunk
+        unless ``group_by_length`` is on, the micro-batch's padded tokens (rows x (longest prompt +
+        longest completion)) exceed ``forward_token_budget`` and the loss is a sum of per-row terms
+        (``rows_independent``, and no ``top_entropy_quantile``, whose threshold needs every row)."""
         hp = self.hparams
+        every_row = [torch.arange(micro.completion_ids.size(0), device=micro.completion_ids.device)]
+        if not hp.group_by_length or hp.forward_token_budget is None:
+            return every_row
+        if hp.top_entropy_quantile < 1.0 or not algorithm.LOSS_TYPES[hp.loss_type].rows_independent:
+            return every_row
+        trimmed = micro.trimmed()
+        if trimmed.prompt_ids.numel() + trimmed.completion_ids.numel() <= hp.forward_token_budget:
+            chunks = every_row
+        else:
+            chunks = length_chunks(micro.prompt_mask, micro.completion_mask, hp.forward_token_budget)
+        return split_chunks(chunks, agreed_over_sharded_ranks(len(chunks), self.policy, "max"))
+
+    def _backward(self, loss: torch.Tensor, sync: bool) -> None:
+        """``manual_backward``; with ``sync=False`` DDP accumulates the gradient without all-reducing."""
+        block_sync = getattr(self.trainer.strategy, "block_backward_sync", None)  # DDP only
+        with nullcontext() if sync or block_sync is None else block_sync():
+            self.manual_backward(loss)
+
+    def _micro_batch_loss(self, scored: ScoredRollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The loss of the micro-batch ``rows`` from one pass (all its chunks' graphs kept), and its statistics."""
         micro = scored.rollout.select(rows)
         logps, entropy = self.completion_logps(self.policy, micro, with_entropy=True)  # [n, C] each
+        return self._policy_loss(scored, rows, logps, entropy)
+
+    def _policy_loss(
+        self, scored: ScoredRollout, rows: torch.Tensor, logps: torch.Tensor, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict]:
+        """The GRPO loss of the rows ``rows`` given their log-probs ``[n, C]`` (and entropy, for the
+        statistics and ``top_entropy_quantile``; None skips both)."""
+        hp = self.hparams
+        micro = scored.rollout.select(rows)
         width = logps.size(1)
         loss_mask = scored.loss_mask[rows, :width]
         old_logps = scored.old_logps[rows, :width] if scored.old_logps is not None else logps.detach()
@@ -651,6 +720,8 @@ class GRPOModule(pl.LightningModule):
             kl_estimator=hp.kl_estimator,
             policy_mask=policy_mask,
         )
+        if entropy is None:
+            return out.loss, {}
         stats = {
             "entropy": algorithm.masked_mean(entropy, micro.completion_mask[:, :width]),
             "clip_ratio/low_mean": out.clip.low,
@@ -681,16 +752,17 @@ class GRPOModule(pl.LightningModule):
             )
 
     def completion_logps(
-        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool = False
+        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool = False, group_by_length: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[n, C]`` of the completion tokens (and their entropy) at the sampling temperature.
 
         With ``share_prompt_forward`` each distinct prompt goes through the model once and its rows'
-        completions attend to its KV cache. With ``group_by_length`` the rows go through the model
+        completions attend to its KV cache. With ``group_by_length`` (the setting, unless the
+        argument turns it off for rows that are already a length chunk) the rows go through the model
         in chunks of similar length, each trimmed to its longest sequence, and come back in their
         original order, padded with 0 to the longest completion ``C`` of the rollout. Either way the
         values are those of one forward over all rows, without the cost of their padding or of
-        repeated prompts.
+        repeated prompts. Under FSDP2 the ranks agree on both choices (the same number of forwards).
         """
         hp = self.hparams
         prefix = None
@@ -698,10 +770,11 @@ class GRPOModule(pl.LightningModule):
         if groups is not None:
             rollout = rollout.trimmed()  # the prompt columns are fixed here; chunks trim only completions
             prefix = encode_prompts(model, rollout.prompt_ids, rollout.prompt_mask, groups)
-        if hp.group_by_length:
+        if hp.group_by_length and group_by_length:
             # a shared prompt costs nothing per row: chunk by completion length alone
             prompt_mask = rollout.prompt_mask if prefix is None else rollout.prompt_mask[:, :0]
             chunks = length_chunks(prompt_mask, rollout.completion_mask, hp.forward_token_budget)
+            chunks = split_chunks(chunks, agreed_over_sharded_ranks(len(chunks), model, "max"))
         else:
             chunks = [torch.arange(rollout.completion_ids.size(0), device=rollout.completion_ids.device)]
         if len(chunks) == 1:
@@ -739,7 +812,9 @@ class GRPOModule(pl.LightningModule):
             return None
         prompt_width = int(rollout.prompt_mask.any(dim=0).sum())  # the trimmed prompt
         groups = distinct_prompts(rollout.prompt_ids, rollout.prompt_mask)
-        return groups if groups.saved_tokens(prompt_width) > FORWARD_OVERHEAD_TOKENS else None
+        worth_it = groups.saved_tokens(prompt_width) > FORWARD_OVERHEAD_TOKENS
+        # the prompt forward is one more forward: sharded ranks share only if every rank does
+        return groups if agreed_over_sharded_ranks(int(worth_it), model, "min") else None
 
     def _chunk_logps(
         self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, prefix: PromptPrefix | None = None

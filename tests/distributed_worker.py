@@ -100,6 +100,10 @@ def main() -> None:
         "--share-prompts-always", action="store_true",
         help="share_prompt_forward even where it saves few tokens (the tests' prompts are short)",
     )
+    parser.add_argument(
+        "--share-prompts-on-rank-0-only", action="store_true",
+        help="rank 0 finds sharing prompts always worth it, the other ranks never (they must agree)",
+    )
     parser.add_argument("--validate", action="store_true", help="run trainer.validate and save its metrics")
     parser.add_argument(
         "--gated-reward", action="store_true",
@@ -118,6 +122,8 @@ def main() -> None:
         lit_grpo.module.generate_completions = fixed_generate_completions
     if args.share_prompts_always:
         lit_grpo.module.FORWARD_OVERHEAD_TOKENS = 0
+    if args.share_prompts_on_rank_0_only:  # RANK: set by torch.distributed.run
+        lit_grpo.module.FORWARD_OVERHEAD_TOKENS = 0 if int(os.environ.get("RANK", "0")) == 0 else 10**9
     if args.gated_reward:
         register_gated_reward()
 
@@ -143,10 +149,14 @@ def main() -> None:
         if cli.trainer.global_rank == 0:
             torch.save({"results": results[0], "world_size": cli.trainer.world_size}, args.out)
         exit_without_finalisation()
+    backward_passes = []
+    manual_backward = module.manual_backward
+    module.manual_backward = lambda loss, *a, **kw: (backward_passes.append(1), manual_backward(loss, *a, **kw))[1]
     cli.trainer.fit(module, datamodule=cli.datamodule, ckpt_path=args.ckpt_path)
     state = full_policy_state(module)
     if cli.trainer.global_rank == 0:
-        torch.save({"steps": steps, "state": state, "world_size": cli.trainer.world_size}, args.out)
+        result = {"steps": steps, "state": state, "world_size": cli.trainer.world_size, "backward_passes": len(backward_passes)}
+        torch.save(result, args.out)
     exit_without_finalisation()
 
 

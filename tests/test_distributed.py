@@ -96,6 +96,12 @@ VARIANTS = {
     "lora": {"lora": {"r": 4, "lora_alpha": 8}},
     # the reference follows the policy after every optimizer step, shard by shard
     "ref_sync": {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5},
+    # micro-batches of 4 rows above the token budget go forward and backward in chunks; compared
+    # with the one-process run of "full" (one pass per micro-batch)
+    "chunked": {"forward_token_budget": 30},
+    # rank 0 would give prompts their own forward and rank 1 would not: under FSDP2 (a collective per
+    # forward) they must agree; compared with the one-process run of "full" (nobody shares)
+    "sharing_disagrees": {},
 }
 # variants whose log-prob forwards run each distinct prompt once (share_prompt_forward, forced on for
 # these short prompts) on both the one- and the two-process run; the others run every row's prompt
@@ -103,6 +109,8 @@ SHARED_PROMPT_VARIANTS = {"lora", "ref_sync"}
 
 
 def variant_flags(variant: str) -> list[str]:
+    if variant == "sharing_disagrees":
+        return ["--fixed-completions", "--share-prompts-on-rank-0-only"]
     return ["--fixed-completions", *(["--share-prompts-always"] if variant in SHARED_PROMPT_VARIANTS else [])]
 
 
@@ -120,7 +128,13 @@ def single_process_runs(run_dir):
     return get
 
 
-@pytest.mark.parametrize("strategy, variant", [("ddp", "full"), ("fsdp2", "full"), ("fsdp2", "lora"), ("fsdp2", "ref_sync")])
+@pytest.mark.parametrize(
+    "strategy, variant",
+    [
+        ("ddp", "full"), ("fsdp2", "full"), ("fsdp2", "lora"), ("fsdp2", "ref_sync"),
+        ("ddp", "chunked"), ("fsdp2", "chunked"), ("fsdp2", "sharing_disagrees"),
+    ],
+)
 def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_model_dir, strategy, variant):
     overrides = {
         "trainer": {"devices": 2, "strategy": STRATEGIES[strategy]},
@@ -128,8 +142,15 @@ def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_mode
         "model": VARIANTS[variant],
     }
     two = run_worker(run_dir, f"{strategy}_{variant}", 2, overrides, *variant_flags(variant))
-    one = single_process_runs(variant)
+    one = single_process_runs("full" if variant in ("chunked", "sharing_disagrees") else variant)
     assert two["world_size"] == 2 and one["world_size"] == 1
+    # 4 optimizer steps (2 generation batches x 2 iterations) over 16 rows: micro-batches of 4 rows
+    # are 4 backward passes per step in one process, 2 per rank in two
+    assert one["backward_passes"] == 2 * 2 * 4
+    if variant == "chunked":
+        assert two["backward_passes"] > 2 * 2 * 2  # rank 0's micro-batches went backward in chunks
+    else:
+        assert two["backward_passes"] == 2 * 2 * 2
 
     # the same metrics at every step (2 generation batches, 2 optimizer steps each)
     assert len(one["steps"]) == len(two["steps"]) == 2
@@ -145,8 +166,11 @@ def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_mode
     from transformers import AutoModelForCausalLM
 
     assert one["state"].keys() == two["state"].keys()
+    # chunks sum the gradient in another order; Adam (lr 0.01) turns that rounding into weight
+    # differences of ~2e-5 after 4 steps, where a lost or doubled chunk would move weights by ~1e-2
+    atol = 1e-4 if variant == "chunked" else 1e-5
     for name, expected in one["state"].items():
-        torch.testing.assert_close(two["state"][name], expected, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(two["state"][name], expected, rtol=1e-4, atol=atol, msg=name)
     if variant == "lora":  # the adapter moved (LoRA's B starts at zero)
         adapters = [name for name in one["state"] if "lora_B" in name]
         assert adapters and max(one["state"][name].abs().max().item() for name in adapters) > 1e-3

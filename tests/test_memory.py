@@ -206,6 +206,130 @@ def test_logprob_micro_batch_size_must_be_positive(tiny_model_dir):
 
 
 # --------------------------------------------------------------------------------------------------
+# model.forward_token_budget: a training micro-batch above it goes forward and backward in chunks
+# --------------------------------------------------------------------------------------------------
+
+
+class SavedTensorBytes:
+    """``torch.autograd.graph.saved_tensors_hooks`` that track the bytes autograd holds for backward
+    (activations, and weights saved by reference) at any moment, and their peak."""
+
+    class Held:
+        def __init__(self, tensor: torch.Tensor, owner: "SavedTensorBytes"):
+            self.tensor, self.owner, self.nbytes = tensor, owner, tensor.numel() * tensor.element_size()
+            owner.live += self.nbytes
+            owner.peak = max(owner.peak, owner.live)
+
+        def __del__(self):
+            self.owner.live -= self.nbytes
+
+    def __init__(self):
+        self.live = 0
+        self.peak = 0
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.Held(t, self), lambda held: held.tensor)
+
+
+def micro_batch_backward(module, scored, rows, budget, scale=0.5):
+    """``_micro_batch_backward`` under ``forward_token_budget=budget``: the gradient, the statistics,
+    the order of the forwards with gradient and the backward passes, and the peak saved bytes."""
+    module.hparams.forward_token_budget = budget
+    module.policy.zero_grad(set_to_none=True)
+    events = []
+    hook = module.policy.register_forward_pre_hook(
+        lambda model, args: events.append("forward") if torch.is_grad_enabled() else None
+    )
+    module.manual_backward = lambda loss: (events.append("backward"), loss.backward())
+    saved = SavedTensorBytes()
+    with saved.hooks():
+        stats = module._micro_batch_backward(scored, rows, scale, sync=True)
+    hook.remove()
+    gradient = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
+    return gradient, stats, events, saved.peak
+
+
+@pytest.mark.parametrize(
+    "loss_type, beta, importance_sampling_level, off_policy",
+    [
+        ("dapo", 0.0, "token", False),
+        ("grpo", 0.04, "token", True),
+        ("bnpo", 0.0, "sequence", True),
+        ("dr_grpo", 0.04, "token", True),
+        ("cispo", 0.04, "token", True),
+        ("sapo", 0.0, "sequence", False),
+    ],
+)
+def test_token_budget_trains_in_chunks_with_the_micro_batch_gradient(
+    tiny_model_dir, fast_trainer, loss_type, beta, importance_sampling_level, off_policy
+):
+    torch.manual_seed(0)
+    module = make_module(
+        tiny_model_dir, loss_type=loss_type, beta=beta, importance_sampling_level=importance_sampling_level,
+        epsilon_high=5.0 if loss_type == "cispo" else None, share_prompt_forward=False,
+    )
+    scored = rollout_of(module, fast_trainer)
+    current = module._logps_no_grad(module.policy, scored.rollout)  # [8, C]
+    mask = scored.rollout.completion_mask.bool()
+    if off_policy:  # the sampling policy differs: ratios spread over and beyond the clip range
+        scored.old_logps = (current + 0.3 * torch.randn(current.size(0), 1) + 0.3 * torch.randn_like(current)) * mask
+    if beta:
+        scored.ref_logps = (current - 0.5 * torch.rand_like(current)) * mask
+    rows = torch.tensor([1, 7, 0, 4, 6, 2])  # a micro-batch of 6 rows, not in rollout order
+    expected, expected_stats, one_pass, one_pass_peak = micro_batch_backward(module, scored, rows, None)
+    row_tokens = int(scored.rollout.select(rows).trimmed().prompt_mask.size(1) + mask[rows].any(0).sum())
+    gradient, stats, chunked, chunked_peak = micro_batch_backward(module, scored, rows, budget=2 * row_tokens)
+
+    assert one_pass == ["forward", "backward"]
+    assert chunked == ["forward", "backward"] * 3  # 6 rows in chunks of at most 2, each freed by its backward
+    assert expected.norm() > 1e-3
+    torch.testing.assert_close(gradient, expected, atol=1e-6, rtol=1e-4)
+    assert stats.keys() == expected_stats.keys() and ("kl" in stats) == (beta > 0)
+    for name in stats:
+        torch.testing.assert_close(stats[name], expected_stats[name], atol=1e-6, rtol=1e-5, msg=name)
+    if off_policy and loss_type != "cispo":
+        assert expected_stats["clip_ratio/region_mean"] > 0  # the clipped branch is exercised
+    # autograd never holds more than about one chunk's activations (plus the weights it saves)
+    assert chunked_peak < 0.6 * one_pass_peak
+
+
+def test_token_budget_keeps_one_pass_where_the_loss_needs_every_row(tiny_model_dir, fast_trainer):
+    from lit_grpo import algorithm
+
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir, forward_token_budget=8)  # far below one row
+    scored = rollout_of(module, fast_trainer)
+    micro = scored.rollout.select(torch.arange(8))
+    assert len(module._backward_chunks(micro)) == 8  # one row each
+
+    module.hparams.top_entropy_quantile = 0.5  # the entropy threshold is over every row of the micro-batch
+    assert [chunk.tolist() for chunk in module._backward_chunks(micro)] == [list(range(8))]
+    module.hparams.top_entropy_quantile = 1.0
+
+    # a registered loss type is trained in one pass unless it says its rows are independent
+    @algorithm.register_loss_type("test_batch_max")
+    def batch_max(per_token_loss, completion_mask, max_completion_length, num_items_in_batch):
+        return (per_token_loss * completion_mask).max()
+
+    try:
+        module.hparams.loss_type = "test_batch_max"
+        assert [chunk.tolist() for chunk in module._backward_chunks(micro)] == [list(range(8))]
+        module.hparams.group_by_length = False
+        module.hparams.loss_type = "dapo"
+        assert [chunk.tolist() for chunk in module._backward_chunks(micro)] == [list(range(8))]
+    finally:
+        del algorithm.LOSS_TYPES["test_batch_max"]
+
+
+def test_micro_batches_within_the_budget_are_one_pass(tiny_model_dir, fast_trainer):
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir)  # the default budget, 4096 tokens
+    assert module.hparams.forward_token_budget == 4096
+    scored = rollout_of(module, fast_trainer)
+    assert [chunk.tolist() for chunk in module._backward_chunks(scored.rollout)] == [list(range(8))]
+
+
+# --------------------------------------------------------------------------------------------------
 # bf16 on a CPU without bf16 matmul instructions
 # --------------------------------------------------------------------------------------------------
 
