@@ -10,8 +10,11 @@ per step, dapo, one optimizer step per generation batch), lit-grpo only. The var
 * ``every row runs its prompt``: ``share_prompt_forward: false``;
 * ``transformers generate``: ``generation_backend: transformers`` (Hugging Face ``generate`` on the
   prompts repeated G times);
-* ``one forward per micro-batch``: ``group_by_length: false`` (every row padded to the longest);
-* ``none``: all three off, lit-grpo as it was before these changes.
+* ``one forward per micro-batch``: ``group_by_length: false`` (every row padded to the longest, and
+  no chunked backward);
+* ``no token budget``: ``forward_token_budget: null``: a micro-batch's chunks all stay alive until
+  one backward (the memory the budget saves, and what its extra backward passes cost);
+* ``none``: all off, lit-grpo as it was before these changes.
 
     python bench/ablation.py --threads 1                      # 4M, L = 128, beta 0, fp32
     python bench/ablation.py --threads 1 --size 30M --length 32 --precision bf16
@@ -51,7 +54,11 @@ VARIANTS = {
     "every row runs its prompt": {"share_prompt_forward": False},
     "transformers generate": {"generation_backend": "transformers"},
     "one forward per micro-batch": {"group_by_length": False},
-    "none": {"generation_backend": "transformers", "group_by_length": False, "share_prompt_forward": False},
+    "no token budget": {"forward_token_budget": None},
+    "none": {
+        "generation_backend": "transformers", "group_by_length": False, "share_prompt_forward": False,
+        "forward_token_budget": None,
+    },
 }
 PHASES = ("generate", "logprobs", "train")
 

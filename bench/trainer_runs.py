@@ -247,7 +247,7 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
     recorder = RecordingCallback.for_lightning(spec.steps, spec.count_matmuls)
 
     module_class = FixedLengthGRPOModule if spec.fixed_length else GRPOModule
-    module = module_class(
+    module_options = dict(
         model_name_or_path=spec.model_dir,
         rewards=[{"name": REWARD_NAME}],
         num_generations=spec.num_generations,
@@ -267,8 +267,8 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
         log_completions_every_n_steps=0,
         save_completions=False,  # TRL runs with log_completions=False
         optimizer=lambda params: torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=0.0, fused=True),
-        **spec.lit_options,
     )
+    module = module_class(**{**module_options, **spec.lit_options})  # lit_options may override the settings above
     global TOKENIZER
     TOKENIZER = module.tokenizer
     data = GRPODataModule(
