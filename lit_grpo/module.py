@@ -12,7 +12,8 @@ One call of ``training_step`` handles one *generation batch* (B prompts from the
 5. run ``num_iterations`` passes over the generation batch; each pass is ``steps_per_generation``
    optimizer steps on mini-batches of ``B * G / steps_per_generation`` completions, and each
    mini-batch is processed in micro-batches of ``micro_batch_size`` completions (gradient
-   accumulation) to bound memory;
+   accumulation) to bound memory, a micro-batch above ``forward_token_budget`` tokens in chunks of
+   rows, each chunk's forward followed by its own backward;
 6. log the metrics (TRL's names) and, every few steps, a table of completions.
 
 So one ``training_step`` makes ``num_iterations * steps_per_generation`` optimizer steps and
