@@ -623,57 +623,91 @@ class GRPOModule(pl.LightningModule):
         """Forward, loss and backward of the micro-batch ``rows``, its loss multiplied by ``scale``
         (gradient accumulation); ``sync=False`` keeps DDP from all-reducing. Returns its statistics.
 
-        A micro-batch wider than ``forward_token_budget`` goes forward and backward in chunks of rows
-        (:meth:`_backward_chunks`), so only one chunk's activations are alive at a time. Chunk k
+        A micro-batch above ``forward_token_budget`` goes forward and backward in length chunks of
+        rows (:meth:`_backward_chunks`), so only one chunk's activations are alive at a time. Chunk k
         backpropagates the micro-batch loss with every other row's log-probs held constant: the loss
         is a sum of per-row terms (``rows_independent``), so that is exactly the part of the
         micro-batch gradient that flows through chunk k's rows, and the chunks add up to all of it.
+        Shared prompts are encoded once for all chunks: the chunks' backward passes stop at the
+        prompts' keys and values, and one last backward carries what they collected through the
+        prompt forward.
         """
         micro = scored.rollout.select(rows)
-        chunks = self._backward_chunks(micro)
+        groups = self._prompt_groups_worth_sharing(self.policy, micro) if self._may_chunk_backward() else None
+        chunks = self._backward_chunks(micro, groups)
         if len(chunks) == 1:
             loss, stats = self._micro_batch_loss(scored, rows)
             self._backward(loss * scale, sync)
+            stats["loss"] = (loss * scale).detach()
+            return stats
+
+        prefix = leaves = None
+        if groups is not None:
+            micro = micro.trimmed()
+            prefix = encode_prompts(self.policy, micro.prompt_ids, micro.prompt_mask, groups)
+            leaves = prefix.detached()
+        width = int(micro.completion_mask.any(dim=0).sum())  # the micro-batch's longest completion
+        # [n, C] each row's log-probs: constants (the sampling policy's) until its chunk has run
+        if scored.old_logps is not None:
+            logps = scored.old_logps[rows, :width].clone()
         else:
-            width = int(micro.completion_mask.any(dim=0).sum())  # the micro-batch's longest completion
-            # [n, C] each row's log-probs: constants (the sampling policy's) until its chunk has run
-            if scored.old_logps is not None:
-                logps = scored.old_logps[rows, :width].clone()
-            else:
-                logps = torch.zeros(len(rows), width, device=self.device)
-            entropy = torch.zeros_like(logps)
-            for index, chunk in enumerate(chunks):
-                chunk_logps, chunk_entropy = self.completion_logps(
-                    self.policy, micro.select(chunk), with_entropy=True, group_by_length=False
-                )
-                padding = (0, width - chunk_logps.size(1))  # [k, c] -> [k, C]
-                chunk_logps = torch.nn.functional.pad(chunk_logps, padding)
-                chunk_loss, _ = self._policy_loss(scored, rows, logps.index_put((chunk,), chunk_logps))
-                self._backward(chunk_loss * scale, sync and index == len(chunks) - 1)
-                logps[chunk] = chunk_logps.detach()
-                entropy[chunk] = torch.nn.functional.pad(chunk_entropy, padding).detach()
-            with torch.no_grad():  # the loss and statistics of the whole micro-batch, as one pass reports them
-                loss, stats = self._policy_loss(scored, rows, logps, entropy)
+            logps = torch.zeros(len(rows), width, device=self.device)
+        entropy = torch.zeros_like(logps)
+        for index, chunk in enumerate(chunks):
+            chunk_logps, chunk_entropy = self._chunk_logps(
+                self.policy,
+                micro.select(chunk).trimmed(prompts=prefix is None),
+                True,
+                leaves.select(chunk) if leaves is not None else None,
+            )
+            padding = (0, width - chunk_logps.size(1))  # [k, c] -> [k, C]
+            chunk_logps = torch.nn.functional.pad(chunk_logps, padding)
+            chunk_loss, _ = self._policy_loss(scored, rows, logps.index_put((chunk,), chunk_logps))
+            last = index == len(chunks) - 1 and prefix is None
+            self._backward(chunk_loss * scale, sync and last)
+            logps[chunk] = chunk_logps.detach()
+            entropy[chunk] = torch.nn.functional.pad(chunk_entropy, padding).detach()
+        if prefix is not None:
+            # the collected gradient already carries the loss scale (and a GradScaler's, divided out here)
+            self._backward(prefix.gradient_surrogate(leaves) / self._grad_scaler_scale(), sync)
+        with torch.no_grad():  # the loss and statistics of the whole micro-batch, as one pass reports them
+            loss, stats = self._policy_loss(scored, rows, logps, entropy)
         stats["loss"] = (loss * scale).detach()
         return stats
 
-    def _backward_chunks(self, micro: Rollout) -> list[torch.Tensor]:
-        """The row chunks of a micro-batch for separate forward and backward passes: one chunk
-        unless ``group_by_length`` is on, the micro-batch's padded tokens (rows x (longest prompt +
-        longest completion)) exceed ``forward_token_budget`` and the loss is a sum of per-row terms
-        (``rows_independent``, and no ``top_entropy_quantile``, whose threshold needs every row)."""
+    def _may_chunk_backward(self) -> bool:
+        """Whether the settings let a micro-batch go backward in chunks: ``group_by_length`` with a
+        ``forward_token_budget``, and a loss that is a sum of per-row terms (``rows_independent``; not
+        ``top_entropy_quantile``, whose threshold needs every row)."""
         hp = self.hparams
+        if not hp.group_by_length or hp.forward_token_budget is None or hp.top_entropy_quantile < 1.0:
+            return False
+        return algorithm.LOSS_TYPES[hp.loss_type].rows_independent
+
+    def _backward_chunks(self, micro: Rollout, groups: PromptGroups | None) -> list[torch.Tensor]:
+        """The row chunks of a micro-batch for separate forward and backward passes: length chunks
+        within ``forward_token_budget`` where the micro-batch's padded tokens exceed it (rows x
+        (longest prompt + longest completion), or with shared prompts (``groups``) the distinct
+        prompts' tokens plus rows x longest completion), else one chunk."""
         every_row = [torch.arange(micro.completion_ids.size(0), device=micro.completion_ids.device)]
-        if not hp.group_by_length or hp.forward_token_budget is None:
-            return every_row
-        if hp.top_entropy_quantile < 1.0 or not algorithm.LOSS_TYPES[hp.loss_type].rows_independent:
+        if not self._may_chunk_backward():
             return every_row
         trimmed = micro.trimmed()
-        if trimmed.prompt_ids.numel() + trimmed.completion_ids.numel() <= hp.forward_token_budget:
+        if groups is None:
+            tokens, prompt_mask = trimmed.prompt_ids.numel() + trimmed.completion_ids.numel(), micro.prompt_mask
+        else:  # a shared prompt costs nothing per row
+            tokens = groups.first_row.numel() * trimmed.prompt_ids.size(1) + trimmed.completion_ids.numel()
+            prompt_mask = micro.prompt_mask[:, :0]
+        if tokens <= self.hparams.forward_token_budget:
             chunks = every_row
         else:
-            chunks = length_chunks(micro.prompt_mask, micro.completion_mask, hp.forward_token_budget)
+            chunks = length_chunks(prompt_mask, micro.completion_mask, self.hparams.forward_token_budget)
         return split_chunks(chunks, agreed_over_sharded_ranks(len(chunks), self.policy, "max"))
+
+    def _grad_scaler_scale(self) -> float:
+        """The loss scale of a ``16-mixed`` GradScaler (1 without one)."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        return float(scaler.get_scale()) if scaler is not None else 1.0
 
     def _backward(self, loss: torch.Tensor, sync: bool) -> None:
         """``manual_backward``; with ``sync=False`` DDP accumulates the gradient without all-reducing."""

@@ -42,6 +42,26 @@ class PromptPrefix:
         """The prefix of a subset of the rows (the shared tensors are not copied)."""
         return PromptPrefix(self.keys, self.values, self.last_logits, self.row_prompt[rows], self.prompt_mask)
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.keys, *self.values, self.last_logits]
+
+    def detached(self) -> "PromptPrefix":
+        """The same prefix as leaf tensors (no copy) that collect the gradient flowing into it, so that
+        several backward passes through completions stop there (see :meth:`gradient_surrogate`)."""
+        keys, values = ([t.detach().requires_grad_(t.requires_grad) for t in ts] for ts in (self.keys, self.values))
+        last_logits = self.last_logits.detach().requires_grad_(self.last_logits.requires_grad)
+        return PromptPrefix(keys, values, last_logits, self.row_prompt, self.prompt_mask)
+
+    def gradient_surrogate(self, leaves: "PromptPrefix") -> torch.Tensor:
+        """A scalar whose gradient with respect to this prefix's tensors is what ``leaves`` (its
+        :meth:`detached` copy) collected: one backward of it runs the prompt forward's backward once
+        for all the completion backward passes before it."""
+        total = self.last_logits.sum() * 0.0  # connected to the prompt forward even if nothing reached it
+        for tensor, leaf in zip(self.tensors(), leaves.tensors()):
+            if leaf.grad is not None:
+                total = total + (tensor * leaf.grad).sum()
+        return total
+
 
 def shared_prompt_unsupported(model: torch.nn.Module) -> str | None:
     """Why the prompt of this model cannot be encoded apart from its completions (None when it can).

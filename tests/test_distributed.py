@@ -99,13 +99,15 @@ VARIANTS = {
     # micro-batches of 4 rows above the token budget go forward and backward in chunks; compared
     # with the one-process run of "full" (one pass per micro-batch)
     "chunked": {"forward_token_budget": 30},
+    "chunked_shared": {"forward_token_budget": 30},  # and the prompts encoded once for all chunks
     # rank 0 would give prompts their own forward and rank 1 would not: under FSDP2 (a collective per
     # forward) they must agree; compared with the one-process run of "full" (nobody shares)
     "sharing_disagrees": {},
 }
 # variants whose log-prob forwards run each distinct prompt once (share_prompt_forward, forced on for
 # these short prompts) on both the one- and the two-process run; the others run every row's prompt
-SHARED_PROMPT_VARIANTS = {"lora", "ref_sync"}
+SHARED_PROMPT_VARIANTS = {"lora", "ref_sync", "chunked_shared"}
+CHUNKED_VARIANTS = {"chunked", "chunked_shared"}
 
 
 def variant_flags(variant: str) -> list[str]:
@@ -132,7 +134,8 @@ def single_process_runs(run_dir):
     "strategy, variant",
     [
         ("ddp", "full"), ("fsdp2", "full"), ("fsdp2", "lora"), ("fsdp2", "ref_sync"),
-        ("ddp", "chunked"), ("fsdp2", "chunked"), ("fsdp2", "sharing_disagrees"),
+        ("ddp", "chunked"), ("fsdp2", "chunked"), ("ddp", "chunked_shared"), ("fsdp2", "chunked_shared"),
+        ("fsdp2", "sharing_disagrees"),
     ],
 )
 def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_model_dir, strategy, variant):
@@ -142,12 +145,12 @@ def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_mode
         "model": VARIANTS[variant],
     }
     two = run_worker(run_dir, f"{strategy}_{variant}", 2, overrides, *variant_flags(variant))
-    one = single_process_runs("full" if variant in ("chunked", "sharing_disagrees") else variant)
+    one = single_process_runs("full" if variant in CHUNKED_VARIANTS | {"sharing_disagrees"} else variant)
     assert two["world_size"] == 2 and one["world_size"] == 1
     # 4 optimizer steps (2 generation batches x 2 iterations) over 16 rows: micro-batches of 4 rows
     # are 4 backward passes per step in one process, 2 per rank in two
     assert one["backward_passes"] == 2 * 2 * 4
-    if variant == "chunked":
+    if variant in CHUNKED_VARIANTS:
         assert two["backward_passes"] > 2 * 2 * 2  # rank 0's micro-batches went backward in chunks
     else:
         assert two["backward_passes"] == 2 * 2 * 2
@@ -168,7 +171,7 @@ def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_mode
     assert one["state"].keys() == two["state"].keys()
     # chunks sum the gradient in another order; Adam (lr 0.01) turns that rounding into weight
     # differences of ~2e-5 after 4 steps, where a lost or doubled chunk would move weights by ~1e-2
-    atol = 1e-4 if variant == "chunked" else 1e-5
+    atol = 1e-4 if variant in CHUNKED_VARIANTS else 1e-5
     for name, expected in one["state"].items():
         torch.testing.assert_close(two["state"][name], expected, rtol=1e-4, atol=atol, msg=name)
     if variant == "lora":  # the adapter moved (LoRA's B starts at zero)

@@ -231,16 +231,17 @@ class SavedTensorBytes:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self.Held(t, self), lambda held: held.tensor)
 
 
-def micro_batch_backward(module, scored, rows, budget, scale=0.5):
+def micro_batch_backward(module, scored, rows, budget, scale=0.5, loss_scale=1.0):
     """``_micro_batch_backward`` under ``forward_token_budget=budget``: the gradient, the statistics,
-    the order of the forwards with gradient and the backward passes, and the peak saved bytes."""
+    the order of the forwards with gradient and the backward passes, and the peak saved bytes.
+    ``loss_scale``: ``manual_backward`` multiplies every loss by it, as under a ``16-mixed`` GradScaler."""
     module.hparams.forward_token_budget = budget
     module.policy.zero_grad(set_to_none=True)
     events = []
     hook = module.policy.register_forward_pre_hook(
         lambda model, args: events.append("forward") if torch.is_grad_enabled() else None
     )
-    module.manual_backward = lambda loss: (events.append("backward"), loss.backward())
+    module.manual_backward = lambda loss: (events.append("backward"), (loss * loss_scale).backward())
     saved = SavedTensorBytes()
     with saved.hooks():
         stats = module._micro_batch_backward(scored, rows, scale, sync=True)
@@ -250,23 +251,29 @@ def micro_batch_backward(module, scored, rows, budget, scale=0.5):
 
 
 @pytest.mark.parametrize(
-    "loss_type, beta, importance_sampling_level, off_policy",
+    "loss_type, beta, importance_sampling_level, off_policy, shared",
     [
-        ("dapo", 0.0, "token", False),
-        ("grpo", 0.04, "token", True),
-        ("bnpo", 0.0, "sequence", True),
-        ("dr_grpo", 0.04, "token", True),
-        ("cispo", 0.04, "token", True),
-        ("sapo", 0.0, "sequence", False),
+        ("dapo", 0.0, "token", False, False),
+        ("grpo", 0.04, "token", True, False),
+        ("bnpo", 0.0, "sequence", True, False),
+        ("dr_grpo", 0.04, "token", True, False),
+        ("cispo", 0.04, "token", True, False),
+        ("sapo", 0.0, "sequence", False, False),
+        ("dapo", 0.04, "token", True, True),
+        ("grpo", 0.0, "sequence", False, True),
     ],
 )
 def test_token_budget_trains_in_chunks_with_the_micro_batch_gradient(
-    tiny_model_dir, fast_trainer, loss_type, beta, importance_sampling_level, off_policy
+    tiny_model_dir, fast_trainer, monkeypatch, loss_type, beta, importance_sampling_level, off_policy, shared
 ):
+    import lit_grpo.module
+
+    if shared:  # the test's short prompts are shared however few tokens that saves
+        monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)
     torch.manual_seed(0)
     module = make_module(
         tiny_model_dir, loss_type=loss_type, beta=beta, importance_sampling_level=importance_sampling_level,
-        epsilon_high=5.0 if loss_type == "cispo" else None, share_prompt_forward=False,
+        epsilon_high=5.0 if loss_type == "cispo" else None, share_prompt_forward=shared,
     )
     scored = rollout_of(module, fast_trainer)
     current = module._logps_no_grad(module.policy, scored.rollout)  # [8, C]
@@ -275,13 +282,24 @@ def test_token_budget_trains_in_chunks_with_the_micro_batch_gradient(
         scored.old_logps = (current + 0.3 * torch.randn(current.size(0), 1) + 0.3 * torch.randn_like(current)) * mask
     if beta:
         scored.ref_logps = (current - 0.5 * torch.rand_like(current)) * mask
-    rows = torch.tensor([1, 7, 0, 4, 6, 2])  # a micro-batch of 6 rows, not in rollout order
+    rows = torch.tensor([1, 7, 0, 4, 6, 2])  # a micro-batch of 6 rows (of both prompts), not in rollout order
     expected, expected_stats, one_pass, one_pass_peak = micro_batch_backward(module, scored, rows, None)
-    row_tokens = int(scored.rollout.select(rows).trimmed().prompt_mask.size(1) + mask[rows].any(0).sum())
+    prompt_width = 0 if shared else scored.rollout.select(rows).trimmed().prompt_mask.size(1)
+    row_tokens = int(prompt_width + mask[rows].any(0).sum())
     gradient, stats, chunked, chunked_peak = micro_batch_backward(module, scored, rows, budget=2 * row_tokens)
 
-    assert one_pass == ["forward", "backward"]
-    assert chunked == ["forward", "backward"] * 3  # 6 rows in chunks of at most 2, each freed by its backward
+    if not shared:
+        assert one_pass == ["forward", "backward"]
+        assert chunked == ["forward", "backward"] * 3  # 6 rows in chunks of at most 2, each freed by its backward
+        # autograd never holds more than about one chunk's activations (plus the weights it saves)
+        assert chunked_peak < 0.6 * one_pass_peak
+    else:
+        assert one_pass == ["forward", "forward", "backward"]  # the 2 prompts, then the completions
+        # the prompts once, each chunk's forward and backward (stopping at the prompts' keys and
+        # values), then one backward through the prompt forward
+        assert chunked[0] == "forward" and chunked[-1] == "backward"
+        assert chunked[1:-1] == ["forward", "backward"] * (len(chunked[1:-1]) // 2) and len(chunked) >= 6
+        assert chunked_peak < one_pass_peak
     assert expected.norm() > 1e-3
     torch.testing.assert_close(gradient, expected, atol=1e-6, rtol=1e-4)
     assert stats.keys() == expected_stats.keys() and ("kl" in stats) == (beta > 0)
@@ -289,8 +307,26 @@ def test_token_budget_trains_in_chunks_with_the_micro_batch_gradient(
         torch.testing.assert_close(stats[name], expected_stats[name], atol=1e-6, rtol=1e-5, msg=name)
     if off_policy and loss_type != "cispo":
         assert expected_stats["clip_ratio/region_mean"] > 0  # the clipped branch is exercised
-    # autograd never holds more than about one chunk's activations (plus the weights it saves)
-    assert chunked_peak < 0.6 * one_pass_peak
+
+
+def test_chunks_with_shared_prompts_under_a_grad_scaler_scale_the_gradient_once(tiny_model_dir, fast_trainer, monkeypatch):
+    """The prompt forward's backward gets the gradient the chunks collected, which already carries the
+    GradScaler's factor: it must not be multiplied by it a second time."""
+    import types
+
+    import lit_grpo.module
+
+    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir, share_prompt_forward=True)
+    scored = rollout_of(module, fast_trainer)
+    module.trainer.precision_plugin.scaler = types.SimpleNamespace(get_scale=lambda: 1024.0)
+    rows = torch.arange(8)
+    expected, *_ = micro_batch_backward(module, scored, rows, None, loss_scale=1024.0)
+    gradient, _, events, _ = micro_batch_backward(module, scored, rows, budget=20, loss_scale=1024.0)
+    assert events.count("backward") > 2  # chunks, then the prompts' backward
+    assert expected.norm() > 1.0
+    torch.testing.assert_close(gradient, expected, atol=1e-3, rtol=1e-4)
 
 
 def test_token_budget_keeps_one_pass_where_the_loss_needs_every_row(tiny_model_dir, fast_trainer):
@@ -300,10 +336,10 @@ def test_token_budget_keeps_one_pass_where_the_loss_needs_every_row(tiny_model_d
     module = make_module(tiny_model_dir, forward_token_budget=8)  # far below one row
     scored = rollout_of(module, fast_trainer)
     micro = scored.rollout.select(torch.arange(8))
-    assert len(module._backward_chunks(micro)) == 8  # one row each
+    assert len(module._backward_chunks(micro, None)) == 8  # one row each
 
     module.hparams.top_entropy_quantile = 0.5  # the entropy threshold is over every row of the micro-batch
-    assert [chunk.tolist() for chunk in module._backward_chunks(micro)] == [list(range(8))]
+    assert [chunk.tolist() for chunk in module._backward_chunks(micro, None)] == [list(range(8))]
     module.hparams.top_entropy_quantile = 1.0
 
     # a registered loss type is trained in one pass unless it says its rows are independent
@@ -313,10 +349,10 @@ def test_token_budget_keeps_one_pass_where_the_loss_needs_every_row(tiny_model_d
 
     try:
         module.hparams.loss_type = "test_batch_max"
-        assert [chunk.tolist() for chunk in module._backward_chunks(micro)] == [list(range(8))]
+        assert [chunk.tolist() for chunk in module._backward_chunks(micro, None)] == [list(range(8))]
         module.hparams.group_by_length = False
         module.hparams.loss_type = "dapo"
-        assert [chunk.tolist() for chunk in module._backward_chunks(micro)] == [list(range(8))]
+        assert [chunk.tolist() for chunk in module._backward_chunks(micro, None)] == [list(range(8))]
     finally:
         del algorithm.LOSS_TYPES["test_batch_max"]
 
@@ -326,7 +362,7 @@ def test_micro_batches_within_the_budget_are_one_pass(tiny_model_dir, fast_train
     module = make_module(tiny_model_dir)  # the default budget, 4096 tokens
     assert module.hparams.forward_token_budget == 4096
     scored = rollout_of(module, fast_trainer)
-    assert [chunk.tolist() for chunk in module._backward_chunks(scored.rollout)] == [list(range(8))]
+    assert [chunk.tolist() for chunk in module._backward_chunks(scored.rollout, None)] == [list(range(8))]
 
 
 # --------------------------------------------------------------------------------------------------
