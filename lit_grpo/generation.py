@@ -12,7 +12,9 @@ tokens; sampling draws from the same distribution):
   buffer allocated once (:class:`PreallocatedKVLayer`) instead of concatenated every token; rows that
   have emitted EOS leave the batch, so the cost of a step follows the completions still running.
   The tokens are chosen by ``transformers``' own logits processors, in the order ``generate``
-  applies them.
+  applies them. Under bf16/fp16 autocast on the CPU, a decode step's attention (one query token)
+  is two grouped matrix products (:func:`decode_attention`) instead of PyTorch's SDPA kernel, which
+  is several times slower there for one-token queries in half precision.
 * ``"transformers"``: Hugging Face ``generate`` on the prompts repeated G times; used for models
   with sliding-window or linear-attention layers and generation options the loop does not implement.
 """
@@ -20,11 +22,15 @@ tokens; sampling draws from the same distribution):
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AttentionInterface, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.generation import (
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
@@ -232,7 +238,8 @@ def generate_completions(
                 stacklevel=3,
             )
         if backend == "lit" and reason is None:
-            completion_ids = sample_groups(model, prompt_ids, prompt_mask, num_generations, generation_config)
+            with fast_decode_attention(model):
+                completion_ids = sample_groups(model, prompt_ids, prompt_mask, num_generations, generation_config)
         else:
             # synced_gpus=False: each rank decodes on its own (with FSDP2 the caller has gathered the
             # weights, see lit_grpo.distributed), so ranks that finish early do not run dummy steps.
@@ -337,6 +344,70 @@ class PreallocatedKVLayer(DynamicLayer):
                 new[:, :, : self.length] = old[indices, :, : self.length]
                 setattr(self, name, new)
             self._refresh_views()
+
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [n, heads, q, head_dim]
+    key: torch.Tensor,  # [n, kv_heads, S, head_dim]
+    value: torch.Tensor,  # [n, kv_heads, S, head_dim]
+    attention_mask: torch.Tensor | None,  # [n, 1, q, S] bool (True = attend) or additive float
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``transformers``' SDPA attention, except for one-token queries computed in bf16/fp16 on the
+    CPU (the decode steps under autocast): there PyTorch's SDPA kernel runs 6-9x slower than the same
+    attention as two matrix products (``bench``: 3.9 ms against 0.4 ms for 64 rows, 4 heads, 125
+    cached tokens), so this computes ``softmax(q k^T * scaling + mask) v`` directly.
+
+    Grouped-query attention without copying the cache: the ``heads // kv_heads`` query heads that
+    share a key/value head (head h reads kv head h // group, as ``repeat_kv``) are one matrix of
+    queries against it. The products run in the half dtype (oneDNN accumulates in float32), the
+    softmax in float32, as ``transformers``' eager attention does. Returns ``[n, q, heads, head_dim]``
+    as every ``transformers`` attention function does."""
+    half = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else key.dtype
+    n, heads, q_length, head_dim = query.shape
+    kv_heads = key.shape[1]
+    mask_per_head = attention_mask is not None and attention_mask.shape[1] != 1
+    if (
+        q_length != 1 or query.device.type != "cpu" or half not in HALF_DTYPES or heads % kv_heads
+        or dropout or mask_per_head or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    grouped = query.to(half).view(n, kv_heads, heads // kv_heads, head_dim)  # [n, kv_heads, group, D]
+    scores = torch.matmul(grouped, key.to(half).transpose(-1, -2)).float() * scaling  # [n, kv_heads, group, S]
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -1:, -scores.size(-1) :]  # [n, 1, 1, S]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1).to(half)
+    output = torch.matmul(probs, value.to(half))  # [n, kv_heads, group, D]: head order kv_head * group + g
+    return output.view(n, 1, heads, head_dim), None
+
+
+DECODE_ATTENTION = "lit_decode_sdpa"
+AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # the same masks as "sdpa"
+
+
+@contextmanager
+def fast_decode_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, a model that uses ``sdpa`` attention uses :func:`decode_attention` (SDPA
+    for everything but half-precision one-token queries on the CPU); any other attention
+    implementation is left alone. Restored on exit, exceptions included."""
+    config = text_config(model)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    config._attn_implementation = DECODE_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 def logits_processors(generation_config: GenerationConfig, prompt_mask: torch.Tensor) -> LogitsProcessorList:
