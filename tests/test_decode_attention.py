@@ -126,3 +126,19 @@ def test_bf16_group_sampler_decodes_without_sdpa_and_keeps_its_tokens(tiny_model
     assert fast.completion_ids.shape[1] > 1
     assert torch.equal(fast.completion_ids, plain.completion_ids)
     assert torch.equal(fast.completion_mask, plain.completion_mask)
+
+
+@pytest.mark.parametrize("preset,expected", [(None, "16"), ("99", "99")], ids=["default", "user's value"])
+def test_import_caps_onednn_primitive_cache_unless_the_user_set_it(preset, expected):
+    """bf16 matmuls of ever-changing shapes fill oneDNN's primitive cache (1024 entries by default);
+    importing lit_grpo caps it before the first matmul, and a value in the environment wins."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    if preset is not None:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = preset
+    code = "import os, lit_grpo; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    output = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert output.strip() == expected
