@@ -29,8 +29,6 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.generation import (
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
@@ -41,6 +39,8 @@ from transformers.generation import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lit_grpo.algorithm import completion_mask_from_ids
 

@@ -119,3 +119,20 @@ def reward_plugin(monkeypatch):
     for module in registered:
         plugins.unregister_plugin(module)
     plugins.reset_plugins()
+
+
+@pytest.fixture(scope="module")
+def chaotic_model(tiny_model_dir):
+    """The tiny model with large random weights: greedy decoding then varies from token to token
+    (the plain tiny model repeats one token), so completions end at many different steps."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return model.eval(), tokenizer

@@ -4,7 +4,7 @@ length-chunked log-prob forwards (``group_by_length``, ``forward_token_budget``)
 import pytest
 import torch
 from conftest import logps_entropy_grads
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lit_grpo.generation import (
     PreallocatedKVLayer,
@@ -15,20 +15,6 @@ from lit_grpo.generation import (
 from lit_grpo.module import GRPOModule
 
 PROMPTS = ["hello there", "a", "say something long please", "xyz", "12+7=", "q"]  # very different lengths
-
-
-@pytest.fixture(scope="module")
-def chaotic_model(tiny_model_dir):
-    """The tiny model with large random weights: greedy decoding then varies from token to token
-    (the plain tiny model repeats one token), so completions end at many different steps."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    return model.eval(), tokenizer
 
 
 def config(tokenizer, eos_token_id, **options) -> GenerationConfig:
