@@ -12,9 +12,9 @@ tokens; sampling draws from the same distribution):
   buffer allocated once (:class:`PreallocatedKVLayer`) instead of concatenated every token; rows that
   have emitted EOS leave the batch, so the cost of a step follows the completions still running.
   The tokens are chosen by ``transformers``' own logits processors, in the order ``generate``
-  applies them. Under bf16/fp16 autocast on the CPU, a decode step's attention (one query token)
-  is two grouped matrix products (:func:`decode_attention`) instead of PyTorch's SDPA kernel, which
-  is 2-3x slower there for one-token queries in half precision.
+  applies them. Under bf16/fp16 autocast on the CPU, attention is two grouped matrix products
+  (:mod:`lit_grpo.attention`) instead of PyTorch's SDPA kernel, which is slower there, and every
+  weight is cast to the half dtype once per generation batch instead of at every token.
 * ``"transformers"``: Hugging Face ``generate`` on the prompts repeated G times; used for models
   with sliding-window or linear-attention layers and generation options the loop does not implement.
 """
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.generation import (
     LogitsProcessorList,
@@ -39,10 +39,9 @@ from transformers.generation import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from lit_grpo.algorithm import completion_mask_from_ids
+from lit_grpo.attention import text_config, use_cpu_half_attention
 
 
 @dataclass
@@ -222,6 +221,12 @@ def generate_completions(
     """Sample ``num_generations`` completions for each prompt text with ``backend`` (see the module doc)."""
     if backend not in GENERATION_BACKENDS:
         raise ValueError(f"generation_backend must be one of {GENERATION_BACKENDS}, got {backend!r}")
+    reason = lit_sampler_unsupported(model, generation_config) if backend == "lit" else None
+    if reason is not None:
+        warnings.warn(
+            f"model.generation_backend=lit does not implement {reason}; sampling with transformers' generate",
+            stacklevel=3,
+        )
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)  # [B, P]
     # Sample in eval mode: no dropout, and gradient checkpointing (active in training mode only)
@@ -231,27 +236,38 @@ def generate_completions(
     repeated_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
     repeated_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
     try:
-        reason = lit_sampler_unsupported(model, generation_config) if backend == "lit" else None
-        if reason is not None:
-            warnings.warn(
-                f"model.generation_backend=lit does not implement {reason}; sampling with transformers' generate",
-                stacklevel=3,
-            )
-        if backend == "lit" and reason is None:
-            with fast_decode_attention(model):
+        with weights_cast_once(device.type), use_cpu_half_attention(model):
+            if backend == "lit" and reason is None:
                 completion_ids = sample_groups(model, prompt_ids, prompt_mask, num_generations, generation_config)
-        else:
-            # synced_gpus=False: each rank decodes on its own (with FSDP2 the caller has gathered the
-            # weights, see lit_grpo.distributed), so ranks that finish early do not run dummy steps.
-            output = model.generate(
-                input_ids=repeated_ids, attention_mask=repeated_mask, generation_config=generation_config, synced_gpus=False
-            )  # [N, P + C]
-            completion_ids = output[:, repeated_ids.size(1) :]  # [N, C]
+            else:
+                # synced_gpus=False: each rank decodes on its own (with FSDP2 the caller has gathered the
+                # weights, see lit_grpo.distributed), so ranks that finish early do not run dummy steps.
+                output = model.generate(
+                    input_ids=repeated_ids, attention_mask=repeated_mask, generation_config=generation_config, synced_gpus=False
+                )  # [N, P + C]
+                completion_ids = output[:, repeated_ids.size(1) :]  # [N, C]
     finally:
         model.train(was_training)
     completion_mask, is_truncated = completion_mask_from_ids(completion_ids, generation_config.eos_token_id)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
     return Rollout(repeated_ids, repeated_mask, completion_ids, completion_mask, is_truncated).trimmed()
+
+
+@contextmanager
+def weights_cast_once(device_type: str) -> Iterator[None]:
+    """Under autocast every linear layer casts its float32 weight to the half dtype at each call,
+    and Lightning turns autocast's cache of those casts off (its optimizer steps change the weights
+    inside the autocast block). While a batch is sampled the weights do not change: within this
+    block each trainable weight is cast once (autocast caches casts of leaf tensors that require
+    grad), and the cache is emptied on exit so that no stale copy outlives the block."""
+    if not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    with torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=True):
+        try:
+            yield
+        finally:
+            torch.clear_autocast_cache()
 
 
 def lit_sampler_unsupported(model: torch.nn.Module, generation_config: GenerationConfig) -> str | None:
@@ -274,11 +290,6 @@ def partial_kv_cache_reason(model: torch.nn.Module) -> str | None:
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model"
     return None
-
-
-def text_config(model: torch.nn.Module):
-    """The config of the language model itself (a multimodal config's text part)."""
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
 class PreallocatedKVLayer(DynamicLayer):
@@ -344,71 +355,6 @@ class PreallocatedKVLayer(DynamicLayer):
                 new[:, :, : self.length] = old[indices, :, : self.length]
                 setattr(self, name, new)
             self._refresh_views()
-
-
-HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def decode_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,  # [n, heads, q, head_dim]
-    key: torch.Tensor,  # [n, kv_heads, S, head_dim]
-    value: torch.Tensor,  # [n, kv_heads, S, head_dim]
-    attention_mask: torch.Tensor | None,  # [n, 1, q, S] bool (True = attend) or additive float
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """``transformers``' SDPA attention, except for one-token queries computed in bf16/fp16 on the
-    CPU (the decode steps under autocast): there PyTorch's SDPA kernel is 1.7-3.5x slower than the
-    same attention as two matrix products (``bench/decode_attention.py``: 1.19 ms against 0.34 ms for
-    64 rows, 4 heads on 2, 128 cached tokens), so this computes ``softmax(q k^T * scaling + mask) v``
-    directly.
-
-    Grouped-query attention without copying the cache: the ``heads // kv_heads`` query heads that
-    share a key/value head (head h reads kv head h // group, as ``repeat_kv``) are one matrix of
-    queries against it. The products run in the half dtype (oneDNN accumulates in float32), the
-    softmax in float32, as ``transformers``' eager attention does. Returns ``[n, q, heads, head_dim]``
-    as every ``transformers`` attention function does."""
-    half = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else key.dtype
-    n, heads, q_length, head_dim = query.shape
-    kv_heads = key.shape[1]
-    mask_per_head = attention_mask is not None and attention_mask.shape[1] != 1
-    if (
-        q_length != 1 or query.device.type != "cpu" or half not in HALF_DTYPES or heads % kv_heads
-        or dropout or mask_per_head or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
-    ):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    scaling = head_dim**-0.5 if scaling is None else scaling
-    grouped = query.to(half).view(n, kv_heads, heads // kv_heads, head_dim)  # [n, kv_heads, group, D]
-    scores = torch.matmul(grouped, key.to(half).transpose(-1, -2)).float() * scaling  # [n, kv_heads, group, S]
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -1:, -scores.size(-1) :]  # [n, 1, 1, S]
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1).to(half)
-    output = torch.matmul(probs, value.to(half))  # [n, kv_heads, group, D]: head order kv_head * group + g
-    return output.view(n, 1, heads, head_dim), None
-
-
-DECODE_ATTENTION = "lit_decode_sdpa"
-AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)  # the same masks as "sdpa"
-
-
-@contextmanager
-def fast_decode_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block, a model that uses ``sdpa`` attention uses :func:`decode_attention` (SDPA
-    for everything but half-precision one-token queries on the CPU); any other attention
-    implementation is left alone. Restored on exit, exceptions included."""
-    config = text_config(model)
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        yield
-        return
-    config._attn_implementation = DECODE_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = "sdpa"
 
 
 def logits_processors(generation_config: GenerationConfig, prompt_mask: torch.Tensor) -> LogitsProcessorList:

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, GenerationConfig
 
 from lit_grpo import algorithm, evaluation, models
+from lit_grpo.attention import use_cpu_half_attention
 from lit_grpo.callbacks import ValidateBeforeTraining
 from lit_grpo.checkpointing import RNGStateCheckpoint
 from lit_grpo.completions import COMPLETIONS_FILE, append_records, completion_records, format_table
@@ -457,7 +458,8 @@ class GRPOModule(pl.LightningModule):
                     scale = 1 / micro_batches_per_step if algorithm.LOSS_TYPES[hp.loss_type].accumulates_by_mean else 1.0
                     # DDP all-reduces the accumulated gradient once, after the last micro-batch
                     is_last = micro_start + micro_batch_size == mini_start + mini_batch_size
-                    step_stats.append(self._micro_batch_backward(scored, rows, scale, sync=is_last))
+                    with use_cpu_half_attention(self.policy):  # bf16/fp16 on the CPU: attention as matrix products
+                        step_stats.append(self._micro_batch_backward(scored, rows, scale, sync=is_last))
                 grad_norm = self._clip_gradients()
                 optimizer.step()
                 if scheduler is not None:
@@ -799,6 +801,12 @@ class GRPOModule(pl.LightningModule):
         values are those of one forward over all rows, without the cost of their padding or of
         repeated prompts. Under FSDP2 the ranks agree on both choices (the same number of forwards).
         """
+        with use_cpu_half_attention(model):  # bf16/fp16 on the CPU: attention as matrix products
+            return self._completion_logps(model, rollout, with_entropy, group_by_length)
+
+    def _completion_logps(
+        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, group_by_length: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hp = self.hparams
         prefix = None
         groups = self._prompt_groups_worth_sharing(model, rollout)
