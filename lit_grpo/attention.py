@@ -1,8 +1,8 @@
 """Attention in bf16/fp16 on the CPU as matrix products, for ``transformers`` models on ``sdpa``.
 
-Under ``bf16-mixed`` on the CPU, PyTorch's SDPA kernels are slow in half precision: 1.7-3.5x slower
-than two matrix products for one-token queries (the sampler's decode steps), and 2-6x slower
-forward + backward for the short sequences of GRPO's training forwards (``bench/attention.py``).
+Under ``bf16-mixed`` on the CPU, PyTorch's SDPA kernels are slow in half precision: 1.6-2.4x slower
+than two matrix products for one-token queries (the sampler's decode steps), and 1.7-6.5x slower
+forward + backward for the sequences of GRPO's training chunks (``bench/attention.py``, 4M shapes).
 :func:`cpu_half_attention` computes
 
     probs = softmax(q k^T * scaling + mask)        # in float32, as transformers' eager attention
