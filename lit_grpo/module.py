@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, GenerationConfig
 
 from lit_grpo import algorithm, evaluation, models
+from lit_grpo.allocator import keep_freed_memory
 from lit_grpo.attention import use_cpu_half_attention
 from lit_grpo.callbacks import ValidateBeforeTraining
 from lit_grpo.checkpointing import RNGStateCheckpoint
@@ -362,6 +363,8 @@ class GRPOModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         self._warn_if_bf16_is_emulated()
+        if self.trainer.strategy.root_device.type == "cpu":
+            keep_freed_memory()  # no page faults for memory freed by the previous step (lit_grpo.allocator)
         datamodule = getattr(self.trainer, "datamodule", None)
         if stage == "fit" and datamodule is not None and hasattr(datamodule, "batch_size"):
             check_batch_sizes(
