@@ -11,7 +11,7 @@ step faults many of the same pages in once more: 5,000-45,000 page faults per st
 :func:`keep_freed_memory` sets glibc's mmap threshold to its maximum (32 MiB) and its trim
 threshold to 2 GiB, so blocks up to 32 MiB come from the heap and freed ones stay there for the
 next step, as PyTorch's CUDA caching allocator keeps GPU memory. The peak resident memory stays
-what the steps need (the freed pages are the ones the next step touches again; measured within 3 % of
+what the steps need (the freed pages are the ones the next step touches again; measured within 4 % of
 the defaults); the process just does not shrink between steps. ``GRPOModule`` calls it when a run on
 the CPU starts.
 ``LIT_GRPO_KEEP_FREED_MEMORY=0`` turns it off; glibc settings of the user's own
