@@ -13,8 +13,7 @@ threshold to 2 GiB, so blocks up to 32 MiB come from the heap and freed ones sta
 next step, as PyTorch's CUDA caching allocator keeps GPU memory. The peak resident memory stays
 what the steps need (the freed pages are the ones the next step touches again; measured within 4 % of
 the defaults); the process just does not shrink between steps. ``GRPOModule`` calls it when a run on
-the CPU starts.
-``LIT_GRPO_KEEP_FREED_MEMORY=0`` turns it off; glibc settings of the user's own
+the CPU starts. ``LIT_GRPO_KEEP_FREED_MEMORY=0`` turns it off; glibc settings of the user's own
 (``MALLOC_*_`` variables, ``glibc.malloc`` tunables) are left alone.
 """
 
@@ -33,6 +32,11 @@ USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP
 _applied = False
 
 
+def uses_glibc() -> bool:
+    """Whether this process's ``malloc`` is glibc's (the only one these settings are for)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def keep_freed_memory() -> str:
     """Apply the settings above once per process; says what happened (for logs and tests)."""
     global _applied
@@ -45,7 +49,7 @@ def keep_freed_memory() -> str:
         user.append("GLIBC_TUNABLES")
     if user:
         return f"left to the user's settings ({', '.join(user)})"
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not uses_glibc():
         return "not glibc"
     libc = ctypes.CDLL(None)
     if not (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):

@@ -3,15 +3,14 @@ faults. Each case runs in its own process: malloc settings are process-wide."""
 
 import json
 import os
-import platform
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc malloc settings"
-)
+from lit_grpo.allocator import uses_glibc
+
+pytestmark = pytest.mark.skipif(not uses_glibc(), reason="glibc malloc settings")
 
 # Fills a tensor of 16 MiB and frees it, then fills tensors of 3, 5 and 7 MiB (a training step frees
 # activations of one shape and allocates others); reports the mmapped blocks and the page faults of each.
