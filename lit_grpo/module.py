@@ -228,7 +228,8 @@ class GRPOModule(pl.LightningModule):
         forward_token_budget: with ``group_by_length``, at most this many padded tokens (rows x
             longest sequence) per forward of several rows; a training micro-batch above it goes
             forward and backward in chunks within it (the same gradient), so it bounds activation
-            memory. None sets no limit.
+            memory. None sets no limit. The default suits CPUs (smaller peaks at ~1-3 % of the
+            step time, README Performance); GPUs, where a forward has more fixed cost, may want more.
         share_prompt_forward: in the log-prob forwards, encode each distinct prompt once and let its
             completions attend to its KV cache (``lit_grpo.shared_prompt``) where that saves more
             than a forward's overhead; the values and gradients are those of full forwards. Not used
@@ -291,7 +292,7 @@ class GRPOModule(pl.LightningModule):
         gradient_checkpointing: bool = False,
         logprob_micro_batch_size: int | None = None,
         group_by_length: bool = True,
-        forward_token_budget: int | None = 4096,
+        forward_token_budget: int | None = 1024,
         share_prompt_forward: bool = True,
         generation_backend: str = "lit",
         optimizer: OptimizerCallable | None = None,
@@ -465,6 +466,10 @@ class GRPOModule(pl.LightningModule):
                         step_stats.append(self._micro_batch_backward(scored, rows, scale, sync=is_last))
                 grad_norm = self._clip_gradients()
                 optimizer.step()
+                # free the gradients now (set to None): they would otherwise stay allocated through
+                # the next generation batch and forward pass, adding one float32 copy of the
+                # trainable weights to the peak memory
+                optimizer.zero_grad()
                 if scheduler is not None:
                     scheduler.step()
 

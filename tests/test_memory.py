@@ -359,10 +359,46 @@ def test_token_budget_keeps_one_pass_where_the_loss_needs_every_row(tiny_model_d
 
 def test_micro_batches_within_the_budget_are_one_pass(tiny_model_dir, fast_trainer):
     torch.manual_seed(0)
-    module = make_module(tiny_model_dir)  # the default budget, 4096 tokens
-    assert module.hparams.forward_token_budget == 4096
+    module = make_module(tiny_model_dir)  # the default budget, 1024 tokens
+    assert module.hparams.forward_token_budget == 1024
     scored = rollout_of(module, fast_trainer)
     assert [chunk.tolist() for chunk in module._backward_chunks(scored.rollout, None)] == [list(range(8))]
+
+
+# --------------------------------------------------------------------------------------------------
+# Gradients
+# --------------------------------------------------------------------------------------------------
+
+
+def test_gradients_are_freed_after_each_optimizer_step(tiny_model_dir, say_a_or_b_file, fast_trainer):
+    """The gradients exist for each optimizer step and are set to None right after it, so that
+    they take no memory while the next batch is sampled and goes forward."""
+    events: list[tuple[str, int]] = []
+
+    def with_gradient(module) -> int:
+        return sum(p.grad is not None for p in module.policy.parameters())
+
+    class Probe(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            events.append(("optimizer step", with_gradient(pl_module)))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            events.append(("batch end", with_gradient(pl_module)))
+
+    pl.seed_everything(0)
+    module = make_module(tiny_model_dir, num_iterations=2)  # two optimizer steps per batch
+    sample = module.generate
+
+    def generate(prompts):
+        events.append(("generate", with_gradient(module)))
+        return sample(prompts)
+
+    module.generate = generate
+    fast_trainer(max_steps=4, callbacks=[Probe()]).fit(module, make_data(say_a_or_b_file))
+
+    trainable = sum(p.requires_grad for p in module.policy.parameters())
+    batch = [("generate", 0), ("optimizer step", trainable), ("optimizer step", trainable), ("batch end", 0)]
+    assert events == batch * 2
 
 
 # --------------------------------------------------------------------------------------------------
