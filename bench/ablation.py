@@ -14,11 +14,13 @@ per step, dapo, one optimizer step per generation batch), lit-grpo only. The var
   no chunked backward);
 * ``no token budget``: ``forward_token_budget: null``: a micro-batch's chunks all stay alive until
   one backward (the memory the budget saves, and what its extra backward passes cost);
+* ``token budget 4096``: the budget's default before it became 1024 (fewer, larger chunks);
 * ``none``: all off, lit-grpo as it was before these changes.
 
     python bench/ablation.py --threads 1                      # 4M, L = 128, beta 0, fp32
     python bench/ablation.py --threads 1 --size 30M --length 32 --precision bf16
     python bench/ablation.py --threads 1 --prompt-chars 120     # prompts 120 tokens longer
+    python bench/ablation.py --threads 1 --variants default "token budget 4096"   # a subset
 
 Writes ``bench/results/ablation.md`` and ``.json`` (``--name`` changes the file name).
 """
@@ -38,6 +40,7 @@ from harness import (  # noqa: E402
     RunSpec,
     add_contention_options,
     build_models,
+    command_line,
     fmt,
     load_line,
     long_prompt_data,
@@ -55,6 +58,7 @@ VARIANTS = {
     "transformers generate": {"generation_backend": "transformers"},
     "one forward per micro-batch": {"group_by_length": False},
     "no token budget": {"forward_token_budget": None},
+    "token budget 4096": {"forward_token_budget": 4096},
     "none": {
         "generation_backend": "transformers", "group_by_length": False, "share_prompt_forward": False,
         "forward_token_budget": None,
@@ -76,21 +80,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="rounds over all variants")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     add_contention_options(parser)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="VARIANT",
+                        help=f"the variants to run (default: all; 'default' is always run): {', '.join(VARIANTS)}")
     parser.add_argument("--name", default="ablation", help="output file name in bench/results/")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.variants = ["default"] + [variant for variant in VARIANTS if variant in args.variants and variant != "default"]
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    command = ("python bench/ablation.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    command = command_line("ablation.py", argv)
     machine_before = machine_description()
     start = time.perf_counter()
-    runs: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+    variants = {variant: VARIANTS[variant] for variant in args.variants}
+    runs: dict[str, list[dict]] = {variant: [] for variant in variants}
     with tempfile.TemporaryDirectory(prefix="lit-grpo-bench-") as tmp:
         model = build_models([args.size], Path(tmp))[args.size]
         rate = matmul_rates(model.shape, 64, args.length, args.threads)[args.precision]["best"]
         for repeat in range(args.repeats):
-            for variant, options in VARIANTS.items():
+            for variant, options in variants.items():
                 spec = RunSpec(
                     trainer="lit-grpo",
                     model_dir=model.path,
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs[variant].append(run_measured(spec, args.warmup, args.quiet_wait, args.retries, args.min_cpu_share))
                 print(f"[{repeat + 1}/{args.repeats} {(time.perf_counter() - start) / 60:5.1f} min] {variant}",
                       file=sys.stderr, flush=True)
-        summaries = {variant: summarize_runs(runs[variant], args.warmup, model.shape, rate) for variant in VARIANTS}
+        summaries = {variant: summarize_runs(runs[variant], args.warmup, model.shape, rate) for variant in variants}
     machine_after = machine_description()
 
     default_rate = summaries["default"]["tokens_per_second"]
@@ -142,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
     )
     data = {"command": command, "machine_before": machine_before, "machine_after": machine_after, "config": config,
-            "variants": VARIANTS, "summaries": summaries, "runs": runs}
+            "variants": variants, "summaries": summaries, "runs": runs}
     md_path, json_path = write_outputs(args.name, markdown, data)
     print(markdown)
     print(f"wrote {md_path} and {json_path}", file=sys.stderr)

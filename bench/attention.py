@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import QUICKSTART_DATA, build_models, machine_description, markdown_table, write_outputs  # noqa: E402
+from harness import QUICKSTART_DATA, build_models, command_line, machine_description, markdown_table, write_outputs  # noqa: E402
 
 
 def median_seconds(function, repeats: int) -> float:
@@ -148,7 +148,7 @@ def main() -> None:
         training = training_rows(max(args.repeats, 10))
         sampler = sampler_rows(model.path, args.length, args.repeats)
     machine = machine_description()
-    command = "python bench/attention.py " + " ".join(sys.argv[1:])
+    command = command_line("attention.py", None)
     markdown = "\n\n".join([
         "# Attention on the CPU in bf16: PyTorch's SDPA against grouped matrix products", f"`{command}`",
         f"Machine: {machine['cpu']}, {torch.get_num_threads()} torch threads. 4M model shapes: 4 query heads on 2 key/value heads, head_dim 64.",

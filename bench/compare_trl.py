@@ -50,6 +50,7 @@ from harness import (  # noqa: E402
     QUICKSTART_DATA,
     RunSpec,
     build_models,
+    command_line,
     long_prompt_data,
     fmt,
     load_line,
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_json is not None:
         rerender(args.from_json)
         return
-    command = ("python bench/compare_trl.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    command = command_line("compare_trl.py", argv)
     machine_before = machine_description()
     print(f"{load_line(machine_before)}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="lit-grpo-bench-") as tmp:

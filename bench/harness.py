@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -302,6 +303,11 @@ def machine_description() -> dict:
 def load_line(machine: dict) -> str:
     one, five, fifteen = machine["load_average"]
     return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min)"
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """The command that reproduces a run of ``bench/<script>``, quoted so that it can be pasted into a shell."""
+    return shlex.join(["python", f"bench/{script}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

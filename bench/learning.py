@@ -32,6 +32,7 @@ from harness import (  # noqa: E402
     QUICKSTART_DATA,
     RunSpec,
     build_models,
+    command_line,
     fmt,
     load_line,
     machine_description,
@@ -79,7 +80,7 @@ def compare_curves(curves: dict[str, dict[int, list[float]]], block: int) -> dic
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    command = ("python bench/learning.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    command = command_line("learning.py", argv)
     machine_before = machine_description()
     curves: dict[str, dict[int, list[float]]] = {t: {} for t in TRAINERS}
     wall: dict[str, dict[int, float]] = {t: {} for t in TRAINERS}

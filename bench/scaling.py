@@ -35,6 +35,7 @@ from harness import (  # noqa: E402
     QUICKSTART_DATA,
     RunSpec,
     build_models,
+    command_line,
     fmt,
     load_line,
     machine_description,
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    command = ("python bench/scaling.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    command = command_line("scaling.py", argv)
     machine_before = machine_description()
     axes = {"size": args.sizes, "num_generations": args.generations, "max_completion_length": args.lengths}
     points = grid(axes, args.full)
