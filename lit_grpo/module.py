@@ -228,7 +228,7 @@ class GRPOModule(pl.LightningModule):
         forward_token_budget: with ``group_by_length``, at most this many padded tokens (rows x
             longest sequence) per forward of several rows; a training micro-batch above it goes
             forward and backward in chunks within it (the same gradient), so it bounds activation
-            memory. None sets no limit. The default suits CPUs (smaller peaks at ~1-3 % of the
+            memory. None sets no limit. The default suits CPUs (smaller peaks for 2-4 % of the
             step time, README Performance); GPUs, where a forward has more fixed cost, may want more.
         share_prompt_forward: in the log-prob forwards, encode each distinct prompt once and let its
             completions attend to its KV cache (``lit_grpo.shared_prompt``) where that saves more
