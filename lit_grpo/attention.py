@@ -16,8 +16,9 @@ this path is taken only while the scores of one call stay below :data:`MAX_SCORE
 longer sequences keep SDPA's memory-efficient kernel. Everything
 else (float32, GPUs, dropout, soft-capping, attention sinks, per-head masks) is SDPA as before.
 
-:func:`use_cpu_half_attention` switches a model on ``sdpa`` to it for a block (the sampler and the
-log-prob forwards use it); the model's configuration is restored on exit.
+:func:`use_cpu_half_attention` switches a model on ``sdpa`` to it for a block (the sampler, the
+log-prob forwards and each training micro-batch, whose chunked path calls the model directly);
+the model's configuration is restored on exit, and nested blocks leave it to the outermost.
 """
 
 from __future__ import annotations
