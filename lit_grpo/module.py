@@ -455,7 +455,7 @@ class GRPOModule(pl.LightningModule):
         for _ in range(hp.num_iterations):
             order = torch.randperm(num_completions, device=self.device) if hp.steps_per_generation > 1 else None
             for mini_start in range(0, num_completions, mini_batch_size):
-                optimizer.zero_grad()
+                # the gradients are None here: set so after every optimizer step (below)
                 for micro_start in range(mini_start, mini_start + mini_batch_size, micro_batch_size):
                     rows = torch.arange(micro_start, micro_start + micro_batch_size, device=self.device)
                     rows = order[rows] if order is not None else rows
@@ -466,9 +466,9 @@ class GRPOModule(pl.LightningModule):
                         step_stats.append(self._micro_batch_backward(scored, rows, scale, sync=is_last))
                 grad_norm = self._clip_gradients()
                 optimizer.step()
-                # free the gradients now (set to None): they would otherwise stay allocated through
-                # the next generation batch and forward pass, adding one float32 copy of the
-                # trainable weights to the peak memory
+                # free the gradients now (set to None), which also starts the next mini-batch's
+                # accumulation from nothing: kept, they would stay allocated through the next
+                # generation batch and forward pass, one float32 copy of the trainable weights
                 optimizer.zero_grad()
                 if scheduler is not None:
                     scheduler.step()
