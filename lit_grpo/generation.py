@@ -21,6 +21,7 @@ tokens; sampling draws from the same distribution):
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -292,6 +293,16 @@ def partial_kv_cache_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def cache_argument(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
+    """``{name: cache}`` for a forward call of ``model``: ``transformers`` 5.24 renamed the forward
+    argument ``past_key_values`` to ``cache`` (the old name is deprecated, to be removed in 5.40).
+    The name is the one the model's forward declares (behind a ``peft`` wrapper, its base model's),
+    so models written for either version get their cache: a remote-code model that only knows
+    ``past_key_values`` would silently ignore a ``cache`` keyword."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values": cache}
+
+
 class PreallocatedKVLayer(DynamicLayer):
     """One decoder layer's KV cache, written into a buffer sized for the whole decode.
 
@@ -424,8 +435,9 @@ def sample_groups(
 
     # 1. Prefill once per prompt, then give each completion its own copy of the prompt's cache.
     positions = (prompt_mask.long().cumsum(dim=-1) - 1).clamp(min=0)  # [B, P]
+    with_cache = cache_argument(model, cache)
     logits = model(
-        input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
+        input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, **with_cache,
         use_cache=True, logits_to_keep=1,
     ).logits[:, -1].float()  # [B, V]
     for layer in cache.layers:
@@ -463,7 +475,7 @@ def sample_groups(
             input_ids=next_tokens[:, None],
             attention_mask=attention_mask[:, : P + t + 1],
             position_ids=next_position[:, None],
-            past_key_values=cache,
+            **with_cache,
             use_cache=True,
         ).logits[:, -1].float()  # [n, V]
         next_position = next_position + 1

@@ -24,7 +24,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from lit_grpo.attention import text_config
-from lit_grpo.generation import partial_kv_cache_reason, position_ids_from_mask
+from lit_grpo.generation import cache_argument, partial_kv_cache_reason, position_ids_from_mask
 
 __all__ = ["PromptGroups", "PromptPrefix", "completion_logits", "distinct_prompts", "encode_prompts", "shared_prompt_unsupported"]
 
@@ -113,7 +113,7 @@ def encode_prompts(
         input_ids=unique_ids,
         attention_mask=unique_mask,
         position_ids=position_ids_from_mask(unique_mask),
-        past_key_values=cache,
+        **cache_argument(model, cache),
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]  # [U, V]
@@ -146,7 +146,7 @@ def completion_logits(
         input_ids=completion_ids[:, :-1],  # the last token predicts nothing that is scored
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask)[:, P:],
-        past_key_values=cache,
+        **cache_argument(model, cache),
         use_cache=True,
     ).logits  # [n, C - 1, V] predicts tokens 1 .. C - 1
     return torch.cat([first.to(rest.dtype), rest], dim=1)

@@ -1,6 +1,9 @@
 """The group sampler (``generation_backend: lit``) against Hugging Face ``generate``, and the
 length-chunked log-prob forwards (``group_by_length``, ``forward_token_budget``)."""
 
+import inspect
+import warnings
+
 import pytest
 import torch
 from conftest import logps_entropy_grads
@@ -8,6 +11,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lit_grpo.generation import (
     PreallocatedKVLayer,
+    cache_argument,
     generate_completions,
     lit_sampler_unsupported,
     length_chunks,
@@ -100,6 +104,55 @@ def test_lit_sampler_encodes_each_prompt_once_and_drops_finished_rows(chaotic_mo
     # ... and never fewer rows than completions still running at that step
     for step, shape in enumerate(decode, start=1):
         assert shape[0] >= int((lengths > step).sum())
+
+
+class _NewStyle(torch.nn.Module):  # transformers >= 5.24
+    def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, **kwargs): ...
+
+
+class _OldStyle(torch.nn.Module):  # transformers < 5.24, or a remote-code model written for it
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None, **kwargs): ...
+
+
+class _Wrapper(torch.nn.Module):  # a peft model: forward(*args, **kwargs), the real one behind it
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+
+    def get_base_model(self):
+        return self.base
+
+    def forward(self, *args, **kwargs): ...
+
+
+def test_the_kv_cache_goes_under_the_name_the_forward_declares(tiny_model_dir):
+    cache = object()
+    assert cache_argument(_NewStyle(), cache) == {"cache": cache}
+    assert cache_argument(_OldStyle(), cache) == {"past_key_values": cache}
+    assert cache_argument(_Wrapper(_NewStyle()), cache) == {"cache": cache}
+    assert cache_argument(_Wrapper(_OldStyle()), cache) == {"past_key_values": cache}
+    # the installed transformers: a real model and the same model behind a LoRA adapter
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    (name,) = cache_argument(model, cache)
+    assert name in inspect.signature(model.forward).parameters
+    assert cache_argument(get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])), cache) == {name: cache}
+
+
+def test_sampling_passes_the_cache_without_deprecation_warnings(chaotic_model):
+    """``past_key_values`` is deprecated from transformers 5.24 (removed in 5.40): the sampler and
+    the shared-prompt forwards use the name the model declares."""
+    from lit_grpo.shared_prompt import completion_logits, distinct_prompts, encode_prompts
+
+    model, tokenizer = chaotic_model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        rollout = generate_completions(model, tokenizer, PROMPTS, 2, config(tokenizer, tokenizer.eos_token_id, do_sample=False))
+        groups = distinct_prompts(rollout.prompt_ids, rollout.prompt_mask)
+        prefix = encode_prompts(model, rollout.prompt_ids, rollout.prompt_mask, groups)
+        logits = completion_logits(model, prefix, rollout.completion_ids, rollout.completion_mask)
+    assert logits.shape[:2] == rollout.completion_ids.shape
 
 
 def test_preallocated_kv_layer_writes_in_place_and_selects_rows():
