@@ -202,10 +202,24 @@ def run_matrix(
     return rows
 
 
+GOAL = 2.0  # the issue's goal: lit-grpo at GOAL x TRL's completion tokens per second
+
+
+def percent_of_floor_needed(lit: dict, trl: dict, goal: float = GOAL) -> float:
+    """The % of its compute floor lit-grpo would have to run at for ``goal`` x TRL's tokens per second.
+
+    lit-grpo's floor per completion token is ``percent_of_floor / 100 / tokens_per_second`` (both are
+    sums over its timed steps); at ``goal`` x TRL's tok/s a token may take ``1 / (goal x TRL tok/s)``
+    seconds. Above 100 the goal asks for more matmul throughput than the machine was measured to
+    give: no implementation of the same work reaches it there."""
+    return lit["percent_of_floor"] * goal * trl["tokens_per_second"] / lit["tokens_per_second"]
+
+
 def summary_table(rows: list[dict]) -> str:
     """One line per configuration: both trainers side by side (the table the README shows)."""
     header = ["config", "lit-grpo s/step", "TRL s/step", "lit-grpo tok/s", "TRL tok/s", "lit/TRL tok/s",
-              "lit-grpo peak MiB", "TRL peak MiB", "floor s", "lit-grpo % floor", "TRL % floor"]
+              "lit-grpo peak MiB", "TRL peak MiB", "floor s", "lit-grpo % floor", "TRL % floor",
+              f"% floor for {GOAL:g}x"]
     table = []
     for row in rows:
         lit, trl = row["summaries"]["lit-grpo"], row["summaries"]["trl"]
@@ -223,6 +237,7 @@ def summary_table(rows: list[dict]) -> str:
                 fmt(lit["median_floor_seconds"], 3),
                 fmt(lit["percent_of_floor"], 1),
                 fmt(trl["percent_of_floor"], 1),
+                fmt(percent_of_floor_needed(lit, trl), 1),
             ]
         )
     return markdown_table(header, table)
@@ -254,7 +269,9 @@ def markdown_report(args, machine_before, machine_after, num_parameters, rates, 
         "matmul rate; `% floor` = floor / measured time. `(starved)`: even after a retry, the run got less "
         f"than {args.min_cpu_share:g} x threads of CPU time per second (another process held a core); its "
         "times are not reliable. `floor s` is lit-grpo's (TRL's sampled lengths differ slightly; "
-        "its own floor is in the per-trainer table).",
+        "its own floor is in the per-trainer table). "
+        f"`% floor for {GOAL:g}x`: the % of its floor lit-grpo would have to run at for {GOAL:g}x TRL's tok/s "
+        "(above 100: beyond this machine's measured matmul rate, for any implementation of the same work).",
         "",
         summary_table(rows),
         "",

@@ -60,6 +60,7 @@ class RunSpec:
     temperature: float = 1.0
     seed: int = 0
     count_matmuls: bool = False  # one extra, untimed step that counts matmul FLOPs by dtype
+    profile_ops: bool = False  # one extra, untimed step under torch.profiler (bench/profile_step.py)
     threads: int | None = None  # torch.set_num_threads; None keeps torch's default (one per core)
     lit_options: dict = field(default_factory=dict)  # extra GRPOModule arguments (bench/ablation.py), lit-grpo only
 
@@ -86,6 +87,7 @@ class RunResult:
     matmul_flops_by_dtype: dict[str, float] | None  # from the counted step
     counted_step_completion_lengths: list[int] | None
     counted_step_prompt_lengths: list[int] | None
+    op_profile: dict | None = None  # from the profiled step (:class:`OpProfiler`)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,6 +191,68 @@ class MatmulCounter:
         return self.mode.__exit__(*exc)
 
 
+MATRIX_PRODUCT_OPS = {
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+}
+COPY_OPS = {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::index", "aten::index_select"}
+OP_CATEGORIES = ("matrix products", "copies and casts", "other operators", "outside operators")
+
+
+def op_category(name: str) -> str | None:
+    """Which part of a step an operator's own (self) time belongs to; None for profiler ranges that
+    are not operators (their self time is Python and framework time, counted as outside operators)."""
+    if not name.startswith("aten::"):
+        return None
+    if name in MATRIX_PRODUCT_OPS:
+        return "matrix products"
+    if name in COPY_OPS:
+        return "copies and casts"
+    return "other operators"
+
+
+def split_step_time(wall_seconds: float, ops: list[tuple[str, float, int]], top: int = 25) -> dict:
+    """A profiled step's wall time by :data:`OP_CATEGORIES` from ``(name, self seconds, calls)`` per
+    operator: everything not inside an ATen operator (Python, the frameworks, the dispatcher
+    between operators) is ``outside operators``. Also the ``top`` operators by self time."""
+    seconds = dict.fromkeys(OP_CATEGORIES, 0.0)
+    for name, self_seconds, _ in ops:
+        category = op_category(name)
+        if category is not None:
+            seconds[category] += self_seconds
+    seconds["outside operators"] = max(wall_seconds - sum(seconds.values()), 0.0)
+    ranked = sorted((op for op in ops if op_category(op[0]) is not None), key=lambda op: -op[1])
+    return {
+        "wall_seconds": wall_seconds,
+        "seconds_by_category": seconds,
+        "top_ops": [{"name": n, "self_seconds": t, "calls": c} for n, t, c in ranked[:top]],
+    }
+
+
+class OpProfiler:
+    """``torch.profiler`` (CPU operators) around one step; :attr:`summary` is :func:`split_step_time`
+    of it."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.summary: dict | None = None
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        self.profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.profile.__exit__(*exc)
+        wall = time.perf_counter() - self.start
+        ops = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in self.profile.key_averages()]
+        self.summary = split_step_time(wall, ops)
+        return False
+
+
 # ----------------------------------------------------------------------------------------------
 # lit-grpo
 # ----------------------------------------------------------------------------------------------
@@ -244,7 +308,7 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
         def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
             pass
 
-    recorder = RecordingCallback.for_lightning(spec.steps, spec.count_matmuls)
+    recorder = RecordingCallback.for_lightning(spec.steps, spec.count_matmuls, spec.profile_ops)
 
     module_class = FixedLengthGRPOModule if spec.fixed_length else GRPOModule
     module_options = dict(
@@ -278,7 +342,7 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=spec.steps + int(spec.count_matmuls),
+        max_steps=spec.steps + recorder.extra_steps,
         precision="bf16-mixed" if spec.precision == "bf16" else "32-true",
         logger=DiscardingLogger(),
         log_every_n_steps=1,
@@ -292,19 +356,24 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
 
 
 class RecordingCallback:
-    """Times optimizer steps, takes the recorded token counts, and runs the matmul counter for the
-    extra step; shared by the Lightning and the Hugging Face callback adapters below."""
+    """Times optimizer steps, takes the recorded token counts, and runs the matmul counter and the
+    operator profiler on the extra steps; shared by the Lightning and the Hugging Face callback
+    adapters below."""
 
-    def __init__(self, recorded_steps: int, count_matmuls: bool) -> None:
-        """The first ``recorded_steps`` steps are timed (warm-up included); with ``count_matmuls`` the next one is counted instead."""
+    def __init__(self, recorded_steps: int, count_matmuls: bool, profile_ops: bool = False) -> None:
+        """The first ``recorded_steps`` steps are timed (warm-up included); then, each on a step of its
+        own, the matmul counter (``count_matmuls``) and the operator profiler (``profile_ops``)."""
         self.recorded_steps = recorded_steps
-        self.count_matmuls = count_matmuls
+        self.instruments = ["count_matmuls"] * count_matmuls + ["profile_ops"] * profile_ops
+        self.extra_steps = len(self.instruments)  # steps the trainer runs after the timed ones
         self.records: list[StepRecord] = []
         self.completed_steps = 0
         self.last_time: float | None = None
         self.last_cpu_time: float | None = None
         self.counter: MatmulCounter | None = None
         self.counted_lengths: tuple[list[int], list[int]] | None = None
+        self.profiler: OpProfiler | None = None
+        self.active = None  # the instrument around the running step
         self.setup_seconds = float("nan")
         self.rss_before_training = float("nan")
 
@@ -316,17 +385,28 @@ class RecordingCallback:
         RECORDER.take()
 
     def step_start(self) -> None:
-        if self.completed_steps == self.recorded_steps and self.count_matmuls:
-            self.counter = MatmulCounter().__enter__()
+        extra = self.completed_steps - self.recorded_steps
+        if 0 <= extra < len(self.instruments):
+            if self.instruments[extra] == "count_matmuls":
+                self.active = self.counter = MatmulCounter()
+            else:
+                self.active = self.profiler = OpProfiler()
+            self.active.__enter__()
 
     def step_end(self, phases: dict[str, float] | None = None) -> None:
         now, cpu_now = time.perf_counter(), time.process_time()
         step_index = self.completed_steps
         self.completed_steps += 1
         prompt_lengths, completion_lengths, reward = RECORDER.take()
-        if self.counter is not None:
-            self.counter.__exit__(None, None, None)
-            self.counted_lengths = (prompt_lengths, completion_lengths)
+        if self.active is not None:
+            self.active.__exit__(None, None, None)
+            if self.active is self.counter:
+                self.counted_lengths = (prompt_lengths, completion_lengths)
+            else:
+                self.profiler.summary.update(
+                    prompt_lengths=prompt_lengths, completion_lengths=completion_lengths, phases=phases or {}
+                )
+            self.active = None
         elif step_index < self.recorded_steps:
             self.records.append(
                 StepRecord(
@@ -354,10 +434,11 @@ class RecordingCallback:
             matmul_flops_by_dtype=dict(self.counter.counts) if self.counter is not None else None,
             counted_step_prompt_lengths=self.counted_lengths[0] if self.counted_lengths else None,
             counted_step_completion_lengths=self.counted_lengths[1] if self.counted_lengths else None,
+            op_profile=self.profiler.summary if self.profiler is not None else None,
         )
 
     @classmethod
-    def for_lightning(cls, recorded_steps: int, count_matmuls: bool):
+    def for_lightning(cls, recorded_steps: int, count_matmuls: bool, profile_ops: bool = False):
         import lightning.pytorch as pl
 
         class _LightningRecorder(cls, pl.Callback):
@@ -373,10 +454,10 @@ class RecordingCallback:
                 phases = {k.removeprefix("time/"): float(v) for k, v in metrics.items() if k.startswith("time/")}
                 self.step_end(phases)
 
-        return _LightningRecorder(recorded_steps, count_matmuls)
+        return _LightningRecorder(recorded_steps, count_matmuls, profile_ops)
 
     @classmethod
-    def for_transformers(cls, recorded_steps: int, count_matmuls: bool):
+    def for_transformers(cls, recorded_steps: int, count_matmuls: bool, profile_ops: bool = False):
         from transformers import TrainerCallback
 
         class _TransformersRecorder(cls, TrainerCallback):
@@ -389,7 +470,7 @@ class RecordingCallback:
             def on_step_end(self, args, state, control, **kwargs):
                 self.step_end()
 
-        return _TransformersRecorder(recorded_steps, count_matmuls)
+        return _TransformersRecorder(recorded_steps, count_matmuls, profile_ops)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,7 +528,7 @@ def run_trl(spec: RunSpec) -> RunResult:
     from trl import GRPOConfig, GRPOTrainer
 
     phase_timer = TRLPhaseTimer()
-    recorder = RecordingCallback.for_transformers(spec.steps, spec.count_matmuls)
+    recorder = RecordingCallback.for_transformers(spec.steps, spec.count_matmuls, spec.profile_ops)
     dataset = datasets.load_dataset("json", data_files=spec.data_file, split="train")
     completions_per_step = spec.num_generations * spec.prompts_per_step
     generation_kwargs = {"min_new_tokens": spec.max_completion_length} if spec.fixed_length else None
@@ -477,7 +558,7 @@ def run_trl(spec: RunSpec) -> RunResult:
             weight_decay=0.0,
             optim="adamw_torch_fused",
             max_grad_norm=1.0,
-            max_steps=spec.steps + int(spec.count_matmuls),
+            max_steps=spec.steps + recorder.extra_steps,
             seed=spec.seed,
             data_seed=spec.seed,
             logging_steps=1,
