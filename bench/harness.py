@@ -237,6 +237,9 @@ def summarize_runs(results: list[dict], warmup_steps: int, shape: ModelShape, ma
         "tokens_per_second": sum(tokens) / sum(seconds),
         "cpu_over_wall": sum(s["cpu_seconds"] for s in steps) / sum(seconds),
         "median_floor_seconds": statistics.median(floors),
+        "median_minor_faults": (
+            statistics.median(s["minor_faults"] for s in steps) if all(s.get("minor_faults") is not None for s in steps) else None
+        ),
         "percent_of_floor": 100 * sum(floors) / sum(seconds),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
         "rss_before_training_mib": max(r["rss_before_training_mib"] for r in results),

@@ -2,21 +2,29 @@
 
 Same identical-work setup as ``bench/compare_trl.py`` (quickstart prompts and reward, G = 8, 8 prompts
 per step, dapo, one optimizer step per generation batch). Each trainer runs in its own process:
-warm-up steps, timed steps, then one extra step under ``torch.profiler`` (CPU operators). That
-step's wall time is split into
+warm-up steps, timed steps, then one extra step in which every ATen operator call is timed
+(``trainer_runs.OpTimer``, below autograd and autocast: the kernels that really run, the backward
+pass's included). That step's wall time is split into
 
-* **matrix products**: the self time of ``mm``, ``addmm``, ``bmm``, ``baddbmm`` and SDPA's CPU
-  kernels, beside the step's matmul floor (``bench/flops.py``): what the hardware's matmul rate
-  allows for the FLOPs the step needs;
+* **matrix products**: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` and SDPA's CPU kernels, beside the
+  step's matmul floor (``bench/flops.py``): what the hardware's matmul rate allows for the FLOPs the
+  step needs;
 * **copies and casts**: ``copy_`` (autocast's dtype casts land here), ``_to_copy``, ``clone``,
   ``cat``, ``index``;
 * **other operators**: every other ATen operator (elementwise, norms, softmax, reductions, sampling,
   the optimizer);
 * **outside operators**: the rest of the wall time: Python, Lightning / the Hugging Face Trainer, and
-  the dispatcher between operators.
+  the dispatcher above the kernels (autograd, autocast);
+* **timer overhead**: the timer's own cost, measured per call on a cheap operator before the step,
+  times the number of calls.
 
-The profiler adds a cost per operator call, so the profiled step is slower than the timed ones
-(both are shown); the split says where a step's time goes, the timed steps how long it takes.
+The profiled step is slower than the timed ones (both are shown): the timer overhead column is a
+lower bound of the timer's cost (calls with many arguments cost it more than the cheap calibration
+call), and each operator's time includes a little of it, so the many small operators (copies,
+elementwise) read somewhat high; matrix products, few and long calls, are measured accurately. The
+split says where a step's time goes, the timed steps how long it takes. Minor page faults (fresh
+memory touched; about 15 us each on the AMD EPYC virtual machine these results come from) are
+counted in both: the operators that touch fresh pages (allocations, mostly copies) pay for them.
 
     python bench/profile_step.py --threads 1 --size 30M --length 32 --precision bf16
     python bench/profile_step.py --threads 1 --size 4M --length 128 --fixed-length --trainers lit-grpo
@@ -74,9 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def split_table(profiles: dict[str, dict], timed_seconds: dict[str, float], floor_seconds: dict[str, float]) -> str:
+def split_table(profiles: dict[str, dict], summaries: dict[str, dict], floor_seconds: dict[str, float]) -> str:
     """One row per trainer: the profiled step's seconds by category, and the share of its wall time."""
-    header = ["trainer", "timed s/step", "profiled step s", "matmul floor s",
+    header = ["trainer", "timed s/step", "profiled step s", "page faults timed / profiled", "matmul floor s",
               *(f"{category} s (%)" for category in OP_CATEGORIES)]
     table = []
     for trainer, profile in profiles.items():
@@ -84,8 +92,9 @@ def split_table(profiles: dict[str, dict], timed_seconds: dict[str, float], floo
         table.append(
             [
                 trainer,
-                fmt(timed_seconds[trainer]),
+                fmt(summaries[trainer]["median_step_seconds"]),
                 fmt(wall),
+                f"{fmt(summaries[trainer]['median_minor_faults'], 0)} / {profile['minor_faults']}",
                 fmt(floor_seconds[trainer]),
                 *(
                     f"{fmt(profile['seconds_by_category'][category])} ({100 * profile['seconds_by_category'][category] / wall:.0f})"
@@ -99,10 +108,10 @@ def split_table(profiles: dict[str, dict], timed_seconds: dict[str, float], floo
 def top_ops_table(profile: dict, top: int) -> str:
     wall = profile["wall_seconds"]
     rows = [
-        [op["name"], fmt(op["self_seconds"], 3), f"{100 * op['self_seconds'] / wall:.1f}", str(op["calls"])]
+        [op["name"], fmt(op["seconds"], 3), f"{100 * op['seconds'] / wall:.1f}", str(op["calls"])]
         for op in profile["top_ops"][:top]
     ]
-    return markdown_table(["operator", "self s", "% of step", "calls"], rows)
+    return markdown_table(["operator", "s", "% of step", "calls"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -137,7 +146,6 @@ def main(argv: list[str] | None = None) -> None:
 
     config = f"{args.size}, L={args.length}, beta={args.beta:g}, {args.precision}" + (", fixed length" if args.fixed_length else "")
     config += f", prompts +{args.prompt_chars} tokens" if args.prompt_chars else ""
-    timed = {trainer: summary["median_step_seconds"] for trainer, summary in summaries.items()}
     out = [
         "# Where a step's time goes, by operator",
         "",
@@ -145,16 +153,16 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"Machine: {machine_before['cpu']}, {machine_before['cores']} cores, {args.threads or 'default'} torch threads "
         f"per run; {load_line(machine_before)} before, {load_line(machine_after)} after. {config}; G 8, 8 prompts "
-        f"per step; {args.warmup} warm-up + {args.steps} timed steps, then one step under `torch.profiler`. "
+        f"per step; {args.warmup} warm-up + {args.steps} timed steps, then one step with every operator timed. "
         f"Matmul floor: the profiled step's matmul FLOPs (`bench/flops.py`) at {rate / 1e9:.0f} GFLOP/s, this "
         "machine's best measured rate. Categories: see `bench/profile_step.py`; `%` is of the profiled step's wall time.",
         "",
-        split_table(profiles, timed, floors),
+        split_table(profiles, summaries, floors),
         "",
     ]
     for trainer, profile in profiles.items():
         phases = ", ".join(f"{name} {seconds:.3f} s" for name, seconds in sorted(profile["phases"].items()))
-        out += [f"## {trainer}: the {args.top} operators with the most self time", ""]
+        out += [f"## {trainer}: the {args.top} operators with the most time", ""]
         out += [f"Phases of the profiled step: {phases}.", ""] if phases else []
         out += [top_ops_table(profile, args.top), ""]
     markdown = "\n".join(out)

@@ -60,7 +60,7 @@ class RunSpec:
     temperature: float = 1.0
     seed: int = 0
     count_matmuls: bool = False  # one extra, untimed step that counts matmul FLOPs by dtype
-    profile_ops: bool = False  # one extra, untimed step under torch.profiler (bench/profile_step.py)
+    profile_ops: bool = False  # one extra, untimed step with every operator timed (bench/profile_step.py)
     threads: int | None = None  # torch.set_num_threads; None keeps torch's default (one per core)
     lit_options: dict = field(default_factory=dict)  # extra GRPOModule arguments (bench/ablation.py), lit-grpo only
 
@@ -74,6 +74,7 @@ class StepRecord:
     completion_lengths: list[int]  # per completion, real tokens including EOS
     reward: float
     phases: dict[str, float] = field(default_factory=dict)  # seconds by phase, as the trainer reports them
+    minor_faults: int | None = None  # page faults of the process during the step (fresh memory touched)
 
 
 @dataclass
@@ -87,7 +88,7 @@ class RunResult:
     matmul_flops_by_dtype: dict[str, float] | None  # from the counted step
     counted_step_completion_lengths: list[int] | None
     counted_step_prompt_lengths: list[int] | None
-    op_profile: dict | None = None  # from the profiled step (:class:`OpProfiler`)
+    op_profile: dict | None = None  # from the profiled step (:class:`OpTimer`)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,6 +138,12 @@ def peak_rss_mib() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def minor_page_faults() -> int:
+    """Minor page faults of this process so far: each is a page of fresh memory touched for the first
+    time, which costs on the order of 10 us on a virtual machine."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def current_rss_mib() -> float:
@@ -197,14 +204,11 @@ MATRIX_PRODUCT_OPS = {
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
 }
 COPY_OPS = {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::index", "aten::index_select"}
-OP_CATEGORIES = ("matrix products", "copies and casts", "other operators", "outside operators")
+OP_CATEGORIES = ("matrix products", "copies and casts", "other operators", "outside operators", "timer overhead")
 
 
-def op_category(name: str) -> str | None:
-    """Which part of a step an operator's own (self) time belongs to; None for profiler ranges that
-    are not operators (their self time is Python and framework time, counted as outside operators)."""
-    if not name.startswith("aten::"):
-        return None
+def op_category(name: str) -> str:
+    """Which part of a step an operator's time belongs to."""
     if name in MATRIX_PRODUCT_OPS:
         return "matrix products"
     if name in COPY_OPS:
@@ -212,44 +216,86 @@ def op_category(name: str) -> str | None:
     return "other operators"
 
 
-def split_step_time(wall_seconds: float, ops: list[tuple[str, float, int]], top: int = 25) -> dict:
-    """A profiled step's wall time by :data:`OP_CATEGORIES` from ``(name, self seconds, calls)`` per
-    operator: everything not inside an ATen operator (Python, the frameworks, the dispatcher
-    between operators) is ``outside operators``. Also the ``top`` operators by self time."""
+def split_step_time(
+    wall_seconds: float, ops: list[tuple[str, float, int]], seconds_per_call: float = 0.0, top: int = 25
+) -> dict:
+    """A timed step's wall time by :data:`OP_CATEGORIES` from ``(name, seconds, calls)`` per operator.
+
+    The timer's own cost, ``seconds_per_call`` for each operator call, is ``timer overhead``; the rest
+    of the wall time outside operators (Python, the frameworks, the dispatcher above the kernels) is
+    ``outside operators``. Also the ``top`` operators by time."""
     seconds = dict.fromkeys(OP_CATEGORIES, 0.0)
-    for name, self_seconds, _ in ops:
-        category = op_category(name)
-        if category is not None:
-            seconds[category] += self_seconds
+    for name, op_seconds, _ in ops:
+        seconds[op_category(name)] += op_seconds
+    seconds["timer overhead"] = seconds_per_call * sum(calls for _, _, calls in ops)
     seconds["outside operators"] = max(wall_seconds - sum(seconds.values()), 0.0)
-    ranked = sorted((op for op in ops if op_category(op[0]) is not None), key=lambda op: -op[1])
+    ranked = sorted(ops, key=lambda op: -op[1])
     return {
         "wall_seconds": wall_seconds,
         "seconds_by_category": seconds,
-        "top_ops": [{"name": n, "self_seconds": t, "calls": c} for n, t, c in ranked[:top]],
+        "top_ops": [{"name": n, "seconds": t, "calls": c} for n, t, c in ranked[:top]],
     }
 
 
-class OpProfiler:
-    """``torch.profiler`` (CPU operators) around one step; :attr:`summary` is :func:`split_step_time`
-    of it."""
+class OpTimer:
+    """Times every ATen operator call of one step, below autograd and autocast (a
+    ``TorchDispatchMode``, as :class:`MatmulCounter`), so the backward pass and autocast's casts are
+    seen as the kernels that run; :attr:`summary` is :func:`split_step_time` of it.
+
+    Chosen over ``torch.profiler``, under which the allocator reused memory differently: TRL's
+    profiled steps touched up to 10x the fresh pages of its unprofiled ones (page faults cost ~15 us
+    each on a virtual machine), inflating its copies several-fold; under this timer they do not. The timer's cost per call is
+    measured on a cheap operator before the step and reported as ``timer overhead``."""
 
     def __init__(self) -> None:
         import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
 
-        self.profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        seconds: dict[str, float] = defaultdict(float)
+        calls: dict[str, int] = defaultdict(int)
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                start = time.perf_counter()
+                out = func(*args, **(kwargs or {}))
+                name = f"{func.namespace}::{func.overloadpacket.__name__}"
+                seconds[name] += time.perf_counter() - start
+                calls[name] += 1
+                return out
+
+        self.seconds, self.calls, self.mode = seconds, calls, _Mode()
+        self.seconds_per_call = self._overhead_per_call(torch)
+        seconds.clear(), calls.clear()
         self.summary: dict | None = None
 
+    def _overhead_per_call(self, torch, n: int = 3000) -> float:
+        """Wall time the mode adds to one call of a cheap operator (median of 5 rounds)."""
+        x = torch.zeros(1)
+        rounds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(n):
+                torch.neg(x)
+            bare = time.perf_counter() - start
+            with self.mode:
+                start = time.perf_counter()
+                for _ in range(n):
+                    torch.neg(x)
+                timed = time.perf_counter() - start
+            rounds.append(max(timed - bare, 0.0) / n)
+        return sorted(rounds)[len(rounds) // 2]
+
     def __enter__(self):
-        self.start = time.perf_counter()
-        self.profile.__enter__()
+        self.start, self.start_faults = time.perf_counter(), minor_page_faults()
+        self.mode.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self.profile.__exit__(*exc)
-        wall = time.perf_counter() - self.start
-        ops = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in self.profile.key_averages()]
-        self.summary = split_step_time(wall, ops)
+        self.mode.__exit__(*exc)
+        wall, faults = time.perf_counter() - self.start, minor_page_faults() - self.start_faults
+        ops = [(name, self.seconds[name], self.calls[name]) for name in self.seconds]
+        self.summary = split_step_time(wall, ops, self.seconds_per_call)
+        self.summary.update(minor_faults=faults, timer_seconds_per_call=self.seconds_per_call)
         return False
 
 
@@ -357,12 +403,12 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
 
 class RecordingCallback:
     """Times optimizer steps, takes the recorded token counts, and runs the matmul counter and the
-    operator profiler on the extra steps; shared by the Lightning and the Hugging Face callback
+    operator timer on the extra steps; shared by the Lightning and the Hugging Face callback
     adapters below."""
 
     def __init__(self, recorded_steps: int, count_matmuls: bool, profile_ops: bool = False) -> None:
         """The first ``recorded_steps`` steps are timed (warm-up included); then, each on a step of its
-        own, the matmul counter (``count_matmuls``) and the operator profiler (``profile_ops``)."""
+        own, the matmul counter (``count_matmuls``) and the operator timer (``profile_ops``)."""
         self.recorded_steps = recorded_steps
         self.instruments = ["count_matmuls"] * count_matmuls + ["profile_ops"] * profile_ops
         self.extra_steps = len(self.instruments)  # steps the trainer runs after the timed ones
@@ -370,9 +416,10 @@ class RecordingCallback:
         self.completed_steps = 0
         self.last_time: float | None = None
         self.last_cpu_time: float | None = None
+        self.last_faults = 0
         self.counter: MatmulCounter | None = None
         self.counted_lengths: tuple[list[int], list[int]] | None = None
-        self.profiler: OpProfiler | None = None
+        self.timer: OpTimer | None = None
         self.active = None  # the instrument around the running step
         self.setup_seconds = float("nan")
         self.rss_before_training = float("nan")
@@ -380,6 +427,7 @@ class RecordingCallback:
     def train_start(self) -> None:
         self.last_time = time.perf_counter()
         self.last_cpu_time = time.process_time()
+        self.last_faults = minor_page_faults()
         self.setup_seconds = self.last_time - PROCESS_START
         self.rss_before_training = current_rss_mib()
         RECORDER.take()
@@ -390,11 +438,11 @@ class RecordingCallback:
             if self.instruments[extra] == "count_matmuls":
                 self.active = self.counter = MatmulCounter()
             else:
-                self.active = self.profiler = OpProfiler()
+                self.active = self.timer = OpTimer()
             self.active.__enter__()
 
     def step_end(self, phases: dict[str, float] | None = None) -> None:
-        now, cpu_now = time.perf_counter(), time.process_time()
+        now, cpu_now, faults_now = time.perf_counter(), time.process_time(), minor_page_faults()
         step_index = self.completed_steps
         self.completed_steps += 1
         prompt_lengths, completion_lengths, reward = RECORDER.take()
@@ -403,7 +451,7 @@ class RecordingCallback:
             if self.active is self.counter:
                 self.counted_lengths = (prompt_lengths, completion_lengths)
             else:
-                self.profiler.summary.update(
+                self.timer.summary.update(
                     prompt_lengths=prompt_lengths, completion_lengths=completion_lengths, phases=phases or {}
                 )
             self.active = None
@@ -417,9 +465,10 @@ class RecordingCallback:
                     completion_lengths,
                     reward,
                     phases or {},
+                    faults_now - self.last_faults,
                 )
             )
-        self.last_time, self.last_cpu_time = time.perf_counter(), time.process_time()
+        self.last_time, self.last_cpu_time, self.last_faults = time.perf_counter(), time.process_time(), minor_page_faults()
 
     def result(self, spec: RunSpec) -> RunResult:
         import torch
@@ -434,7 +483,7 @@ class RecordingCallback:
             matmul_flops_by_dtype=dict(self.counter.counts) if self.counter is not None else None,
             counted_step_prompt_lengths=self.counted_lengths[0] if self.counted_lengths else None,
             counted_step_completion_lengths=self.counted_lengths[1] if self.counted_lengths else None,
-            op_profile=self.profiler.summary if self.profiler is not None else None,
+            op_profile=self.timer.summary if self.timer is not None else None,
         )
 
     @classmethod

@@ -11,32 +11,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from trainer_runs import RECORDER, RecordingCallback, RunSpec, split_step_time  # noqa: E402
 
 
-def test_a_profiled_step_is_split_into_matmuls_copies_other_operators_and_the_rest():
+def test_a_timed_step_is_split_into_matmuls_copies_other_operators_the_rest_and_the_timers_cost():
     ops = [
         ("aten::mm", 0.30, 10),
         ("aten::_scaled_dot_product_flash_attention_for_cpu", 0.10, 2),
         ("aten::copy_", 0.08, 40),
         ("aten::_to_copy", 0.02, 40),
         ("aten::mul", 0.15, 30),
-        ("aten::softmax", 0.05, 2),
-        ("ProfilerStep#4", 0.04, 1),  # a profiler range, not an operator: its self time is Python
-        ("autograd::engine::evaluate_function: MmBackward0", 0.01, 5),
+        ("aten::_softmax", 0.05, 2),
+        ("lit::custom", 0.01, 1),  # an operator of another namespace: still an operator
     ]
-    split = split_step_time(1.0, ops, top=3)
+    split = split_step_time(1.0, ops, seconds_per_call=1e-3, top=3)
+    # 125 calls x 1 ms of timer cost; the rest of the second is outside operators
     assert split["seconds_by_category"] == pytest.approx(
-        {"matrix products": 0.40, "copies and casts": 0.10, "other operators": 0.20, "outside operators": 0.30}
+        {"matrix products": 0.40, "copies and casts": 0.10, "other operators": 0.21,
+         "outside operators": 0.165, "timer overhead": 0.125}
     )
     assert [op["name"] for op in split["top_ops"]] == ["aten::mm", "aten::mul", "aten::_scaled_dot_product_flash_attention_for_cpu"]
-    assert split["top_ops"][0] == {"name": "aten::mm", "self_seconds": 0.30, "calls": 10}
+    assert split["top_ops"][0] == {"name": "aten::mm", "seconds": 0.30, "calls": 10}
 
 
-def test_the_timed_steps_come_first_then_the_counted_step_then_the_profiled_one(monkeypatch):
+def test_the_operator_timer_sees_the_kernels_below_autocast_and_in_the_backward_pass():
+    from trainer_runs import OpTimer
+
+    weight = torch.randn(16, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    timer = OpTimer()
+    assert 0 < timer.seconds_per_call < 1e-3
+    with timer, torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.functional.linear(x, weight).float().sum().backward()
+    names = {op["name"]: op["calls"] for op in timer.summary["top_ops"]}
+    assert names["aten::_to_copy"] >= 2  # autocast's casts of x and of the weight to bf16
+    assert names["aten::mm"] == 2  # forward (x w^T) and the weight's gradient; x needs none
+    assert timer.summary["seconds_by_category"]["matrix products"] > 0
+    assert sum(timer.summary["seconds_by_category"].values()) == pytest.approx(timer.summary["wall_seconds"])
+
+
+def test_the_timed_steps_come_first_then_the_counted_step_then_the_profiled_one():
     recorder = RecordingCallback(recorded_steps=2, count_matmuls=True, profile_ops=True)
     assert recorder.extra_steps == 2  # the trainer runs 2 + 2 steps
     a, b = torch.ones(4, 8), torch.ones(8, 16)
     work = [
         lambda: a @ b,
-        lambda: a @ b,
+        lambda: torch.ones(16 * 2**20).sum(),  # 64 MiB of fresh memory, touched in this step
         lambda: a @ b,  # counted: 2 * 4 * 8 * 16 FLOPs
         lambda: torch.bmm(a[None], b[None]),  # profiled
     ]
@@ -48,6 +65,8 @@ def test_the_timed_steps_come_first_then_the_counted_step_then_the_profiled_one(
         recorder.step_end({"generate": 0.25})
     result = recorder.result(RunSpec(trainer="lit-grpo", model_dir="m", data_file="d", steps=2, count_matmuls=True, profile_ops=True))
     assert [record.step for record in result.steps] == [0, 1]
+    quiet, touching = (record.minor_faults for record in result.steps)
+    assert touching > quiet + 10  # at least 32 faults even with 2 MiB pages
     assert result.matmul_flops_by_dtype == {"float32": 2 * 4 * 8 * 16}
     assert result.counted_step_completion_lengths == [3, 4]
     profile = result.op_profile
@@ -57,6 +76,7 @@ def test_the_timed_steps_come_first_then_the_counted_step_then_the_profiled_one(
     assert profile["phases"] == {"generate": 0.25}
     assert profile["seconds_by_category"]["matrix products"] > 0
     assert sum(profile["seconds_by_category"].values()) == pytest.approx(profile["wall_seconds"])
+    assert isinstance(profile["minor_faults"], int) and profile["minor_faults"] >= 0
 
 
 def test_without_extra_steps_nothing_is_counted_or_profiled():
