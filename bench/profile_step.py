@@ -23,8 +23,8 @@ lower bound of the timer's cost (calls with many arguments cost it more than the
 call), and each operator's time includes a little of it, so the many small operators (copies,
 elementwise) read somewhat high; matrix products, few and long calls, are measured accurately. The
 split says where a step's time goes, the timed steps how long it takes. Minor page faults (fresh
-memory touched; about 15 us each on the AMD EPYC virtual machine these results come from) are
-counted in both: the operators that touch fresh pages (allocations, mostly copies) pay for them.
+memory touched for the first time) are counted in both: the operators that touch fresh pages
+(allocations, mostly copies) pay for them.
 
     python bench/profile_step.py --threads 1 --size 30M --length 32 --precision bf16
     python bench/profile_step.py --threads 1 --size 4M --length 128 --fixed-length --trainers lit-grpo

@@ -242,9 +242,9 @@ class OpTimer:
     ``TorchDispatchMode``, as :class:`MatmulCounter`), so the backward pass and autocast's casts are
     seen as the kernels that run; :attr:`summary` is :func:`split_step_time` of it.
 
-    Chosen over ``torch.profiler``, under which the allocator reused memory differently: TRL's
-    profiled steps touched up to 10x the fresh pages of its unprofiled ones (page faults cost ~15 us
-    each on a virtual machine), inflating its copies several-fold; under this timer they do not. The timer's cost per call is
+    Chosen over ``torch.profiler``, under which TRL touched far more fresh memory: its
+    profiled step (4M, fixed length 128, bf16) touched 648,523 fresh pages against 66,171 per timed
+    step, and its copies took 4.33 s; under this timer 8,358 pages and 0.65 s. The timer's cost per call is
     measured on a cheap operator before the step and reported as ``timer overhead``."""
 
     def __init__(self) -> None:
