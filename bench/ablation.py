@@ -35,20 +35,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    MODEL_SIZES,
-    QUICKSTART_DATA,
-    RunSpec,
     add_contention_options,
+    add_work_options,
     build_models,
     command_line,
     fmt,
     load_line,
-    long_prompt_data,
     machine_description,
     markdown_table,
     matmul_rates,
     run_measured,
     summarize_runs,
+    work_label,
+    work_spec,
     write_outputs,
 )
 
@@ -69,12 +68,7 @@ PHASES = ("generate", "logprobs", "train")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="4M", choices=[name for name in MODEL_SIZES if name != "quickstart"])
-    parser.add_argument("--length", type=int, default=128, help="max_completion_length")
-    parser.add_argument("--beta", type=float, default=0.0)
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--fixed-length", action="store_true", help="every completion exactly --length tokens")
-    parser.add_argument("--prompt-chars", type=int, default=0, help="an instruction of this many tokens before every prompt")
+    add_work_options(parser, length=128, precision="fp32")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of every run")
     parser.add_argument("--repeats", type=int, default=2, help="rounds over all variants")
@@ -100,17 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         rate = matmul_rates(model.shape, 64, args.length, args.threads)[args.precision]["best"]
         for repeat in range(args.repeats):
             for variant, options in variants.items():
-                spec = RunSpec(
-                    trainer="lit-grpo",
-                    model_dir=model.path,
-                    data_file=str(long_prompt_data(Path(tmp), args.prompt_chars) if args.prompt_chars else QUICKSTART_DATA),
-                    steps=args.warmup + args.steps,
-                    max_completion_length=args.length,
-                    fixed_length=args.fixed_length,
-                    beta=args.beta,
-                    precision=args.precision,
-                    threads=args.threads,
-                    lit_options=options,
+                spec = work_spec(
+                    args, "lit-grpo", model.path, Path(tmp), args.warmup + args.steps, threads=args.threads, lit_options=options
                 )
                 runs[variant].append(run_measured(spec, args.warmup, args.quiet_wait, args.retries, args.min_cpu_share))
                 print(f"[{repeat + 1}/{args.repeats} {(time.perf_counter() - start) / 60:5.1f} min] {variant}",
@@ -133,8 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                 fmt(summary["peak_rss_mib"], 0),
             ]
         )
-    config = f"{args.size}, L={args.length}, beta={args.beta:g}, {args.precision}" + (", fixed length" if args.fixed_length else "")
-    config += f", prompts +{args.prompt_chars} tokens" if args.prompt_chars else ""
+    config = work_label(args)
     markdown = "\n".join(
         [
             "# What each speed change buys (lit-grpo only)",

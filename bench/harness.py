@@ -105,6 +105,41 @@ def build_models(names: list[str], directory: Path, max_position_embeddings: int
     return built
 
 
+def add_work_options(parser, length: int, precision: str) -> None:
+    """The options that say what one run trains on: ``--size``, ``--length``, ``--beta``,
+    ``--precision``, ``--fixed-length``, ``--prompt-chars`` (see :func:`work_spec`)."""
+    parser.add_argument("--size", default="4M", choices=[name for name in MODEL_SIZES if name != "quickstart"])
+    parser.add_argument("--length", type=int, default=length, help="max_completion_length")
+    parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--precision", default=precision, choices=["fp32", "bf16"])
+    parser.add_argument("--fixed-length", action="store_true", help="every completion exactly --length tokens")
+    parser.add_argument("--prompt-chars", type=int, default=0, help="an instruction of this many tokens before every prompt")
+
+
+def work_label(args) -> str:
+    """``4M, L=128, beta=0, fp32`` (+ ``, fixed length``, ``, prompts +N tokens``) for :func:`add_work_options`."""
+    label = f"{args.size}, L={args.length}, beta={args.beta:g}, {args.precision}"
+    label += ", fixed length" if args.fixed_length else ""
+    return label + (f", prompts +{args.prompt_chars} tokens" if args.prompt_chars else "")
+
+
+def work_spec(args, trainer: str, model_dir: str, directory: Path, steps: int, **fields) -> RunSpec:
+    """The :class:`RunSpec` of :func:`add_work_options`' work (the long-prompt data is written to
+    ``directory``); ``fields`` sets the rest."""
+    data_file = long_prompt_data(directory, args.prompt_chars) if args.prompt_chars else QUICKSTART_DATA
+    return RunSpec(
+        trainer=trainer,
+        model_dir=model_dir,
+        data_file=str(data_file),
+        steps=steps,
+        max_completion_length=args.length,
+        fixed_length=args.fixed_length,
+        beta=args.beta,
+        precision=args.precision,
+        **fields,
+    )
+
+
 def run_in_subprocess(spec: RunSpec, python: str = sys.executable, timeout: float | None = None) -> dict:
     """Run ``bench/trainer_runs.py`` on ``spec`` in a fresh process and return its result dict.
 

@@ -42,21 +42,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    MODEL_SIZES,
-    QUICKSTART_DATA,
-    RunSpec,
     add_contention_options,
+    add_work_options,
     build_models,
     command_line,
     fmt,
     load_line,
-    long_prompt_data,
     machine_description,
     markdown_table,
     matmul_rates,
     run_measured,
     step_flops,
     summarize_runs,
+    work_label,
+    work_spec,
     write_outputs,
 )
 from trainer_runs import OP_CATEGORIES  # noqa: E402
@@ -66,12 +65,7 @@ TRAINERS = ("lit-grpo", "trl")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="4M", choices=[name for name in MODEL_SIZES if name != "quickstart"])
-    parser.add_argument("--length", type=int, default=32, help="max_completion_length")
-    parser.add_argument("--beta", type=float, default=0.0)
-    parser.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
-    parser.add_argument("--fixed-length", action="store_true", help="every completion exactly --length tokens")
-    parser.add_argument("--prompt-chars", type=int, default=0, help="an instruction of this many tokens before every prompt")
+    add_work_options(parser, length=32, precision="bf16")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per run (before the profiled one)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of every run")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
@@ -122,20 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="lit-grpo-bench-") as tmp:
         model = build_models([args.size], Path(tmp))[args.size]
         rate = matmul_rates(model.shape, 64, args.length, args.threads)[args.precision]["best"]
-        data_file = str(long_prompt_data(Path(tmp), args.prompt_chars) if args.prompt_chars else QUICKSTART_DATA)
         for trainer in args.trainers:
-            spec = RunSpec(
-                trainer=trainer,
-                model_dir=model.path,
-                data_file=data_file,
-                steps=args.warmup + args.steps,
-                max_completion_length=args.length,
-                fixed_length=args.fixed_length,
-                beta=args.beta,
-                precision=args.precision,
-                threads=args.threads,
-                profile_ops=True,
-            )
+            spec = work_spec(args, trainer, model.path, Path(tmp), args.warmup + args.steps, threads=args.threads, profile_ops=True)
             start = time.perf_counter()
             runs[trainer] = run_measured(spec, args.warmup, args.quiet_wait, args.retries, args.min_cpu_share)
             print(f"[{(time.perf_counter() - start) / 60:5.1f} min] {trainer}", file=sys.stderr, flush=True)
@@ -144,8 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             floors[trainer] = step_flops(model.shape, profiles[trainer], spec.num_generations, args.beta).total / rate
     machine_after = machine_description()
 
-    config = f"{args.size}, L={args.length}, beta={args.beta:g}, {args.precision}" + (", fixed length" if args.fixed_length else "")
-    config += f", prompts +{args.prompt_chars} tokens" if args.prompt_chars else ""
+    config = work_label(args)
     out = [
         "# Where a step's time goes, by operator",
         "",
