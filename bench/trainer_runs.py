@@ -141,8 +141,7 @@ def peak_rss_mib() -> float:
 
 
 def minor_page_faults() -> int:
-    """Minor page faults of this process so far: each is a page of fresh memory touched for the first
-    time, which costs on the order of 10 us on a virtual machine."""
+    """Minor page faults of this process so far: each is a page of fresh memory touched for the first time."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
@@ -264,12 +263,15 @@ class OpTimer:
                 return out
 
         self.seconds, self.calls, self.mode = seconds, calls, _Mode()
-        self.seconds_per_call = self._overhead_per_call(torch)
-        seconds.clear(), calls.clear()
+        self.seconds_per_call = self._overhead_per_call()
+        seconds.clear()  # the calibration's calls
+        calls.clear()
         self.summary: dict | None = None
 
-    def _overhead_per_call(self, torch, n: int = 3000) -> float:
+    def _overhead_per_call(self, n: int = 3000) -> float:
         """Wall time the mode adds to one call of a cheap operator (median of 5 rounds)."""
+        import torch
+
         x = torch.zeros(1)
         rounds = []
         for _ in range(5):
