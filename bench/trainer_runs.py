@@ -247,7 +247,6 @@ class OpTimer:
     measured on a cheap operator before the step and reported as ``timer overhead``."""
 
     def __init__(self) -> None:
-        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
         seconds: dict[str, float] = defaultdict(float)
