@@ -42,7 +42,7 @@ from transformers.generation import (
 )
 
 from lit_grpo.algorithm import completion_mask_from_ids
-from lit_grpo.attention import text_config, use_cpu_half_attention
+from lit_grpo.attention import HALF_DTYPES, text_config, use_cpu_half_attention
 
 
 @dataclass
@@ -303,33 +303,53 @@ def cache_argument(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
     return {"cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values": cache}
 
 
+KV_CACHE_BLOCK = 32  # positions by which a CPU half-precision KV cache grows (PreallocatedKVLayer)
+
+
 class PreallocatedKVLayer(DynamicLayer):
-    """One decoder layer's KV cache, written into a buffer sized for the whole decode.
+    """One decoder layer's KV cache, written in place into a buffer instead of concatenated.
 
     ``transformers``' ``DynamicLayer`` concatenates every new token's keys and values onto copies of
-    the whole cache (quadratic copying over a completion); this layer allocates ``[n, heads,
-    capacity, head_dim]`` at the first update and returns views of its filled part.
+    the whole cache (quadratic copying over a completion). This layer writes each token into a
+    buffer ``[n, heads, size, head_dim]`` and hands attention
+
+    * without ``block``: views of the filled part of one buffer of ``capacity`` positions,
+      allocated at the first update;
+    * with ``block`` (the sampler's choice on the CPU in half precision): the whole buffer, which
+      grows by ``block`` positions at a time (a copy every ``block`` tokens). Attention there
+      multiplies the keys and values as matrices (:mod:`lit_grpo.attention`), and oneDNN would copy
+      a view of the first S positions of a longer buffer (not contiguous) at every step and layer,
+      the whole cache each time. The positions not yet written hold zeros and the attention mask
+      covers the whole buffer (:meth:`get_mask_sizes`; the 2D mask is padded with zeros, as for
+      ``transformers``' ``StaticCache``), so they get zero weight.
 
     Under autocast the buffer holds the autocast dtype: attention would cast the whole cache to it
     at every step anyway (rotary embeddings hand over float32 keys), so storing it cast once gives
     the same attention inputs with half the memory traffic.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, block: int | None = None):
         super().__init__()
         self.capacity = capacity
+        self.block = block
+        self.grows = block is not None
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         autocast = torch.is_autocast_enabled(self.device.type)
         self.dtype = torch.get_autocast_dtype(self.device.type) if autocast else key_states.dtype
-        n, heads, _, _ = key_states.shape
-        self.key_buffer = key_states.new_empty(n, heads, self.capacity, key_states.size(-1), dtype=self.dtype)
-        self.value_buffer = value_states.new_empty(
-            n, value_states.size(1), self.capacity, value_states.size(-1), dtype=self.dtype
-        )
+        n, size = key_states.size(0), 0 if self.grows else self.capacity
+        self.key_buffer = key_states.new_zeros(n, key_states.size(1), size, key_states.size(-1), dtype=self.dtype)
+        self.value_buffer = value_states.new_zeros(n, value_states.size(1), size, value_states.size(-1), dtype=self.dtype)
         self.is_initialized = True
+
+    def buffer_size(self, length: int) -> int:
+        """Positions the buffer has once it holds ``length``: ``length`` rounded up to whole blocks
+        when it grows, else the capacity."""
+        if not self.grows:
+            return self.capacity
+        return min(self.capacity, -(-length // self.block) * self.block)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -337,6 +357,12 @@ class PreallocatedKVLayer(DynamicLayer):
         end = self.length + key_states.size(-2)
         if end > self.capacity:
             raise RuntimeError(f"KV cache of {self.capacity} positions cannot hold {end}")
+        if end > self.key_buffer.size(2):  # only when it grows: by whole blocks, zeros not yet written
+            size = self.buffer_size(end)
+            self.key_buffer, self.value_buffer = (
+                torch.cat([buffer, buffer.new_zeros(*buffer.shape[:2], size - buffer.size(2), buffer.size(3))], dim=2)
+                for buffer in (self.key_buffer, self.value_buffer)
+            )
         self.key_buffer[:, :, self.length : end] = key_states
         self.value_buffer[:, :, self.length : end] = value_states
         self.length = end
@@ -344,11 +370,17 @@ class PreallocatedKVLayer(DynamicLayer):
         return self.keys, self.values
 
     def _refresh_views(self) -> None:
-        self.keys = self.key_buffer[:, :, : self.length]  # [n, heads, length, head_dim]
-        self.values = self.value_buffer[:, :, : self.length]
+        visible = self.key_buffer.size(2) if self.grows else self.length
+        self.keys = self.key_buffer[:, :, :visible]  # [n, heads, visible, head_dim]
+        self.values = self.value_buffer[:, :, :visible]
 
     def get_seq_length(self) -> int:
         return self.length
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        """The mask spans the keys :meth:`update` will return: the whole buffer when it grows."""
+        kv_length, kv_offset = super().get_mask_sizes(*args, **kwargs)
+        return (self.buffer_size(kv_length) if self.grows else kv_length), kv_offset
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Copy every row ``repeats`` times (a prompt's cache to its G completions)."""
@@ -362,7 +394,7 @@ class PreallocatedKVLayer(DynamicLayer):
         if self.is_initialized:
             for name in ("key_buffer", "value_buffer"):
                 old = getattr(self, name)
-                new = old.new_empty(len(indices), *old.shape[1:])
+                new = old.new_zeros(len(indices), *old.shape[1:])
                 new[:, :, : self.length] = old[indices, :, : self.length]
                 setattr(self, name, new)
             self._refresh_views()
@@ -402,6 +434,15 @@ def select_rows(processors: LogitsProcessorList, keep: torch.Tensor) -> None:
             processor.prompt_ignore_length = processor.prompt_ignore_length[keep]
 
 
+def cpu_half_precision(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether ``model`` computes in bf16/fp16 (autocast's dtype, else its weights') on the CPU."""
+    if device.type != "cpu":
+        return False
+    if torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu") in HALF_DTYPES
+    return next(model.parameters()).dtype in HALF_DTYPES
+
+
 def eos_token_ids(generation_config: GenerationConfig) -> list[int]:
     eos = generation_config.eos_token_id
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -431,7 +472,8 @@ def sample_groups(
     eos = torch.tensor(eos_token_ids(generation_config), device=device, dtype=torch.long)
     repeated_mask = prompt_mask.repeat_interleave(G, dim=0)  # [N, P]
     processors = logits_processors(generation_config, repeated_mask)
-    cache = Cache(layers=[PreallocatedKVLayer(P + max_new) for _ in range(text_config(model).num_hidden_layers)])
+    block = KV_CACHE_BLOCK if cpu_half_precision(model, device) else None  # see PreallocatedKVLayer
+    cache = Cache(layers=[PreallocatedKVLayer(P + max_new, block) for _ in range(text_config(model).num_hidden_layers)])
 
     # 1. Prefill once per prompt, then give each completion its own copy of the prompt's cache.
     positions = (prompt_mask.long().cumsum(dim=-1) - 1).clamp(min=0)  # [B, P]

@@ -180,6 +180,69 @@ def test_preallocated_kv_layer_stores_the_autocast_dtype():
     assert k.dtype == torch.bfloat16
 
 
+def test_growing_kv_layer_hands_over_its_whole_buffer_with_zeros_where_nothing_is_written():
+    """With ``block`` (the CPU half-precision layout) attention gets the whole, contiguous buffer,
+    which grows by whole blocks up to the capacity; the mask sizes announced before each update are
+    the key lengths that update returns."""
+    layer = PreallocatedKVLayer(capacity=10, block=4)
+    keys = torch.arange(2 * 1 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2) + 1  # [n, heads, t, d], no zeros
+    assert layer.get_mask_sizes(3) == (4, 0)  # before the prefill: 3 positions round up to one block
+    k, v = layer.update(keys, -keys)
+    assert k.shape == (2, 1, 4, 2) and k.is_contiguous() and v.is_contiguous()
+    assert torch.equal(k[:, :, :3], keys) and torch.equal(v[:, :, :3], -keys)
+    assert not k[:, :, 3].any() and not v[:, :, 3].any() and layer.get_seq_length() == 3
+    buffer = layer.key_buffer
+    assert layer.get_mask_sizes(1) == (4, 0)
+    k, _ = layer.update(torch.full((2, 1, 1, 2), 7.0), torch.full((2, 1, 1, 2), 7.0))
+    assert layer.key_buffer is buffer and k.shape[2] == 4 and (k[:, :, 3] == 7).all()  # in place while it fits
+    assert layer.get_mask_sizes(1) == (8, 0)
+    k, v = layer.update(torch.full((2, 1, 1, 2), 9.0), torch.full((2, 1, 1, 2), 9.0))  # grows by one block
+    assert k.shape == (2, 1, 8, 2) and k.is_contiguous() and torch.equal(k[:, :, :3], keys)
+    assert (k[:, :, 4] == 9).all() and not k[:, :, 5:].any() and not v[:, :, 5:].any()
+    layer.batch_select_indices(torch.tensor([1]))
+    assert layer.keys.shape == (1, 1, 8, 2) and torch.equal(layer.keys[0, :, :3], keys[1]) and not layer.keys[:, :, 5:].any()
+    assert layer.get_mask_sizes(4) == (10, 0)  # 9 positions: two more blocks would pass the capacity
+    k, _ = layer.update(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 2))
+    assert k.shape == (1, 1, 10, 2) and not k[:, :, 9].any()
+    with pytest.raises(RuntimeError, match="10 positions cannot hold 11"):
+        layer.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+
+
+def test_bf16_sampler_grows_contiguous_caches_and_samples_the_tokens_of_the_prefix_views(chaotic_model, monkeypatch):
+    """Under bf16 autocast on the CPU the sampler's caches grow by blocks (4 here, so they grow
+    several times) and attention only ever receives contiguous keys and values (no copy per step);
+    greedy completions, with left padding and rows leaving the batch at different steps, are those
+    of the layout that hands attention views of the filled positions."""
+    import lit_grpo.attention as attention
+    import lit_grpo.generation as generation
+
+    model, tokenizer = chaotic_model
+    eos = frequent_token(model, tokenizer)
+    generation_config = config(tokenizer, eos, do_sample=False)
+    key_layouts = []
+
+    def recording_attention(module, query, key, value, *args, **kwargs):
+        key_layouts.append((key.size(2), key.is_contiguous() and value.is_contiguous()))
+        return attention.cpu_half_attention(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "KV_CACHE_BLOCK", 4)
+    monkeypatch.setitem(attention.AttentionInterface._global_mapping, attention.NAME, recording_attention)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grown = generate_completions(model, tokenizer, PROMPTS, 3, generation_config)
+        capacity = grown.prompt_ids.size(1) + generation_config.max_new_tokens
+        assert key_layouts and all(contiguous for _, contiguous in key_layouts)
+        assert all(length % 4 == 0 or length == capacity for length, _ in key_layouts)
+        assert len({length for length, _ in key_layouts}) > 3  # grew several times
+        monkeypatch.setattr(generation, "cpu_half_precision", lambda model, device: False)
+        key_layouts.clear()
+        viewed = generate_completions(model, tokenizer, PROMPTS, 3, generation_config)
+        assert not all(contiguous for _, contiguous in key_layouts)  # the other layout: prefix views
+    lengths = grown.completion_mask.sum(dim=1)
+    assert len(set(lengths.tolist())) > 2  # rows finished at different steps and left the batch
+    assert torch.equal(grown.completion_ids, viewed.completion_ids)
+    assert torch.equal(grown.completion_mask, viewed.completion_mask)
+
+
 def test_unsupported_options_and_models_fall_back_to_generate(chaotic_model, tiny_model_dir):
     model, tokenizer = chaotic_model
     generation_config = config(tokenizer, tokenizer.eos_token_id, do_sample=False, no_repeat_ngram_size=2)
