@@ -8,10 +8,11 @@
 2. A training forward's attention, forward and forward + backward, at the shapes of a GRPO
    micro-batch chunk (rows x tokens within the 4096-token budget, causal, left padding), bf16
    autocast as under ``bf16-mixed`` (float32 SDPA beside it for contrast).
-3. A whole generation batch of the group sampler on the 4M benchmark model under Lightning's
-   ``bf16-mixed`` autocast (which caches no weight casts): 8 prompts x G = 8, every completion
-   exactly ``--length`` tokens; as shipped, with SDPA attention, and with weights cast at every token,
-   alternating.
+3. A whole generation batch of the group sampler on the benchmark models (``--sizes``) under
+   Lightning's ``bf16-mixed`` autocast (which caches no weight casts): 8 prompts x G = 8, every
+   completion exactly ``--length`` tokens; as shipped, with SDPA attention, with weights cast at
+   every token, and with the KV cache handed to attention as views of its filled positions (the
+   layout used off the CPU and in float32) instead of whole buffers grown by blocks, alternating.
 
 Writes ``bench/results/attention.md`` and ``.json``.
 """
@@ -97,7 +98,7 @@ def training_rows(repeats: int) -> list[dict]:
     return rows
 
 
-def sampler_rows(model_dir: str, length: int, repeats: int) -> list[dict]:
+def sampler_rows(size: str, model_dir: str, length: int, repeats: int) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -110,9 +111,14 @@ def sampler_rows(model_dir: str, length: int, repeats: int) -> list[dict]:
         max_new_tokens=length, min_new_tokens=length, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     )
-    shipped = {"use_cpu_half_attention": generation.use_cpu_half_attention, "weights_cast_once": generation.weights_cast_once}
+    shipped = {name: getattr(generation, name) for name in ("use_cpu_half_attention", "weights_cast_once", "cpu_half_precision")}
     off = lambda *args: contextlib.nullcontext()  # noqa: E731
-    variants = {"as shipped": {}, "SDPA attention": {"use_cpu_half_attention": off}, "weights cast every token": {"weights_cast_once": off}}
+    variants = {
+        "as shipped": {},
+        "SDPA attention": {"use_cpu_half_attention": off},
+        "weights cast every token": {"weights_cast_once": off},
+        "KV cache as views of the filled positions": {"cpu_half_precision": lambda model, device: False},
+    }
     times = {name: [] for name in variants}
     for _ in range(repeats):
         for name, replaced in variants.items():
@@ -126,7 +132,7 @@ def sampler_rows(model_dir: str, length: int, repeats: int) -> list[dict]:
                     setattr(generation, attribute, value)
     shipped_s = statistics.median(times["as shipped"])
     return [
-        {"variant": name, "length": length, "seconds": statistics.median(ts), "shipped_speedup": statistics.median(ts) / shipped_s}
+        {"size": size, "variant": name, "length": length, "seconds": statistics.median(ts), "shipped_speedup": statistics.median(ts) / shipped_s}
         for name, ts in times.items()
     ]
 
@@ -136,6 +142,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--length", type=int, default=128, help="completion length of the sampler runs")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant of the sampler (attention: at least 10 calls)")
+    parser.add_argument("--sizes", nargs="+", default=["4M"], choices=["4M", "30M"], help="models of the sampler runs")
     parser.add_argument("--name", default="attention")
     args = parser.parse_args()
     import torch
@@ -143,10 +150,10 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as directory:
-        model = build_models(["4M"], Path(directory))["4M"]
+        models = build_models(args.sizes, Path(directory))
         decode = decode_rows(max(args.repeats, 20))
         training = training_rows(max(args.repeats, 10))
-        sampler = sampler_rows(model.path, args.length, args.repeats)
+        sampler = [row for size in args.sizes for row in sampler_rows(size, models[size].path, args.length, args.repeats)]
     machine = machine_description()
     command = command_line("attention.py", None)
     markdown = "\n\n".join([
@@ -167,8 +174,8 @@ def main() -> None:
         f"A whole generation batch of the group sampler under Lightning's bf16 autocast (8 prompts x G 8, {args.length} tokens each; "
         f"median s over {args.repeats} runs per variant, alternating):",
         markdown_table(
-            ["variant", "seconds", "seconds / as shipped"],
-            [[r["variant"], f"{r['seconds']:.2f}", f"{r['shipped_speedup']:.2f}"] for r in sampler],
+            ["model", "variant", "seconds", "seconds / as shipped"],
+            [[r["size"], r["variant"], f"{r['seconds']:.2f}", f"{r['shipped_speedup']:.2f}"] for r in sampler],
         ),
     ])
     md, js = write_outputs(args.name, markdown + "\n", {"command": command, "machine": machine, "decode": decode, "training": training, "sampler": sampler})
