@@ -8,8 +8,8 @@ Two samplers give the same completions for the same settings (greedy decoding gi
 tokens; sampling draws from the same distribution):
 
 * ``"lit"`` (default), :func:`sample_groups`: a decode loop made for groups. Each prompt is
-  encoded once and its KV cache copied to its G completions; keys and values are written into a
-  buffer allocated once (:class:`PreallocatedKVLayer`) instead of concatenated every token; rows that
+  encoded once and its KV cache copied to its G completions; keys and values are written in place
+  into a buffer (:class:`PreallocatedKVLayer`) instead of concatenated every token; rows that
   have emitted EOS leave the batch, so the cost of a step follows the completions still running.
   The tokens are chosen by ``transformers``' own logits processors, in the order ``generate``
   applies them. Under bf16/fp16 autocast on the CPU, attention is two grouped matrix products
@@ -317,9 +317,9 @@ class PreallocatedKVLayer(DynamicLayer):
       allocated at the first update;
     * with ``block`` (the sampler's choice on the CPU in half precision): the whole buffer, which
       grows by ``block`` positions at a time (a copy every ``block`` tokens). Attention there
-      multiplies the keys and values as matrices (:mod:`lit_grpo.attention`), and oneDNN would copy
-      a view of the first S positions of a longer buffer (not contiguous) at every step and layer,
-      the whole cache each time. The positions not yet written hold zeros and the attention mask
+      multiplies the keys and values as matrices (:mod:`lit_grpo.attention`) and has to copy a view
+      of the first S positions of a longer buffer (not contiguous) first: the whole cache, at every
+      step and layer. The positions not yet written hold zeros and the attention mask
       covers the whole buffer (:meth:`get_mask_sizes`; the 2D mask is padded with zeros, as for
       ``transformers``' ``StaticCache``), so they get zero weight.
 
