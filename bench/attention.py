@@ -6,7 +6,7 @@
    on 2 key/value heads, head_dim 64) for several cache lengths: PyTorch's SDPA against
    ``cpu_half_attention``, float32 and bf16.
 2. A training forward's attention, forward and forward + backward, at the shapes of a GRPO
-   micro-batch chunk (rows x tokens within the 4096-token budget, causal, left padding), bf16
+   micro-batch chunk (rows x tokens, causal, left padding), bf16
    autocast as under ``bf16-mixed`` (float32 SDPA beside it for contrast).
 3. A whole generation batch of the group sampler on the benchmark models (``--sizes``) under
    Lightning's ``bf16-mixed`` autocast (which caches no weight casts): 8 prompts x G = 8, every
