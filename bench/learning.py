@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
+    TRAINERS,
     QUICKSTART_DATA,
     RunSpec,
     build_models,
@@ -40,9 +41,6 @@ from harness import (  # noqa: E402
     run_in_subprocess,
     write_outputs,
 )
-
-TRAINERS = ("lit-grpo", "trl")
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

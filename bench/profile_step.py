@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
+    TRAINERS,
     add_contention_options,
     add_work_options,
     build_models,
@@ -59,8 +60,6 @@ from harness import (  # noqa: E402
     write_outputs,
 )
 from trainer_runs import OP_CATEGORIES  # noqa: E402
-
-TRAINERS = ("lit-grpo", "trl")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
