@@ -332,8 +332,12 @@ class PreallocatedKVLayer(DynamicLayer):
         super().__init__()
         self.capacity = capacity
         self.block = block
-        self.grows = block is not None
         self.length = 0
+
+    @property
+    def grows(self) -> bool:
+        """Whether the buffer grows by blocks and attention gets all of it (see the class doc)."""
+        return self.block is not None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
