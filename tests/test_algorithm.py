@@ -97,6 +97,40 @@ def test_selective_log_softmax_chunk_size_invariant():
     close(one, big)
 
 
+def test_default_chunks_fill_the_element_budget_with_whole_rows(monkeypatch):
+    import lit_grpo.algorithm as algorithm
+
+    # a real vocabulary: one row already exceeds the 2**22-element budget, so one row per chunk
+    assert algorithm.rows_per_logprob_chunk(torch.empty(64, 512, 151_936, device="meta")) == 1
+    # the benchmark's 101-token vocabulary: 2**22 // (32 * 101) = 1297 rows, all 64 in one chunk
+    assert algorithm.rows_per_logprob_chunk(torch.empty(64, 32, 101, device="meta")) == 1297
+    assert algorithm.rows_per_logprob_chunk(torch.empty(64, 32, 101, device="meta"), rows_per_chunk=3) == 3
+
+    # a budget of 2 rows of [4, 13] (104 elements): chunks of 2 + 2 + 1, the same values and
+    # gradients as row by row, and as many float32 chunk copies as chunks
+    monkeypatch.setattr(algorithm, "LOGPROB_CHUNK_ELEMENTS", 2 * 4 * 13 + 3)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 4, 13, generator=g)
+    tokens = torch.randint(0, 13, (5, 4), generator=g)
+    chunk_rows = []
+    real_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda self: chunk_rows.append(self.size(0)) or real_float(self))
+    by_default = logits.clone().requires_grad_()
+    out = algorithm.selective_log_softmax(by_default, tokens)
+    assert chunk_rows == [2, 2, 1]
+    entropy = algorithm.entropy_from_logits(logits)
+    assert chunk_rows == [2, 2, 1, 2, 2, 1]
+    monkeypatch.setattr(torch.Tensor, "float", real_float)
+    row_by_row = logits.clone().requires_grad_()
+    expected = algorithm.selective_log_softmax(row_by_row, tokens, rows_per_chunk=1)
+    close(out, expected)
+    close(entropy, algorithm.entropy_from_logits(logits, rows_per_chunk=1))
+    weights = torch.randn(5, 4, generator=g)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    close(by_default.grad, row_by_row.grad)
+
+
 # ----------------------------------------------------------------------------------------------
 # 2. entropy_from_logits
 # ----------------------------------------------------------------------------------------------
