@@ -15,6 +15,8 @@ per step, dapo, one optimizer step per generation batch), lit-grpo only. The var
 * ``no token budget``: ``forward_token_budget: null``: a micro-batch's chunks all stay alive until
   one backward (the memory the budget saves, and what its extra backward passes cost);
 * ``token budget 4096``: the budget's default before it became 1024 (fewer, larger chunks);
+* ``zero-gradient rows trained``: ``skip_zero_gradient_rows: false``: the rows of groups with equal
+  rewards (advantage 0, beta 0) go backward too;
 * ``none``: all off, lit-grpo as it was before these changes.
 
     python bench/ablation.py --threads 1                      # 4M, L = 128, beta 0, fp32
@@ -58,9 +60,10 @@ VARIANTS = {
     "one forward per micro-batch": {"group_by_length": False},
     "no token budget": {"forward_token_budget": None},
     "token budget 4096": {"forward_token_budget": 4096},
+    "zero-gradient rows trained": {"skip_zero_gradient_rows": False},
     "none": {
         "generation_backend": "transformers", "group_by_length": False, "share_prompt_forward": False,
-        "forward_token_budget": None,
+        "forward_token_budget": None, "skip_zero_gradient_rows": False,
     },
 }
 PHASES = ("generate", "logprobs", "train")

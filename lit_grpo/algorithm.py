@@ -507,6 +507,41 @@ LOSS_TYPES["cispo"] = LossType(dapo_aggregation, cispo_objective, accumulates_by
 LOSS_TYPES["sapo"] = LossType(grpo_aggregation, sapo_objective, accumulates_by_mean=True, rows_independent=True)
 
 
+# Objectives whose per-token loss is the advantage times a finite factor, and aggregations that
+# multiply every token's loss by its mask: see :func:`rows_without_gradient`.
+ADVANTAGE_PROPORTIONAL_OBJECTIVES = (ppo_objective, cispo_objective, sapo_objective)
+MASKED_AGGREGATIONS = (grpo_aggregation, bnpo_aggregation, dr_grpo_aggregation, dapo_aggregation)
+
+
+def rows_without_gradient(
+    advantages: torch.Tensor, loss_mask: torch.Tensor, loss_type: str, beta: float
+) -> torch.Tensor:
+    """``[n]`` bool: rows whose terms of the loss have exactly zero gradient, so their backward pass
+    can be skipped without changing the update.
+
+    - With ``beta = 0``, a row whose advantage is exactly 0 (a group with equal rewards, or a row with
+      no reward; see :func:`group_advantages`) under PPO's clipped surrogate, CISPO or SAPO: each
+      token's loss is ``A`` times a finite factor, so its value and gradient are 0. With ``beta > 0``
+      the KL term still pulls such a row towards the reference.
+    - A row with no token that counts (``loss_mask`` all 0, e.g. a truncated completion under
+      ``mask_truncated_completions``) under a built-in aggregation: every token's loss, KL included,
+      is multiplied by its mask.
+
+    Only for losses that are sums of per-row terms (``rows_independent``); the normalisers come from
+    the masks, so leaving these rows out of the backward leaves every other row's gradient as it is.
+    A registered objective or aggregation is never assumed to have this property.
+    """
+    loss = LOSS_TYPES[loss_type]
+    inert = torch.zeros(advantages.shape, dtype=torch.bool, device=advantages.device)  # [n]
+    if not loss.rows_independent:
+        return inert
+    if loss.aggregate in MASKED_AGGREGATIONS:
+        inert |= ~loss_mask.bool().any(dim=-1)
+    if beta == 0.0 and loss.objective in ADVANTAGE_PROPORTIONAL_OBJECTIVES:
+        inert |= advantages == 0
+    return inert
+
+
 def aggregate_loss(
     per_token_loss: torch.Tensor,
     completion_mask: torch.Tensor,

@@ -234,6 +234,10 @@ class GRPOModule(pl.LightningModule):
             completions attend to its KV cache (``lit_grpo.shared_prompt``) where that saves more
             than a forward's overhead; the values and gradients are those of full forwards. Not used
             with gradient checkpointing or sliding-window / linear-attention layers.
+        skip_zero_gradient_rows: rows whose loss terms have exactly zero gradient (advantage 0, as in
+            a group of equal rewards, with ``beta = 0``; or no token that counts) go forward without
+            autograd, for the statistics only, and skip the backward pass; the update and every
+            logged value are unchanged (``lit_grpo.algorithm.rows_without_gradient``).
         generation_backend: ``lit`` (default): the group sampler of ``lit_grpo.generation`` (each
             prompt encoded once, preallocated KV cache, finished completions leave the batch);
             ``transformers``: Hugging Face ``generate``. ``lit`` falls back to ``generate`` (with a
@@ -294,6 +298,7 @@ class GRPOModule(pl.LightningModule):
         group_by_length: bool = True,
         forward_token_budget: int | None = 1024,
         share_prompt_forward: bool = True,
+        skip_zero_gradient_rows: bool = True,
         generation_backend: str = "lit",
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -640,12 +645,21 @@ class GRPOModule(pl.LightningModule):
         micro-batch gradient that flows through chunk k's rows, and the chunks add up to all of it.
         Shared prompts are encoded once for all chunks: the chunks' backward passes stop at the
         prompts' keys and values, and one last backward carries what they collected through the
-        prompt forward.
+        prompt forward. Rows whose loss terms have no gradient (:meth:`_rows_without_gradient`) go
+        forward without autograd, for the statistics only, and into no chunk.
         """
         micro = scored.rollout.select(rows)
-        groups = self._prompt_groups_worth_sharing(self.policy, micro) if self._may_chunk_backward() else None
-        chunks = self._backward_chunks(micro, groups)
-        if len(chunks) == 1:
+        frozen = self._rows_without_gradient(scored, rows)  # [f] positions in the micro-batch, or None
+        trained = torch.arange(len(rows), device=rows.device)  # [n - f] positions with a backward
+        if frozen is not None:
+            keep = torch.ones(len(rows), dtype=torch.bool, device=rows.device)
+            keep[frozen] = False
+            trained = trained[keep]
+        learner = micro.select(trained) if frozen is not None else micro  # the rows that go backward
+        may_chunk = self._may_chunk_backward() or frozen is not None
+        groups = self._prompt_groups_worth_sharing(self.policy, learner) if may_chunk else None
+        chunks = self._backward_chunks(learner, groups)  # positions in ``learner``
+        if frozen is None and len(chunks) == 1:
             loss, stats = self._micro_batch_loss(scored, rows)
             self._backward(loss * scale, sync)
             stats["loss"] = (loss * scale).detach()
@@ -653,8 +667,8 @@ class GRPOModule(pl.LightningModule):
 
         prefix = leaves = None
         if groups is not None:
-            micro = micro.trimmed()
-            prefix = encode_prompts(self.policy, micro.prompt_ids, micro.prompt_mask, groups)
+            learner = learner.trimmed()
+            prefix = encode_prompts(self.policy, learner.prompt_ids, learner.prompt_mask, groups)
             leaves = prefix.detached()
         width = int(micro.completion_mask.any(dim=0).sum())  # the micro-batch's longest completion
         # [n, C] each row's log-probs: constants (the sampling policy's) until its chunk has run
@@ -663,20 +677,27 @@ class GRPOModule(pl.LightningModule):
         else:
             logps = torch.zeros(len(rows), width, device=self.device)
         entropy = torch.zeros_like(logps)
+        if frozen is not None:  # their values for the loss and statistics; their gradient is 0
+            with torch.no_grad():
+                frozen_logps, frozen_entropy = self.completion_logps(self.policy, micro.select(frozen), with_entropy=True)
+            padding = (0, width - frozen_logps.size(1))
+            logps[frozen] = torch.nn.functional.pad(frozen_logps, padding)
+            entropy[frozen] = torch.nn.functional.pad(frozen_entropy, padding)
         for index, chunk in enumerate(chunks):
+            positions = trained[chunk]  # the chunk's rows in the micro-batch
             chunk_logps, chunk_entropy = self._chunk_logps(
                 self.policy,
-                micro.select(chunk).trimmed(prompts=prefix is None),
+                learner.select(chunk).trimmed(prompts=prefix is None),
                 True,
                 leaves.select(chunk) if leaves is not None else None,
             )
             padding = (0, width - chunk_logps.size(1))  # [k, c] -> [k, C]
             chunk_logps = torch.nn.functional.pad(chunk_logps, padding)
-            chunk_loss, _ = self._policy_loss(scored, rows, logps.index_put((chunk,), chunk_logps))
+            chunk_loss, _ = self._policy_loss(scored, rows, logps.index_put((positions,), chunk_logps))
             last = index == len(chunks) - 1 and prefix is None
             self._backward(chunk_loss * scale, sync and last)
-            logps[chunk] = chunk_logps.detach()
-            entropy[chunk] = torch.nn.functional.pad(chunk_entropy, padding).detach()
+            logps[positions] = chunk_logps.detach()
+            entropy[positions] = torch.nn.functional.pad(chunk_entropy, padding).detach()
         if prefix is not None:
             # the collected gradient already carries the loss scale (and a GradScaler's, divided out here)
             self._backward(prefix.gradient_surrogate(leaves) / self._grad_scaler_scale(), sync)
@@ -684,6 +705,30 @@ class GRPOModule(pl.LightningModule):
             loss, stats = self._policy_loss(scored, rows, logps, entropy)
         stats["loss"] = (loss * scale).detach()
         return stats
+
+    def _rows_without_gradient(self, scored: ScoredRollout, rows: torch.Tensor) -> torch.Tensor | None:
+        """Positions in the micro-batch ``rows`` that need no backward pass, or None.
+
+        ``skip_zero_gradient_rows``: rows whose loss terms have exactly zero gradient
+        (:func:`lit_grpo.algorithm.rows_without_gradient`: advantage 0 with ``beta = 0``, or no token
+        that counts), where their backward would cost more than the extra forward they then get
+        (``FORWARD_OVERHEAD_TOKENS``; a backward costs about two forwards). Not with
+        ``top_entropy_quantile < 1``, whose threshold is taken over every row's entropy in the loss.
+        One row always goes backward, so the optimizer steps with a zero gradient where every row
+        has one (AdamW's momentum and weight decay still move the weights) and DDP all-reduces on
+        every rank. Sharded (FSDP2) ranks leave out the same number of rows, so they keep running
+        as many forwards and backwards as each other.
+        """
+        hp = self.hparams
+        if not hp.skip_zero_gradient_rows or hp.top_entropy_quantile < 1.0:
+            return None
+        inert = algorithm.rows_without_gradient(scored.group.advantages[rows], scored.loss_mask[rows], hp.loss_type, hp.beta)
+        positions = inert.nonzero().squeeze(1)[: len(rows) - 1]  # [f]
+        frozen = scored.rollout.select(rows[positions])
+        backward_tokens = 2 * int(frozen.prompt_mask.sum() + frozen.completion_mask.sum())
+        count = len(positions) if backward_tokens > FORWARD_OVERHEAD_TOKENS else 0
+        count = agreed_over_sharded_ranks(count, self.policy, "min")
+        return positions[:count] if count else None
 
     def _may_chunk_backward(self) -> bool:
         """Whether the settings let a micro-batch go backward in chunks: ``group_by_length`` with a

@@ -152,10 +152,22 @@ def main() -> None:
     backward_passes = []
     manual_backward = module.manual_backward
     module.manual_backward = lambda loss, *a, **kw: (backward_passes.append(1), manual_backward(loss, *a, **kw))[1]
+    skipped_rows = []  # rows of this rank's micro-batches that went forward without a backward
+    rows_without_gradient = module._rows_without_gradient
+
+    def counting_rows_without_gradient(*args, **kwargs):
+        frozen = rows_without_gradient(*args, **kwargs)
+        skipped_rows.append(0 if frozen is None else len(frozen))
+        return frozen
+
+    module._rows_without_gradient = counting_rows_without_gradient
     cli.trainer.fit(module, datamodule=cli.datamodule, ckpt_path=args.ckpt_path)
     state = full_policy_state(module)
     if cli.trainer.global_rank == 0:
-        result = {"steps": steps, "state": state, "world_size": cli.trainer.world_size, "backward_passes": len(backward_passes)}
+        result = {
+            "steps": steps, "state": state, "world_size": cli.trainer.world_size,
+            "backward_passes": len(backward_passes), "skipped_rows": skipped_rows,
+        }
         torch.save(result, args.out)
     exit_without_finalisation()
 

@@ -656,3 +656,52 @@ def test_new_loss_types_in_the_registry_and_their_aggregation():
     )
     close(out_all.loss, -1.0)  # dapo: (-1 - 1) / 2 tokens
     close(out_one.loss, -0.5)  # (-1 + 0) / 2 tokens
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_rows_without_gradient_are_exactly_the_rows_whose_gradient_is_zero(loss_type, beta):
+    from lit_grpo.algorithm import rows_without_gradient
+
+    torch.manual_seed(0)
+    advantages = torch.tensor([0.0, 1.2, 0.0, -0.7, 0.5])  # [5]
+    loss_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])  # row 4: no token counts
+    expected = [beta == 0.0, False, beta == 0.0, False, True]
+    assert rows_without_gradient(advantages, loss_mask, loss_type, beta).tolist() == expected
+
+    # the property it claims: those rows' log-probs get exactly zero gradient, the others do not
+    old_logps = -torch.rand(5, 3) - 0.1
+    logps = (old_logps + 0.5 * torch.randn(5, 3)).requires_grad_()  # ratios inside and outside the clip
+    ref_logps = old_logps - 0.3 * torch.rand(5, 3)
+    out = grpo_loss(
+        logps, old_logps, advantages, loss_mask, loss_type=loss_type, beta=beta, ref_logps=ref_logps,
+        max_completion_length=3, epsilon_high=5.0 if loss_type == "cispo" else 0.2,
+    )
+    (gradient,) = torch.autograd.grad(out.loss, logps)
+    zero_rows = (gradient == 0).all(dim=1)
+    assert zero_rows.tolist() == expected
+
+
+def test_rows_without_gradient_never_assumed_for_a_registered_loss():
+    from lit_grpo.algorithm import register_loss_type, rows_without_gradient
+
+    advantages, loss_mask = torch.tensor([0.0, 1.0]), torch.tensor([[0, 0], [1, 1]])
+
+    def entropy_bonus(ratio, advantages, logps, settings):  # an objective not proportional to A
+        return -ratio * advantages.unsqueeze(-1) - 0.01 * logps
+
+    def unmasked_sum(per_token_loss, completion_mask, max_completion_length, num_items_in_batch):
+        return per_token_loss.sum()
+
+    register_loss_type("test_bonus", objective=entropy_bonus, rows_independent=True)(LOSS_TYPES["dapo"].aggregate)
+    register_loss_type("test_unmasked", rows_independent=True)(unmasked_sum)
+    register_loss_type("test_not_independent")(LOSS_TYPES["dapo"].aggregate)
+    try:
+        assert rows_without_gradient(advantages, loss_mask, "test_bonus", 0.0).tolist() == [True, False]  # masked: yes
+        assert rows_without_gradient(advantages, loss_mask, "test_unmasked", 0.0).tolist() == [True, False]  # A = 0: yes
+        assert rows_without_gradient(advantages, loss_mask, "test_not_independent", 0.0).tolist() == [False, False]
+        assert rows_without_gradient(torch.zeros(2), torch.ones(2, 2), "test_bonus", 0.0).tolist() == [False, False]
+        assert rows_without_gradient(torch.tensor([0.0, 1.0]), torch.zeros(2, 2), "test_unmasked", 0.0).tolist() == [True, False]
+    finally:
+        for name in ("test_bonus", "test_unmasked", "test_not_independent"):
+            del LOSS_TYPES[name]

@@ -183,6 +183,29 @@ def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_mode
         assert moved > 1e-3
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_rows_without_gradient_skipped_on_two_processes_match_one_process_training_every_row(run_dir, strategy):
+    """beta 0 and a reward that is constant for a third of the prompts: those groups' rows (advantage
+    0) skip the backward on each rank (FSDP2 ranks agree to leave out as many rows as each other);
+    losses, statistics and weights equal one process that trains every row."""
+    model = {"beta": 0.0, "rewards": [{"name": "gated"}], "micro_batch_size": 8}
+    flags = ["--fixed-completions", "--gated-reward", "--share-prompts-always"]  # no forward-overhead threshold
+    one = run_worker(
+        run_dir, "single_every_row", 1,
+        {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}, "model": {**model, "skip_zero_gradient_rows": False}},
+        *flags,
+    )
+    overrides = {"trainer": {"devices": 2, "strategy": STRATEGIES[strategy]}, "data": {"batch_size": GLOBAL_BATCH // 2}, "model": model}
+    two = run_worker(run_dir, f"{strategy}_skipping", 2, overrides, *flags)
+    assert sum(one["skipped_rows"]) == 0 and sum(two["skipped_rows"]) > 0  # rank 0 left rows out
+    assert any(step["frac_reward_zero_std"] > 0 for step in one["steps"])
+    for step, (expected, actual) in enumerate(zip(one["steps"], two["steps"], strict=True)):
+        for name in ["loss", "reward", "reward_std", "entropy", "clip_ratio/region_mean", "grad_norm"]:
+            assert actual[name] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), (step, name)
+    for name, expected in one["state"].items():
+        torch.testing.assert_close(two["state"][name], expected, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir):
     """Real sampling on 2 ranks: a run stopped after 2 generation batches and resumed from its sharded
     ``last.ckpt`` logs what an uninterrupted run logs (each rank's random state is restored)."""

@@ -309,6 +309,96 @@ def test_token_budget_trains_in_chunks_with_the_micro_batch_gradient(
         assert expected_stats["clip_ratio/region_mean"] > 0  # the clipped branch is exercised
 
 
+def rows_in_forwards_with_gradient(module) -> list[int]:
+    """Rows of every policy forward that runs with autograd on (appended to as they run)."""
+    rows = []
+    module.policy.register_forward_pre_hook(
+        lambda model, args, kwargs: rows.append(kwargs["input_ids"].size(0)) if torch.is_grad_enabled() else None,
+        with_kwargs=True,
+    )
+    return rows
+
+
+@pytest.mark.parametrize(
+    "loss_type, beta, importance_sampling_level, off_policy, shared, budget",
+    [
+        ("dapo", 0.0, "token", False, False, None),
+        ("dapo", 0.0, "token", True, True, 40),
+        ("grpo", 0.0, "sequence", True, False, 40),
+        ("bnpo", 0.04, "token", True, False, None),  # with beta > 0 only the masked row has no gradient
+        ("dr_grpo", 0.0, "token", True, True, None),
+        ("cispo", 0.0, "token", True, False, None),
+        ("sapo", 0.0, "token", True, False, 40),
+    ],
+)
+def test_rows_without_gradient_skip_the_backward_and_change_nothing(
+    tiny_model_dir, fast_trainer, monkeypatch, loss_type, beta, importance_sampling_level, off_policy, shared, budget
+):
+    """Rows of a group with equal rewards (advantage 0) and a row with no token that counts go forward
+    without autograd; the gradient and every statistic equal those of training every row."""
+    import lit_grpo.module
+
+    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)  # the test's rows are short
+    torch.manual_seed(0)
+    module = make_module(
+        tiny_model_dir, loss_type=loss_type, beta=beta, importance_sampling_level=importance_sampling_level,
+        epsilon_high=5.0 if loss_type == "cispo" else None, share_prompt_forward=shared,
+    )
+    scored = rollout_of(module, fast_trainer)
+    scored.group.advantages[:4] = 0.0  # the first prompt's group: equal rewards
+    scored.loss_mask = scored.rollout.completion_mask.clone()
+    scored.loss_mask[6] = 0  # as a truncated completion under mask_truncated_completions
+    current = module._logps_no_grad(module.policy, scored.rollout)  # [8, C]
+    mask = scored.rollout.completion_mask.bool()
+    if off_policy:
+        scored.old_logps = (current + 0.3 * torch.randn(current.size(0), 1) + 0.3 * torch.randn_like(current)) * mask
+    if beta:
+        scored.ref_logps = (current - 0.5 * torch.rand_like(current)) * mask
+    rows = torch.tensor([1, 7, 0, 4, 6, 2])  # rows 1, 0, 2 with advantage 0; row 6 masked
+
+    module.hparams.skip_zero_gradient_rows = False
+    expected, expected_stats, *_ = micro_batch_backward(module, scored, rows, budget)
+    module.hparams.skip_zero_gradient_rows = True
+    trained_rows = rows_in_forwards_with_gradient(module)
+    gradient, stats, events, _ = micro_batch_backward(module, scored, rows, budget)
+
+    frozen = [4] if beta else [0, 2, 4, 5]  # positions in rows: rows 6 / 1, 0, 6, 2
+    assert module._rows_without_gradient(scored, rows).tolist() == frozen
+    completions = sum(trained_rows[1:]) if shared else sum(trained_rows)  # (after the shared prompts' forward)
+    assert completions == len(rows) - len(frozen)
+    assert events[-1] == "backward"
+    assert expected.norm() > 1e-3
+    torch.testing.assert_close(gradient, expected, atol=1e-6, rtol=1e-4)
+    assert stats.keys() == expected_stats.keys()
+    for name in stats:
+        torch.testing.assert_close(stats[name], expected_stats[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_rows_without_gradient_keep_one_row_and_a_zero_gradient(tiny_model_dir, fast_trainer, monkeypatch):
+    """Every row without gradient: one still goes backward, so every weight gets a zero gradient (not
+    None) and AdamW's step moves the weights as it would after training every row."""
+    import lit_grpo.module
+
+    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir)
+    scored = rollout_of(module, fast_trainer)
+    scored.group.advantages[:] = 0.0
+    rows = torch.arange(8)
+    trained_rows = rows_in_forwards_with_gradient(module)
+    gradient, stats, _, _ = micro_batch_backward(module, scored, rows, None)
+    assert trained_rows == [1]
+    assert all(p.grad is not None for p in module.policy.parameters())
+    assert gradient.abs().max() == 0 and stats["loss"] == 0 and stats["entropy"] > 0
+
+    # not worth it: 7 short rows' backward costs less than one more forward
+    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 10_000)
+    assert module._rows_without_gradient(scored, rows) is None
+    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)
+    module.hparams.top_entropy_quantile = 0.5  # the threshold is over every row's entropy in the loss
+    assert module._rows_without_gradient(scored, rows) is None
+
+
 def test_chunks_with_shared_prompts_under_a_grad_scaler_scale_the_gradient_once(tiny_model_dir, fast_trainer, monkeypatch):
     """The prompt forward's backward gets the gradient the chunks collected, which already carries the
     GradScaler's factor: it must not be multiplied by it a second time."""
