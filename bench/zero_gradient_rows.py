@@ -1,0 +1,134 @@
+"""What ``skip_zero_gradient_rows`` buys: the training phase of one generation batch against the
+number of its groups whose rewards are all equal.
+
+With ``beta = 0`` a group of equal rewards has advantage 0 in every row, so its rows' loss terms have
+exactly zero gradient (``lit_grpo.algorithm.rows_without_gradient``). lit-grpo sends those rows
+forward without autograd (for the logged entropy) and skips their backward; TRL, like lit-grpo with
+``skip_zero_gradient_rows: false``, trains them. How many groups that is depends on the task: few
+with the benchmark's continuous reward on a random model, many with a pass/fail reward or once a
+task is learnt (the quickstart ends with most groups at reward 1.0; ``frac_reward_zero_std`` logs it).
+
+For each model size and completion length: one real generation batch (8 quickstart prompts x G = 8,
+sampled by the policy, under ``--precision``), then the micro-batch forward and backward of all 64
+rows (``micro_batch_size: null``, dapo, the default token budget) timed with the first ``k`` groups'
+advantages set to 0, for each ``k`` in ``--zero-groups``, skipping on and off alternating,
+``--repeats`` times each; the median is reported. The cost of a row's forward and backward does not
+depend on its advantage's value, so setting it stands in for a group of equal rewards.
+
+    python bench/zero_gradient_rows.py --threads 1 --sizes 4M 30M --lengths 32 128
+
+Writes ``bench/results/zero_gradient_rows.md`` and ``.json`` (``--name`` changes the file name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import QUICKSTART_DATA, build_models, command_line, fmt, load_line, machine_description, markdown_table, write_outputs  # noqa: E402
+
+G = 8
+PROMPTS = 8
+
+
+def time_training_phase(model_dir: str, length: int, precision: str, zero_groups: list[int], repeats: int) -> list[dict]:
+    """Seconds of ``_micro_batch_backward`` over one generation batch, by zero-advantage groups and mode."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lit_grpo.data import PromptBatch
+    from lit_grpo.module import GRPOModule
+
+    rows = [json.loads(line) for line in QUICKSTART_DATA.read_text().splitlines()[:PROMPTS]]
+    batch = PromptBatch(prompts=[row["prompt"] for row in rows], columns={"target": [row["target"] for row in rows]})
+    pl.seed_everything(0, verbose=False)
+    module = GRPOModule(
+        model_name_or_path=model_dir, rewards=[{"name": "char_fraction"}], num_generations=G,
+        max_completion_length=length, loss_type="dapo", beta=0.0, log_completions_every_n_steps=0,
+        save_completions=False,
+    )
+    module.trainer = pl.Trainer(
+        accelerator="cpu", devices=1, precision="bf16-mixed" if precision == "bf16" else "32-true", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    module.configure_model()
+    module.manual_backward = lambda loss: loss.backward()  # what Lightning's does on one CPU without a GradScaler
+    autocast = module.trainer.precision_plugin.forward_context
+    with autocast():
+        scored, _ = module._generate_and_score(batch)
+    advantages = torch.linspace(-1.5, 1.5, PROMPTS * G)  # nonzero everywhere, then groups set to 0
+    every_row = torch.arange(PROMPTS * G)
+    results = []
+    for k in zero_groups:
+        scored.group.advantages = advantages.clone()
+        scored.group.advantages[: k * G] = 0.0
+        seconds = {True: [], False: []}
+        for _ in range(repeats + 1):  # the first round warms up
+            for skip in (True, False):
+                module.hparams.skip_zero_gradient_rows = skip
+                start = time.perf_counter()
+                with autocast():
+                    module._micro_batch_backward(scored, every_row, 1.0, sync=True)
+                seconds[skip].append(time.perf_counter() - start)
+                module.policy.zero_grad(set_to_none=True)
+        skipped, trained = statistics.median(seconds[True][1:]), statistics.median(seconds[False][1:])
+        results.append({
+            "zero_groups": k, "skip_s": skipped, "train_every_row_s": trained, "speedup": trained / skipped,
+            "runs_s": {"skip": seconds[True][1:], "train_every_row": seconds[False][1:]},
+            "completion_tokens": int(scored.rollout.completion_mask.sum()),
+        })
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--sizes", nargs="+", default=["4M", "30M"], choices=["4M", "30M"])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[32, 128], help="max_completion_length values")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--zero-groups", nargs="+", type=int, default=[0, 2, 4, 6, 8], help=f"of the {PROMPTS} groups")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per setting (after one warm-up round)")
+    parser.add_argument("--name", default="zero_gradient_rows")
+    args = parser.parse_args(argv)
+    if any(not 0 <= k <= PROMPTS for k in args.zero_groups):
+        parser.error(f"--zero-groups values must be between 0 and {PROMPTS}")
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    machine = machine_description()
+    table = []
+    data = {"command": command_line("zero_gradient_rows.py", argv), "machine": machine, "args": vars(args), "results": []}
+    with tempfile.TemporaryDirectory() as directory:
+        models = build_models(args.sizes, Path(directory))
+        for size in args.sizes:
+            for length in args.lengths:
+                print(f"{size}, L = {length} ...", flush=True)
+                results = time_training_phase(models[size].path, length, args.precision, args.zero_groups, args.repeats)
+                data["results"].append({"size": size, "length": length, "results": results})
+                for result in results:
+                    table.append([
+                        size, str(length), str(result["completion_tokens"]), f"{result['zero_groups']} / {PROMPTS}",
+                        fmt(result["train_every_row_s"], 3), fmt(result["skip_s"], 3), fmt(result["speedup"]),
+                    ])
+    header = ["model", "L", "completion tokens", "groups of equal rewards", "train every row s", "skip them s", "speedup"]
+    markdown = "\n\n".join([
+        "# Training phase against groups of equal rewards (`skip_zero_gradient_rows`)",
+        f"`{data['command']}`",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, {args.threads or 'default'} torch threads; "
+        f"{load_line(machine)}. {args.precision}, beta 0, dapo, G = {G}, {PROMPTS} prompts, one generation batch per "
+        f"row group; forward and backward of all {PROMPTS * G} rows, median of {args.repeats} alternating rounds.",
+        markdown_table(header, table),
+    ])
+    write_outputs(args.name, markdown, data)
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
