@@ -714,9 +714,9 @@ class GRPOModule(pl.LightningModule):
         that counts), where their backward would cost more than the extra forward they then get
         (``FORWARD_OVERHEAD_TOKENS``; a backward costs about two forwards). Not with
         ``top_entropy_quantile < 1``, whose threshold is taken over every row's entropy in the loss.
-        One row always goes backward, so the optimizer steps with a zero gradient where every row
-        has one (AdamW's momentum and weight decay still move the weights) and DDP all-reduces on
-        every rank. Sharded (FSDP2) ranks leave out the same number of rows, so they keep running
+        One row always goes backward, so the optimizer steps on a zero gradient where no row has
+        any (AdamW's momentum and weight decay still move the weights, as after training every row)
+        and DDP all-reduces on every rank. Sharded (FSDP2) ranks leave out the same number of rows, so they keep running
         as many forwards and backwards as each other.
         """
         hp = self.hparams
@@ -724,8 +724,8 @@ class GRPOModule(pl.LightningModule):
             return None
         inert = algorithm.rows_without_gradient(scored.group.advantages[rows], scored.loss_mask[rows], hp.loss_type, hp.beta)
         positions = inert.nonzero().squeeze(1)[: len(rows) - 1]  # [f]
-        frozen = scored.rollout.select(rows[positions])
-        backward_tokens = 2 * int(frozen.prompt_mask.sum() + frozen.completion_mask.sum())
+        rollout = scored.rollout
+        backward_tokens = 2 * int(rollout.prompt_mask[rows[positions]].sum() + rollout.completion_mask[rows[positions]].sum())
         count = len(positions) if backward_tokens > FORWARD_OVERHEAD_TOKENS else 0
         count = agreed_over_sharded_ranks(count, self.policy, "min")
         return positions[:count] if count else None
