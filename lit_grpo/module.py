@@ -652,9 +652,7 @@ class GRPOModule(pl.LightningModule):
         frozen = self._rows_without_gradient(scored, rows)  # [f] positions in the micro-batch, or None
         trained = torch.arange(len(rows), device=rows.device)  # [n - f] positions with a backward
         if frozen is not None:
-            keep = torch.ones(len(rows), dtype=torch.bool, device=rows.device)
-            keep[frozen] = False
-            trained = trained[keep]
+            trained = trained[~torch.isin(trained, frozen)]
         learner = micro.select(trained) if frozen is not None else micro  # the rows that go backward
         may_chunk = self._may_chunk_backward() or frozen is not None
         groups = self._prompt_groups_worth_sharing(self.policy, learner) if may_chunk else None
@@ -724,8 +722,8 @@ class GRPOModule(pl.LightningModule):
             return None
         inert = algorithm.rows_without_gradient(scored.group.advantages[rows], scored.loss_mask[rows], hp.loss_type, hp.beta)
         positions = inert.nonzero().squeeze(1)[: len(rows) - 1]  # [f]
-        rollout = scored.rollout
-        backward_tokens = 2 * int(rollout.prompt_mask[rows[positions]].sum() + rollout.completion_mask[rows[positions]].sum())
+        left_out = rows[positions]
+        backward_tokens = 2 * int(scored.rollout.prompt_mask[left_out].sum() + scored.rollout.completion_mask[left_out].sum())
         count = len(positions) if backward_tokens > FORWARD_OVERHEAD_TOKENS else 0
         count = agreed_over_sharded_ranks(count, self.policy, "min")
         return positions[:count] if count else None
