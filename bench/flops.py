@@ -16,8 +16,11 @@ padding and no wasted rows:
   backward their gradients add up there), then every completion token but the last (whose output
   predicts nothing that is scored);
 * **extra log-prob passes** without gradient, the same minimal forward: the reference model's when
-  ``beta > 0``, and the sampling policy's (``old_logps``) only when the policy moves before it is
-  used (``num_iterations > 1`` or ``steps_per_generation > 1``).
+  ``beta > 0``, and the sampling policy's (``old_logps``) only for the rows trained after the
+  policy's first move (``steps_per_generation > 1``: all but the first optimizer step's
+  ``1 / steps_per_generation`` of the rows; the first step's rows take theirs from their own
+  forward, before any update). Which rows those are is random, so this counts the cheapest of them:
+  the rows with the fewest tokens and the fewest, shortest prompts they can span.
 
 A trainer that runs every row's prompt through the model, and the last completion token, executes
 more than this floor (``executed/floor`` in the benchmark tables).
@@ -166,18 +169,23 @@ def grpo_step_flops(
             (prompt and completion lengths count real tokens only; the completion includes its EOS).
         num_generations: G; every G consecutive rows share one prompt.
         beta: KL weight; > 0 adds the reference model's forward.
-        num_iterations, steps_per_generation: > 1 adds the old-policy forward and multiplies the
-            training passes by ``num_iterations``.
+        num_iterations: multiplies the training passes.
+        steps_per_generation: > 1 adds the old-policy forward of the rows trained after the first
+            optimizer step (see the module docstring).
     """
     if len(rows) % num_generations:
         raise ValueError(f"{len(rows)} rows do not form groups of num_generations = {num_generations}")
     distinct_prompt_lengths = [rows[i][0] for i in range(0, len(rows), num_generations)]
     forward = generation_flops(shape, distinct_prompt_lengths, rows)  # sampling and one log-prob forward alike
-    extra_passes = int(beta > 0) + int(num_iterations > 1 or steps_per_generation > 1)
+    # the old-policy pass: the rows after the first optimizer step, at their cheapest
+    later = len(rows) - len(rows) // steps_per_generation
+    cheapest_rows = sorted(rows, key=lambda row: generation_flops(shape, [], [row]))[:later]
+    cheapest_prompts = sorted(distinct_prompt_lengths)[: -(-later // num_generations)]  # ceil(later / G) groups
+    old_policy = generation_flops(shape, cheapest_prompts, cheapest_rows)
     return StepFlops(
         generation=forward,
         training=3 * forward * num_iterations,
-        logprobs=forward * extra_passes,
+        logprobs=forward * int(beta > 0) + old_policy,
     )
 
 

@@ -7,8 +7,10 @@ One call of ``training_step`` handles one *generation batch* (B prompts from the
 3. turn rewards into group-relative advantages;
 4. compute, without gradient, the log-probs the update needs besides the policy's own: the
    sampling policy's (``old_logps``, only when the policy changes between sampling and an update,
-   i.e. ``num_iterations > 1`` or ``steps_per_generation > 1``) and the reference model's (only when
-   ``beta > 0``; with LoRA the reference is the policy with its adapter disabled);
+   i.e. ``num_iterations > 1`` or ``steps_per_generation > 1``, and only for the rows trained after
+   the first optimizer step: the others take theirs from their own forward in that step, before the
+   policy has moved) and the reference model's (only when ``beta > 0``; with LoRA the reference is
+   the policy with its adapter disabled);
 5. run ``num_iterations`` passes over the generation batch; each pass is ``steps_per_generation``
    optimizer steps on mini-batches of ``B * G / steps_per_generation`` completions, and each
    mini-batch is processed in micro-batches of ``micro_batch_size`` completions (gradient
@@ -28,7 +30,7 @@ import os
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +101,9 @@ class ScoredRollout:
     rewards_per_func: torch.Tensor  # [N, K] NaN where a reward returned None
     rewards: torch.Tensor  # [N] weighted sum, NaN where every reward returned None
     group: algorithm.GroupAdvantages  # advantages [N] and the group statistics behind them
-    old_logps: torch.Tensor | None  # [N, C] sampling policy, None when it equals the current policy
+    # [N, C] sampling policy, None when it equals the current policy; the rows of the first optimizer
+    # step fill theirs during that step (``training_step``)
+    old_logps: torch.Tensor | None
     ref_logps: torch.Tensor | None  # [N, C] reference model, None when beta == 0
     num_items_in_batch: float  # real completion tokens of the generation batch, over all ranks, / world size
     timings: dict[str, float]  # seconds spent in each phase of the step (generate, rewards, logprobs, train)
@@ -449,17 +453,31 @@ class GRPOModule(pl.LightningModule):
         rollout = scored.rollout
 
         # 5. num_iterations passes of steps_per_generation optimizer steps each.
-        train_start = time.perf_counter()
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
         num_completions = rollout.completion_ids.size(0)
         mini_batch_size = num_completions // hp.steps_per_generation
         micro_batch_size = hp.micro_batch_size or mini_batch_size
         micro_batches_per_step = mini_batch_size // micro_batch_size
+        first_order = torch.randperm(num_completions, device=self.device) if hp.steps_per_generation > 1 else None
+        policy_moves = hp.num_iterations > 1 or hp.steps_per_generation > 1
+        if policy_moves:  # step 4's old_logps, for the rows that are trained after the policy has moved
+            start = time.perf_counter()
+            first_step_rows = first_order if first_order is not None else torch.arange(num_completions, device=self.device)
+            scored.old_logps = self._sampling_policy_logps(rollout, later_rows=first_step_rows[mini_batch_size:])
+            scored.timings["logprobs"] += time.perf_counter() - start
+        train_start = time.perf_counter()
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
         step_stats: list[dict[str, torch.Tensor]] = []
-        for _ in range(hp.num_iterations):
-            order = torch.randperm(num_completions, device=self.device) if hp.steps_per_generation > 1 else None
+        for iteration in range(hp.num_iterations):
+            if iteration == 0:
+                order = first_order
+            else:
+                order = torch.randperm(num_completions, device=self.device) if hp.steps_per_generation > 1 else None
             for mini_start in range(0, num_completions, mini_batch_size):
+                # Before the first optimizer step the policy is the sampling policy: its rows' own
+                # forward gives their old_logps (ratio exactly 1, as without a move), kept for later.
+                fills_old_logps = policy_moves and iteration == 0 and mini_start == 0
+                step_scored = replace(scored, old_logps=None) if fills_old_logps else scored
                 # the gradients are None here: set so after every optimizer step (below)
                 for micro_start in range(mini_start, mini_start + mini_batch_size, micro_batch_size):
                     rows = torch.arange(micro_start, micro_start + micro_batch_size, device=self.device)
@@ -468,7 +486,10 @@ class GRPOModule(pl.LightningModule):
                     # DDP all-reduces the accumulated gradient once, after the last micro-batch
                     is_last = micro_start + micro_batch_size == mini_start + mini_batch_size
                     with use_cpu_half_attention(self.policy):  # bf16/fp16 on the CPU: attention as matrix products
-                        step_stats.append(self._micro_batch_backward(scored, rows, scale, sync=is_last))
+                        stats, logps = self._micro_batch_backward(step_scored, rows, scale, sync=is_last)  # logps [n, c]
+                    step_stats.append(stats)
+                    if fills_old_logps:
+                        scored.old_logps[rows, : logps.size(1)] = logps
                 grad_norm = self._clip_gradients()
                 optimizer.step()
                 # free the gradients now (set to None), which also starts the next mini-batch's
@@ -524,11 +545,9 @@ class GRPOModule(pl.LightningModule):
             self.trainer.world_size, 1
         )
 
-        # 4. Log-probs of the policy that sampled (only if the policy moves before it is used) and
-        #    of the reference model (only with a KL penalty).
+        # 4. Log-probs of the reference model (only with a KL penalty); those of the policy that
+        #    sampled, where the update needs them, come in ``training_step``.
         start = time.perf_counter()
-        needs_old_logps = training and (hp.num_iterations > 1 or hp.steps_per_generation > 1)
-        old_logps = self._logps_no_grad(self.policy, rollout) if needs_old_logps else None
         ref_logps = self._reference_logps(rollout) if training and hp.beta > 0 else None
         timings["logprobs"] = time.perf_counter() - start
 
@@ -538,7 +557,7 @@ class GRPOModule(pl.LightningModule):
             rewards_per_func=sampled.rewards_per_func,
             rewards=sampled.rewards,
             group=sampled.group,
-            old_logps=old_logps,
+            old_logps=None,
             ref_logps=ref_logps,
             num_items_in_batch=num_items_in_batch,
             timings=timings,
@@ -634,9 +653,12 @@ class GRPOModule(pl.LightningModule):
             self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
         return batch
 
-    def _micro_batch_backward(self, scored: ScoredRollout, rows: torch.Tensor, scale: float, sync: bool) -> dict:
+    def _micro_batch_backward(
+        self, scored: ScoredRollout, rows: torch.Tensor, scale: float, sync: bool
+    ) -> tuple[dict, torch.Tensor]:
         """Forward, loss and backward of the micro-batch ``rows``, its loss multiplied by ``scale``
-        (gradient accumulation); ``sync=False`` keeps DDP from all-reducing. Returns its statistics.
+        (gradient accumulation); ``sync=False`` keeps DDP from all-reducing. Returns its statistics
+        and its rows' log-probs ``[n, c]`` (detached; c up to its longest completion).
 
         A micro-batch above ``forward_token_budget`` goes forward and backward in length chunks of
         rows (:meth:`_backward_chunks`), so only one chunk's activations are alive at a time. Chunk k
@@ -658,10 +680,10 @@ class GRPOModule(pl.LightningModule):
         groups = self._prompt_groups_worth_sharing(self.policy, learner) if may_chunk else None
         chunks = self._backward_chunks(learner, groups)  # positions in ``learner``
         if frozen is None and len(chunks) == 1:
-            loss, stats = self._micro_batch_loss(scored, rows)
+            loss, stats, logps = self._micro_batch_loss(scored, rows)
             self._backward(loss * scale, sync)
             stats["loss"] = (loss * scale).detach()
-            return stats
+            return stats, logps.detach()
 
         prefix = leaves = None
         if groups is not None:
@@ -702,7 +724,7 @@ class GRPOModule(pl.LightningModule):
         with torch.no_grad():  # the loss and statistics of the whole micro-batch, as one pass reports them
             loss, stats = self._policy_loss(scored, rows, logps, entropy)
         stats["loss"] = (loss * scale).detach()
-        return stats
+        return stats, logps
 
     def _rows_without_gradient(self, scored: ScoredRollout, rows: torch.Tensor) -> torch.Tensor | None:
         """Positions in the micro-batch ``rows`` that need no backward pass, or None.
@@ -768,11 +790,12 @@ class GRPOModule(pl.LightningModule):
         with nullcontext() if sync or block_sync is None else block_sync():
             self.manual_backward(loss)
 
-    def _micro_batch_loss(self, scored: ScoredRollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """The loss of the micro-batch ``rows`` from one pass (all its chunks' graphs kept), and its statistics."""
+    def _micro_batch_loss(self, scored: ScoredRollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """The loss of the micro-batch ``rows`` from one pass (all its chunks' graphs kept), its
+        statistics and its log-probs ``[n, C]``."""
         micro = scored.rollout.select(rows)
         logps, entropy = self.completion_logps(self.policy, micro, with_entropy=True)  # [n, C] each
-        return self._policy_loss(scored, rows, logps, entropy)
+        return *self._policy_loss(scored, rows, logps, entropy), logps
 
     def _policy_loss(
         self, scored: ScoredRollout, rows: torch.Tensor, logps: torch.Tensor, entropy: torch.Tensor | None = None
@@ -933,6 +956,15 @@ class GRPOModule(pl.LightningModule):
         logps = algorithm.selective_log_softmax(logits, rollout.completion_ids, temperature)
         entropy = algorithm.entropy_from_logits(logits, temperature) if with_entropy else None
         return logps, entropy
+
+    def _sampling_policy_logps(self, rollout: Rollout, later_rows: torch.Tensor) -> torch.Tensor:
+        """``old_logps [N, C]``: the sampling policy's log-probs of ``later_rows`` (the rows trained
+        after the first optimizer step), computed now without gradient; 0 for the other rows until
+        the first optimizer step's forward fills them (``training_step``)."""
+        old_logps = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)
+        if len(later_rows):  # the same count on every rank (equal batches), so FSDP2 ranks agree
+            old_logps[later_rows] = self._logps_no_grad(self.policy, rollout.select(later_rows))
+        return old_logps
 
     @torch.no_grad()
     def _logps_no_grad(self, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:

@@ -44,8 +44,19 @@ def test_grpo_step_flops_by_phase():
     no_kl = grpo_step_flops(TOY, rows, num_generations=2, beta=0.0)
     assert no_kl.logprobs == 0
 
+    # the first optimizer step's forward gives the old log-probs: no extra pass for one step per pass
     two_passes = grpo_step_flops(TOY, rows, num_generations=2, beta=0.0, num_iterations=2)
-    assert (two_passes.training, two_passes.logprobs) == (2 * 4656, 1552)  # old log-probs needed
+    assert (two_passes.training, two_passes.logprobs) == (2 * 4656, 0)
+    # two steps per pass: one row is trained after the policy moved, at least the prompt (704) and
+    # the cheaper row's tokens (none for (2, 1)) ...
+    two_steps = grpo_step_flops(TOY, rows, num_generations=2, beta=0.0, steps_per_generation=2)
+    assert (two_steps.training, two_steps.logprobs) == (4656, 704)
+    # ... and with four groups of 2 and 4 steps: 6 rows, at least 3 groups' prompts
+    rows = [(2, 3), (2, 1), (5, 2), (5, 2), (3, 1), (3, 1), (2, 1), (2, 3)]
+    four_steps = grpo_step_flops(TOY, rows, num_generations=2, beta=0.04, steps_per_generation=4)
+    prompts = [forward_flops(TOY, p, sum(range(1, p + 1)), 1) for p in (2, 2, 3)]
+    # the four 1-token rows need no forward; then the two (5, 2), one token each (the (2, 3) rows need two)
+    assert four_steps.logprobs == four_steps.generation + sum(prompts) + 2 * forward_flops(TOY, 1, 6, 1)
 
 
 def test_grpo_step_flops_rejects_partial_groups():

@@ -9,6 +9,7 @@ prompts and the TensorBoard table of completions.
 
 from __future__ import annotations
 
+import copy
 import math
 import string
 
@@ -210,26 +211,82 @@ def count_completion_logps(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "num_iterations, expected_calls_per_step",
+    "num_iterations, steps_per_generation, grad_calls, no_grad_rows",
     [
-        (1, 2),  # 2 micro-batches (with grad), no separate old_logps pass
-        (2, 2 + 2 * 2),  # old_logps in 2 micro-batches, then 2 passes of 2 micro-batches
+        (1, 1, 2, []),  # 2 micro-batches with grad; the ratio is 1, no old_logps at all
+        (2, 1, 2 * 2, []),  # the first pass's own forwards give old_logps: no separate pass
+        (1, 2, 2, [4]),  # only the second mini-batch's 4 rows need a pass before the policy moves
+        (2, 2, 2 * 2, [4]),
     ],
 )
-def test_old_logps_pass_only_when_policy_moves(
-    tiny_model_dir, say_a_or_b_file, fast_trainer, monkeypatch, num_iterations, expected_calls_per_step
+def test_old_logps_pass_only_for_rows_trained_after_the_policy_moves(
+    tiny_model_dir, say_a_or_b_file, fast_trainer, monkeypatch, num_iterations, steps_per_generation, grad_calls, no_grad_rows
 ):
     pl.seed_everything(0)
     calls = count_completion_logps(monkeypatch)
-    module = make_module(tiny_model_dir, num_iterations=num_iterations, micro_batch_size=4, beta=0.0)
-    trainer = fast_trainer(max_steps=2 * num_iterations)
+    module = make_module(
+        tiny_model_dir,
+        num_iterations=num_iterations,
+        steps_per_generation=steps_per_generation,
+        micro_batch_size=4,
+        beta=0.0,
+        skip_zero_gradient_rows=False,  # its no-gradient forwards would count here too
+    )
+    optimizer_steps = num_iterations * steps_per_generation
+    trainer = fast_trainer(max_steps=2 * optimizer_steps)
     trainer.fit(module, make_data(say_a_or_b_file))  # 2 prompts * G 4 = 8 completions per step
 
-    assert trainer.global_step == 2 * num_iterations
-    assert len(calls) == 2 * expected_calls_per_step
-    assert all(call["rows"] == 4 for call in calls)
-    no_grad_calls = sum(not call["with_grad"] for call in calls)
-    assert no_grad_calls == (0 if num_iterations == 1 else 2 * 2)
+    assert trainer.global_step == 2 * optimizer_steps
+    assert sum(call["with_grad"] for call in calls) == 2 * grad_calls
+    assert [call["rows"] for call in calls if not call["with_grad"]] == 2 * no_grad_rows
+
+
+@pytest.mark.parametrize(
+    "num_iterations, steps_per_generation, micro_batch_size, forward_token_budget",
+    [(2, 1, 4, None), (1, 2, 2, None), (2, 2, 2, 24), (3, 1, 8, 24)],  # 24 tokens: chunked backwards
+)
+def test_old_logps_equal_the_sampling_policys_log_probs(
+    tiny_model_dir, say_a_or_b_file, fast_trainer, monkeypatch,
+    num_iterations, steps_per_generation, micro_batch_size, forward_token_budget,
+):
+    """Whether they came from the first optimizer step's forwards (with gradient, in micro-batches,
+    in chunks, or without gradient for rows left out of the backward) or from the pass before
+    training, ``old_logps`` are the log-probs of the policy that sampled, computed afresh."""
+    pl.seed_everything(0)
+    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)  # short rows: leave them out all the same
+    module = make_module(
+        tiny_model_dir,
+        rewards=LOWERCASE,
+        num_iterations=num_iterations,
+        steps_per_generation=steps_per_generation,
+        micro_batch_size=micro_batch_size,
+        forward_token_budget=forward_token_budget,
+        optimizer=adamw(0.05),
+    )
+    sampled = []  # (scored, the policy that sampled it)
+    generate_and_score = module._generate_and_score
+
+    def recording(batch):
+        scored, completions = generate_and_score(batch)
+        scored.group.advantages[:4] = 0.0  # a group of equal rewards: its rows skip the backward
+        sampled.append((scored, copy.deepcopy(module.policy)))
+        return scored, completions
+
+    module._generate_and_score = recording
+    trainer = fast_trainer(max_steps=2 * num_iterations * steps_per_generation)
+    trainer.fit(module, make_data(say_a_or_b_file))
+
+    assert len(sampled) == 2
+    for scored, sampling_policy in sampled:
+        with torch.no_grad():
+            expected, _ = module.completion_logps(sampling_policy, scored.rollout)
+        mask = scored.rollout.completion_mask.bool()
+        assert mask.sum() > 8
+        torch.testing.assert_close(scored.old_logps[mask], expected[mask], rtol=0, atol=1e-5)
+        # ... and the policy did move, so a stale value would show
+        with torch.no_grad():
+            after, _ = module.completion_logps(module.policy, scored.rollout)
+        assert (after[mask] - expected[mask]).abs().max() > 1e-3
 
 
 # --------------------------------------------------------------------------------------------------
@@ -332,7 +389,7 @@ def accumulated_gradient(module, scored, micro_batch_size):
     num_completions = scored.rollout.completion_ids.size(0)
     micro_batches = num_completions // micro_batch_size
     for start in range(0, num_completions, micro_batch_size):
-        loss, _ = module._micro_batch_loss(scored, torch.arange(start, start + micro_batch_size))
+        loss, *_ = module._micro_batch_loss(scored, torch.arange(start, start + micro_batch_size))
         if algorithm.LOSS_TYPES[module.hparams.loss_type].accumulates_by_mean:
             loss = loss / micro_batches
         loss.backward()
@@ -421,7 +478,7 @@ def test_mask_truncated_completions_leaves_truncated_rows_out_of_the_loss(
     row = int(truncated.nonzero()[0])
     scored.group.advantages = torch.ones_like(scored.group.advantages)
     module.zero_grad(set_to_none=True)
-    loss, _ = module._micro_batch_loss(scored, torch.tensor([row]))
+    loss, *_ = module._micro_batch_loss(scored, torch.tensor([row]))
     loss.backward()
     grad_norm = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None]).norm()
     assert (grad_norm == 0) if mask_truncated else (grad_norm > 0)
@@ -618,7 +675,7 @@ def test_top_entropy_quantile_trains_only_the_highest_entropy_tokens(tiny_model_
     scored, _ = module._generate_and_score(batch)
     scored.group.advantages = torch.linspace(-1.5, 1.5, 8)
     rows = torch.arange(8)
-    loss, _ = module._micro_batch_loss(scored, rows)
+    loss, *_ = module._micro_batch_loss(scored, rows)
 
     # by hand: at ratio 1 the dapo loss is -sum(A_i over kept tokens) / real tokens of the batch
     with torch.no_grad():

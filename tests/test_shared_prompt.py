@@ -162,9 +162,10 @@ def test_training_step_is_the_same_with_and_without_shared_prompts(tiny_model_di
     assert encoded == []
     shared, shared_weights = train(True)
     # 2 generation batches (2 optimizer steps each: max_steps=3 ends after the second), each with
-    # 8 forwards of a micro-batch of 6 rows: old and reference log-probs (2 each), 2 iterations x 2.
-    # 6 rows span 2 groups of 4, whose prompts are 2 distinct ones, or 1 where "Say a:" came twice
-    assert len(encoded) == 2 * 8
+    # 6 forwards of a micro-batch of 6 rows: reference log-probs (2), 2 iterations x 2 (the first
+    # iteration's forwards give the old log-probs). 6 rows span 2 groups of 4, whose prompts are 2
+    # distinct ones, or 1 where "Say a:" came twice
+    assert len(encoded) == 2 * 6
     assert {rows for rows, _ in encoded} == {6} and {prompts for _, prompts in encoded} <= {1, 2}
     assert (6, 2) in encoded
     for name in ("loss", "kl", "entropy", "reward", "completions/mean_length"):
