@@ -19,10 +19,17 @@ per step, dapo, one optimizer step per generation batch), lit-grpo only. The var
   rewards (advantage 0, beta 0) go backward too;
 * ``none``: all off, lit-grpo as it was before these changes.
 
+A change that has no setting to turn it off is measured against the code before it:
+``--against-commit REV`` adds the variant ``default at REV``, the same settings with ``lit_grpo``
+imported from that commit (the drivers in ``bench/`` stay the working tree's). ``--set KEY=VALUE``
+sets a ``GRPOModule`` argument in every variant (a YAML value: ``num_iterations=2``); steps count
+generation batches either way.
+
     python bench/ablation.py --threads 1                      # 4M, L = 128, beta 0, fp32
     python bench/ablation.py --threads 1 --size 30M --length 32 --precision bf16
     python bench/ablation.py --threads 1 --prompt-chars 120     # prompts 120 tokens longer
     python bench/ablation.py --threads 1 --variants default "token budget 4096"   # a subset
+    python bench/ablation.py --threads 1 --set num_iterations=2 --variants default --against-commit 50c4a49
 
 Writes ``bench/results/ablation.md`` and ``.json`` (``--name`` changes the file name).
 """
@@ -30,10 +37,14 @@ Writes ``bench/results/ablation.md`` and ``.json`` (``--name`` changes the file 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
@@ -45,6 +56,7 @@ from harness import (  # noqa: E402
     load_line,
     machine_description,
     markdown_table,
+    REPO_DIR,
     matmul_rates,
     run_measured,
     summarize_runs,
@@ -79,10 +91,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_contention_options(parser)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="VARIANT",
                         help=f"the variants to run (default: all; 'default' is always run): {', '.join(VARIANTS)}")
+    parser.add_argument("--set", dest="settings", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="GRPOModule arguments for every variant, e.g. num_iterations=2")
+    parser.add_argument("--against-commit", default=None, metavar="REV",
+                        help="also run the default variant with lit_grpo from this commit")
     parser.add_argument("--name", default="ablation", help="output file name in bench/results/")
     args = parser.parse_args(argv)
     args.variants = ["default"] + [variant for variant in VARIANTS if variant in args.variants and variant != "default"]
+    args.settings = dict(parse_setting(setting) for setting in args.settings)
     return args
+
+
+def parse_setting(setting: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--set``, the value read as YAML (``2``, ``null``, ``false``, ``text``)."""
+    key, sep, value = setting.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--set takes KEY=VALUE, got {setting!r}")
+    return key, yaml.safe_load(value)
+
+
+def export_commit(rev: str, directory: Path) -> Path:
+    """The ``lit_grpo`` package of commit ``rev`` (``git archive``) under ``directory``, for PYTHONPATH."""
+    archive = directory / "lit_grpo.tar"
+    try:
+        subprocess.run(["git", "-C", str(REPO_DIR), "archive", "-o", str(archive), rev, "lit_grpo"], check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as error:
+        raise SystemExit(f"--against-commit {rev}: git archive failed: {error.stderr.strip()}") from None
+    code_dir = directory / f"lit_grpo-{rev}"
+    with tarfile.open(archive) as tar:
+        tar.extractall(code_dir, filter="data")
+    return code_dir
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,15 +128,21 @@ def main(argv: list[str] | None = None) -> None:
     command = command_line("ablation.py", argv)
     machine_before = machine_description()
     start = time.perf_counter()
-    variants = {variant: VARIANTS[variant] for variant in args.variants}
-    runs: dict[str, list[dict]] = {variant: [] for variant in variants}
+    variants = {variant: {**VARIANTS[variant], **args.settings} for variant in args.variants}
+    code_dirs = {variant: None for variant in variants}  # None: the installed lit_grpo
     with tempfile.TemporaryDirectory(prefix="lit-grpo-bench-") as tmp:
+        if args.against_commit:
+            variant = f"default at {args.against_commit}"
+            variants[variant] = dict(args.settings)
+            code_dirs[variant] = str(export_commit(args.against_commit, Path(tmp)))
+        runs: dict[str, list[dict]] = {variant: [] for variant in variants}
         model = build_models([args.size], Path(tmp))[args.size]
         rate = matmul_rates(model.shape, 64, args.length, args.threads)[args.precision]["best"]
         for repeat in range(args.repeats):
             for variant, options in variants.items():
                 spec = work_spec(
-                    args, "lit-grpo", model.path, Path(tmp), args.warmup + args.steps, threads=args.threads, lit_options=options
+                    args, "lit-grpo", model.path, Path(tmp), args.warmup + args.steps, threads=args.threads,
+                    lit_options=options, lit_code_dir=code_dirs[variant],
                 )
                 runs[variant].append(run_measured(spec, args.warmup, args.quiet_wait, args.retries, args.min_cpu_share))
                 print(f"[{repeat + 1}/{args.repeats} {(time.perf_counter() - start) / 60:5.1f} min] {variant}",
@@ -121,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                 fmt(summary["peak_rss_mib"], 0),
             ]
         )
-    config = work_label(args)
+    config = work_label(args) + "".join(f", {key}={value}" for key, value in args.settings.items())
     markdown = "\n".join(
         [
             "# What each speed change buys (lit-grpo only)",

@@ -148,6 +148,8 @@ def run_in_subprocess(spec: RunSpec, python: str = sys.executable, timeout: floa
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
         env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+        if spec.lit_code_dir is not None:  # its lit_grpo comes before the installed one
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [spec.lit_code_dir, env.get("PYTHONPATH")]))
         start = time.perf_counter()
         proc = subprocess.run(
             [python, str(BENCH_DIR / "trainer_runs.py"), str(spec_path), str(result_path)],
@@ -240,9 +242,12 @@ def run_measured(spec: RunSpec, warmup_steps: int, quiet_wait: float, retries: i
 # ----------------------------------------------------------------------------------------------
 
 
-def step_flops(shape: ModelShape, step: dict, num_generations: int, beta: float):
+def step_flops(shape: ModelShape, step: dict, spec: dict):
+    """The floor FLOPs (:func:`flops.grpo_step_flops`) of one recorded step of a run of ``spec``
+    (a :class:`RunSpec` as a dict; ``lit_options`` may set the passes over the generation batch)."""
     rows = list(zip(step["prompt_lengths"], step["completion_lengths"]))
-    return grpo_step_flops(shape, rows, num_generations, beta)
+    passes = {key: spec.get("lit_options", {}).get(key, 1) for key in ("num_iterations", "steps_per_generation")}
+    return grpo_step_flops(shape, rows, spec["num_generations"], spec["beta"], **passes)
 
 
 def summarize_runs(results: list[dict], warmup_steps: int, shape: ModelShape, matmul_rate: float) -> dict:
@@ -251,14 +256,14 @@ def summarize_runs(results: list[dict], warmup_steps: int, shape: ModelShape, ma
     steps = [s for r in results for s in r["steps"][warmup_steps:]]
     seconds = [s["seconds"] for s in steps]
     tokens = [sum(s["completion_lengths"]) for s in steps]
-    floors = [step_flops(shape, s, spec["num_generations"], spec["beta"]).total / matmul_rate for s in steps]
+    floors = [step_flops(shape, s, spec).total / matmul_rate for s in steps]
     phase_names = sorted({name for s in steps for name in s["phases"]})
     phases = {name: statistics.median(s["phases"].get(name, float("nan")) for s in steps) for name in phase_names}
     counted = next((r for r in results if r.get("matmul_flops_by_dtype")), None)
     executed = None
     if counted is not None:
-        rows = list(zip(counted["counted_step_prompt_lengths"], counted["counted_step_completion_lengths"]))
-        floor_flops = grpo_step_flops(shape, rows, spec["num_generations"], spec["beta"]).total
+        lengths = {"prompt_lengths": counted["counted_step_prompt_lengths"], "completion_lengths": counted["counted_step_completion_lengths"]}
+        floor_flops = step_flops(shape, lengths, spec).total
         by_dtype = counted["matmul_flops_by_dtype"]
         executed = {
             "flops_by_dtype": by_dtype,

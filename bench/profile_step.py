@@ -35,6 +35,7 @@ Writes ``bench/results/profile_step.md`` and ``.json`` (``--name`` changes the f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{(time.perf_counter() - start) / 60:5.1f} min] {trainer}", file=sys.stderr, flush=True)
             summaries[trainer] = summarize_runs([runs[trainer]], args.warmup, model.shape, rate)
             profiles[trainer] = runs[trainer]["op_profile"]
-            floors[trainer] = step_flops(model.shape, profiles[trainer], spec.num_generations, args.beta).total / rate
+            floors[trainer] = step_flops(model.shape, profiles[trainer], dataclasses.asdict(spec)).total / rate
     machine_after = machine_description()
 
     config = work_label(args)

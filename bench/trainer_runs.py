@@ -63,6 +63,7 @@ class RunSpec:
     profile_ops: bool = False  # one extra, untimed step with every operator timed (bench/profile_step.py)
     threads: int | None = None  # torch.set_num_threads; None keeps torch's default (one per core)
     lit_options: dict = field(default_factory=dict)  # extra GRPOModule arguments (bench/ablation.py), lit-grpo only
+    lit_code_dir: str | None = None  # import lit_grpo from this checkout instead of the installed one (bench/ablation.py --against-commit)
 
 
 @dataclass
@@ -389,7 +390,8 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=spec.steps + recorder.extra_steps,
+        # ``steps`` counts generation batches; max_steps counts optimizer steps
+        max_steps=(spec.steps + recorder.extra_steps) * module.hparams.num_iterations * module.hparams.steps_per_generation,
         precision="bf16-mixed" if spec.precision == "bf16" else "32-true",
         logger=DiscardingLogger(),
         log_every_n_steps=1,

@@ -34,6 +34,47 @@ def test_ablation_runs_the_default_first_and_only_the_variants_asked_for():
         ablation.parse_args(["--variants", "token budget 9999"])
 
 
+def test_ablation_settings_apply_to_every_variant_and_bad_ones_name_themselves():
+    import ablation
+
+    args = ablation.parse_args(["--set", "num_iterations=2", "forward_token_budget=null", "--variants", "none"])
+    assert args.settings == {"num_iterations": 2, "forward_token_budget": None}
+    with pytest.raises(SystemExit, match="--set takes KEY=VALUE, got 'num_iterations'"):
+        ablation.parse_args(["--set", "num_iterations"])
+
+
+def test_ablation_against_commit_exports_that_commits_lit_grpo(tmp_path):
+    import subprocess
+
+    import ablation
+
+    repo = Path(ablation.REPO_DIR)
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    committed = subprocess.run(
+        ["git", "-C", str(repo), "show", f"{head}:lit_grpo/module.py"], capture_output=True, text=True, check=True
+    ).stdout
+    code_dir = ablation.export_commit(head, tmp_path)
+    assert (code_dir / "lit_grpo" / "module.py").read_text() == committed
+    with pytest.raises(SystemExit, match="--against-commit no-such-rev: git archive failed"):
+        ablation.export_commit("no-such-rev", tmp_path)
+
+
+def test_a_runs_floor_counts_its_passes_over_the_generation_batch():
+    from flops import ModelShape, grpo_step_flops
+    from harness import step_flops
+
+    shape = ModelShape(hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=10)
+    step = {"prompt_lengths": [2, 2, 3, 3], "completion_lengths": [3, 1, 2, 4]}
+    rows = list(zip(step["prompt_lengths"], step["completion_lengths"]))
+    spec = {"num_generations": 2, "beta": 0.04, "lit_options": {"num_iterations": 2, "steps_per_generation": 2}}
+    expected = grpo_step_flops(shape, rows, 2, 0.04, num_iterations=2, steps_per_generation=2)
+    assert step_flops(shape, step, spec) == expected
+    assert expected.training == 2 * grpo_step_flops(shape, rows, 2, 0.04).training
+    assert step_flops(shape, step, {"num_generations": 2, "beta": 0.04}) == grpo_step_flops(shape, rows, 2, 0.04)
+
+
 def test_the_floor_share_2x_would_need_follows_from_both_trainers_rates():
     import compare_trl  # bench/, on the path above
 
