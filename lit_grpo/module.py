@@ -469,10 +469,8 @@ class GRPOModule(pl.LightningModule):
         scheduler = self.lr_schedulers()
         step_stats: list[dict[str, torch.Tensor]] = []
         for iteration in range(hp.num_iterations):
-            if iteration == 0:
-                order = first_order
-            else:
-                order = torch.randperm(num_completions, device=self.device) if hp.steps_per_generation > 1 else None
+            # the mini-batches' rows: in order with one optimizer step per pass, else shuffled each pass
+            order = first_order if iteration == 0 or first_order is None else torch.randperm(num_completions, device=self.device)
             for mini_start in range(0, num_completions, mini_batch_size):
                 # Before the first optimizer step the policy is the sampling policy: its rows' own
                 # forward gives their old_logps (ratio exactly 1, as without a move), kept for later.
