@@ -99,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.variants = ["default"] + [variant for variant in VARIANTS if variant in args.variants and variant != "default"]
     args.settings = dict(parse_setting(setting) for setting in args.settings)
+    for variant in args.variants:  # a setting must not silently undo what a variant turns off
+        overlap = sorted(args.settings.keys() & VARIANTS[variant].keys())
+        if overlap:
+            raise SystemExit(f"--set {', '.join(overlap)} would override the variant {variant!r}, which sets it; leave that variant out")
     return args
 
 
@@ -117,7 +121,7 @@ def export_commit(rev: str, directory: Path) -> Path:
         subprocess.run(["git", "-C", str(REPO_DIR), "archive", "-o", str(archive), rev, "lit_grpo"], check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError as error:
         raise SystemExit(f"--against-commit {rev}: git archive failed: {error.stderr.strip()}") from None
-    code_dir = directory / f"lit_grpo-{rev}"
+    code_dir = directory / "against-commit"
     with tarfile.open(archive) as tar:
         tar.extractall(code_dir, filter="data")
     return code_dir

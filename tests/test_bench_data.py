@@ -37,10 +37,12 @@ def test_ablation_runs_the_default_first_and_only_the_variants_asked_for():
 def test_ablation_settings_apply_to_every_variant_and_bad_ones_name_themselves():
     import ablation
 
-    args = ablation.parse_args(["--set", "num_iterations=2", "forward_token_budget=null", "--variants", "none"])
-    assert args.settings == {"num_iterations": 2, "forward_token_budget": None}
+    args = ablation.parse_args(["--set", "num_iterations=2", "max_grad_norm=null", "--variants", "none"])
+    assert args.settings == {"num_iterations": 2, "max_grad_norm": None}
     with pytest.raises(SystemExit, match="--set takes KEY=VALUE, got 'num_iterations'"):
         ablation.parse_args(["--set", "num_iterations"])
+    with pytest.raises(SystemExit, match="--set forward_token_budget would override the variant 'no token budget'"):
+        ablation.parse_args(["--set", "forward_token_budget=2048", "--variants", "no token budget"])
 
 
 def test_ablation_against_commit_exports_that_commits_lit_grpo(tmp_path):
