@@ -734,8 +734,8 @@ class GRPOModule(pl.LightningModule):
         ``top_entropy_quantile < 1``, whose threshold is taken over every row's entropy in the loss.
         One row always goes backward, so the optimizer steps on a zero gradient where no row has
         any (AdamW's momentum and weight decay still move the weights, as after training every row)
-        and DDP all-reduces on every rank. Sharded (FSDP2) ranks leave out the same number of rows, so they keep running
-        as many forwards and backwards as each other.
+        and DDP all-reduces on every rank. Sharded (FSDP2) ranks leave out the same number of rows,
+        so they keep running as many forwards and backwards as each other.
         """
         hp = self.hparams
         if not hp.skip_zero_gradient_rows or hp.top_entropy_quantile < 1.0:
