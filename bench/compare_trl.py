@@ -3,8 +3,9 @@
 Identical work: the same tiny Llama weights (built offline, two sizes), the quickstart prompts
 (``configs/data/quickstart.jsonl``) and reward (``char_fraction`` with the ``target`` column), G = 8
 completions for each of 8 prompts per step, the same ``max_completion_length``, sampling at
-temperature 1.0, loss ``dapo``, ``num_iterations`` 1, one optimizer step per generation batch
-(TRL: ``per_device_train_batch_size`` 64 completions, ``gradient_accumulation_steps`` 1,
+temperature 1.0, loss ``dapo``, ``num_iterations`` 1 (``--num-iterations``: optimizer steps on
+each generation batch), each optimizer step on the whole generation batch (TRL:
+``per_device_train_batch_size`` 64 completions, ``gradient_accumulation_steps`` 1,
 ``steps_per_generation`` 1; lit-grpo: ``micro_batch_size`` null), fused AdamW with the same learning
 rate and no weight decay, a constant learning rate, gradient clipping at 1.0, no gradient
 checkpointing. bf16 means autocast with float32 weights on both (lit-grpo ``precision:
@@ -12,8 +13,11 @@ bf16-mixed``; TRL ``bf16=True, use_cpu=True``).
 
 For each configuration the trainers alternate (lit-grpo, TRL, lit-grpo, TRL, ... for ``--repeats``
 pairs), each run in its own process. The first ``--warmup`` steps of every run are not timed.
-Reported per trainer: the median seconds per step, completion tokens per second (real generated
-tokens, EOS included, over the summed step time), peak RSS of the process, the compute floor
+A *step* is one generation batch: sampling, scoring and its ``num_iterations`` optimizer steps (with
+``num_iterations`` 2, TRL's trainer steps alternate between one that samples and one that trains
+again on the buffered batch; the pair is one step here). Reported per trainer: the median seconds
+per step, completion tokens per second (real generated tokens, EOS included, over the summed step
+time), peak RSS of the process, the compute floor
 (``bench/flops.py``: matmul FLOPs the step needs / this machine's best measured matmul rate at that
 precision) and the time split. ``lit/TRL`` is lit-grpo's tokens per second over TRL's (above 1:
 lit-grpo is faster), the median over the pairs.
@@ -78,12 +82,14 @@ class Config:
     precision: str
     fixed_length: bool
     prompt_chars: int = 0  # an instruction of this many characters before every prompt
+    num_iterations: int = 1  # optimizer steps on each generation batch
 
     @property
     def label(self) -> str:
         fixed = ", fixed length" if self.fixed_length else ""
         longer = f", prompts +{self.prompt_chars} tokens" if self.prompt_chars else ""
-        return f"{self.size}, L={self.max_completion_length}, beta={self.beta:g}, {self.precision}{fixed}{longer}"
+        passes = f", num_iterations={self.num_iterations}" if self.num_iterations != 1 else ""
+        return f"{self.size}, L={self.max_completion_length}, beta={self.beta:g}, {self.precision}{fixed}{longer}{passes}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "size and precision",
     )
     parser.add_argument("--long-prompt-chars", type=int, default=120, help="instruction length of --long-prompts-at")
+    parser.add_argument(
+        "--num-iterations", nargs="+", type=int, default=[1],
+        help="optimizer steps on each generation batch (both trainers); every configuration runs at each value",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: by size and length)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of every run")
     parser.add_argument("--repeats", type=int, default=1, help="lit-grpo/TRL pairs per configuration")
@@ -123,17 +133,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def configs_from(args: argparse.Namespace) -> list[Config]:
+    if any(mu < 1 for mu in args.num_iterations):
+        raise SystemExit(f"--num-iterations must be at least 1, got {args.num_iterations}")
     configs = [
-        Config(size, length, beta, precision, fixed_length=False)
-        for size, length, beta, precision in itertools.product(args.sizes, args.lengths, args.betas, args.precisions)
+        Config(size, length, beta, precision, fixed_length=False, num_iterations=mu)
+        for mu, size, length, beta, precision in itertools.product(
+            args.num_iterations, args.sizes, args.lengths, args.betas, args.precisions
+        )
     ]
     configs += [
-        Config(size, length, 0.0, precision, fixed_length=True)
-        for size, length, precision in itertools.product(args.sizes, args.fixed_length_at, args.precisions)
+        Config(size, length, 0.0, precision, fixed_length=True, num_iterations=mu)
+        for mu, size, length, precision in itertools.product(args.num_iterations, args.sizes, args.fixed_length_at, args.precisions)
     ]
     configs += [
-        Config(size, length, 0.0, precision, fixed_length=False, prompt_chars=args.long_prompt_chars)
-        for size, length, precision in itertools.product(args.sizes, args.long_prompts_at, args.precisions)
+        Config(size, length, 0.0, precision, fixed_length=False, prompt_chars=args.long_prompt_chars, num_iterations=mu)
+        for mu, size, length, precision in itertools.product(args.num_iterations, args.sizes, args.long_prompts_at, args.precisions)
     ]
     return configs
 
@@ -165,6 +179,7 @@ def run_matrix(
                     max_completion_length=config.max_completion_length,
                     fixed_length=config.fixed_length,
                     beta=config.beta,
+                    num_iterations=config.num_iterations,
                     precision=config.precision,
                     learning_rate=args.learning_rate,
                     count_matmuls=repeat == 0 and not args.no_count_matmuls,
@@ -264,6 +279,8 @@ def markdown_report(args, machine_before, machine_after, num_parameters, rates, 
         f"{args.warmup} warm-up steps per run not timed, {args.repeats} lit-grpo/TRL pair(s) per row.",
         f"Best measured matmul rate (GFLOP/s) behind the floor: {rate_lines}.",
         "",
+        "A step is one generation batch: sampling, scoring and its `num_iterations` optimizer steps (TRL's "
+        "alternating sampling and training-only trainer steps count together). "
         "`tok/s`: completion tokens (EOS included) per second of step time. `lit/TRL`: lit-grpo's tok/s over "
         "TRL's (above 1 = lit-grpo faster), median over pairs. `floor s`: matmul FLOPs the step needs / best "
         "matmul rate; `% floor` = floor / measured time. `(starved)`: even after a retry, the run got less "

@@ -243,10 +243,12 @@ def run_measured(spec: RunSpec, warmup_steps: int, quiet_wait: float, retries: i
 
 
 def step_flops(shape: ModelShape, step: dict, spec: dict):
-    """The floor FLOPs (:func:`flops.grpo_step_flops`) of one recorded step of a run of ``spec``
-    (a :class:`RunSpec` as a dict; ``lit_options`` may set the passes over the generation batch)."""
+    """The floor FLOPs (:func:`flops.grpo_step_flops`) of one recorded step (one generation batch) of
+    a run of ``spec`` (a :class:`RunSpec` as a dict; ``lit_options`` may set the passes over the
+    generation batch, and take precedence over its ``num_iterations``)."""
     rows = list(zip(step["prompt_lengths"], step["completion_lengths"]))
-    passes = {key: spec.get("lit_options", {}).get(key, 1) for key in ("num_iterations", "steps_per_generation")}
+    passes = {"num_iterations": spec.get("num_iterations", 1), "steps_per_generation": 1, **spec.get("lit_options", {})}
+    passes = {key: passes[key] for key in ("num_iterations", "steps_per_generation")}
     return grpo_step_flops(shape, rows, spec["num_generations"], spec["beta"], **passes)
 
 

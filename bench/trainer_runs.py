@@ -47,12 +47,13 @@ class RunSpec:
     trainer: str  # "lit-grpo" | "trl"
     model_dir: str
     data_file: str
-    steps: int  # timed optimizer steps, warm-up included (one per generation batch); the drivers drop the warm-up
+    steps: int  # timed generation batches, warm-up included (num_iterations optimizer steps each); the drivers drop the warm-up
     num_generations: int = 8
     prompts_per_step: int = 8
     max_completion_length: int = 32
     fixed_length: bool = False  # suppress EOS: every completion is exactly max_completion_length tokens
     beta: float = 0.0
+    num_iterations: int = 1  # optimizer steps on each generation batch (the GRPO paper's mu), both trainers
     precision: str = "fp32"  # "fp32" | "bf16" (autocast, float32 weights)
     learning_rate: float = 1e-5
     epsilon: float = 0.2
@@ -367,7 +368,7 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
         temperature=spec.temperature,
         top_p=1.0,
         top_k=0,
-        num_iterations=1,
+        num_iterations=spec.num_iterations,
         steps_per_generation=1,
         micro_batch_size=None,
         loss_type="dapo",
@@ -509,7 +510,10 @@ class RecordingCallback:
         return _LightningRecorder(recorded_steps, count_matmuls, profile_ops)
 
     @classmethod
-    def for_transformers(cls, recorded_steps: int, count_matmuls: bool, profile_ops: bool = False):
+    def for_transformers(
+        cls, recorded_steps: int, count_matmuls: bool, profile_ops: bool = False, optimizer_steps_per_record: int = 1
+    ):
+        """A ``TrainerCallback`` whose records each cover ``optimizer_steps_per_record`` trainer steps."""
         from transformers import TrainerCallback
 
         class _TransformersRecorder(cls, TrainerCallback):
@@ -517,10 +521,12 @@ class RecordingCallback:
                 self.train_start()
 
             def on_step_begin(self, args, state, control, **kwargs):
-                self.step_start()
+                if state.global_step % optimizer_steps_per_record == 0:  # the first step of a generation batch
+                    self.step_start()
 
             def on_step_end(self, args, state, control, **kwargs):
-                self.step_end()
+                if state.global_step % optimizer_steps_per_record == 0:  # global_step counts this step already
+                    self.step_end()
 
         return _TransformersRecorder(recorded_steps, count_matmuls, profile_ops)
 
@@ -549,13 +555,14 @@ class TRLPhaseTimer:
 
         profiling.ProfilingContext._log_metrics = record
 
-    def phases(self, step: int) -> dict[str, float]:
-        """Seconds per phase of one optimizer step, named like lit-grpo's ``time/*`` metrics.
+    def phases(self, steps: range) -> dict[str, float]:
+        """Seconds per phase of these optimizer steps (one generation batch), named like lit-grpo's
+        ``time/*`` metrics.
 
         ``logprobs`` is the no-gradient log-prob forwards inside ``_prepare_inputs`` (reference
         model); the forwards inside ``compute_loss`` belong to ``train``, which is measured as the
         rest of the step after ``_prepare_inputs`` (forward, backward, clipping, optimizer)."""
-        spans = [s for s in self.spans if s[0] == step]
+        spans = [s for s in self.spans if s[0] in steps]
         total = defaultdict(float)
         for _, name, start, end in spans:
             total[name] += end - start
@@ -580,7 +587,9 @@ def run_trl(spec: RunSpec) -> RunResult:
     from trl import GRPOConfig, GRPOTrainer
 
     phase_timer = TRLPhaseTimer()
-    recorder = RecordingCallback.for_transformers(spec.steps, spec.count_matmuls, spec.profile_ops)
+    # TRL's optimizer steps alternate: the first of each num_iterations samples a generation batch, the
+    # others train on it again; a record covers them all, as one lit-grpo training_step does
+    recorder = RecordingCallback.for_transformers(spec.steps, spec.count_matmuls, spec.profile_ops, spec.num_iterations)
     dataset = datasets.load_dataset("json", data_files=spec.data_file, split="train")
     completions_per_step = spec.num_generations * spec.prompts_per_step
     generation_kwargs = {"min_new_tokens": spec.max_completion_length} if spec.fixed_length else None
@@ -599,7 +608,7 @@ def run_trl(spec: RunSpec) -> RunResult:
             temperature=spec.temperature,
             top_p=1.0,
             top_k=0,
-            num_iterations=1,
+            num_iterations=spec.num_iterations,
             loss_type="dapo",
             beta=spec.beta,
             epsilon=spec.epsilon,
@@ -610,7 +619,7 @@ def run_trl(spec: RunSpec) -> RunResult:
             weight_decay=0.0,
             optim="adamw_torch_fused",
             max_grad_norm=1.0,
-            max_steps=spec.steps + recorder.extra_steps,
+            max_steps=(spec.steps + recorder.extra_steps) * spec.num_iterations,
             seed=spec.seed,
             data_seed=spec.seed,
             logging_steps=1,
@@ -631,7 +640,7 @@ def run_trl(spec: RunSpec) -> RunResult:
         TOKENIZER = trainer.processing_class
         trainer.train()
     for record in recorder.records:
-        record.phases = phase_timer.phases(record.step)
+        record.phases = phase_timer.phases(range(record.step * spec.num_iterations, (record.step + 1) * spec.num_iterations))
     return recorder.result(spec)
 
 

@@ -92,3 +92,33 @@ def test_the_floor_share_2x_would_need_follows_from_both_trainers_rates():
     lit = {"percent_of_floor": 70.0, "tokens_per_second": 1000.0}
     trl = {"percent_of_floor": 63.0, "tokens_per_second": 900.0}
     assert compare_trl.percent_of_floor_needed(lit, trl) == pytest.approx(126.0)
+
+
+def test_a_runs_num_iterations_sets_the_floors_training_passes_for_both_trainers():
+    from flops import ModelShape, grpo_step_flops
+    from harness import step_flops
+
+    shape = ModelShape(hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=10)
+    step = {"prompt_lengths": [2, 2, 3, 3], "completion_lengths": [3, 1, 2, 4]}
+    rows = list(zip(step["prompt_lengths"], step["completion_lengths"]))
+    twice = grpo_step_flops(shape, rows, 2, 0.0, num_iterations=2)
+    assert step_flops(shape, step, {"num_generations": 2, "beta": 0.0, "num_iterations": 2}) == twice
+    assert twice.training == 2 * grpo_step_flops(shape, rows, 2, 0.0).training
+    # an ablation's lit_options win over the run's own setting
+    spec = {"num_generations": 2, "beta": 0.0, "num_iterations": 2, "lit_options": {"num_iterations": 3}}
+    assert step_flops(shape, step, spec) == grpo_step_flops(shape, rows, 2, 0.0, num_iterations=3)
+
+
+def test_compare_trl_runs_every_configuration_at_each_num_iterations():
+    import compare_trl
+
+    args = compare_trl.parse_args(["--sizes", "4M", "--lengths", "32", "--betas", "0", "--precisions", "bf16", "--num-iterations", "1", "2"])
+    labels = [config.label for config in compare_trl.configs_from(args)]
+    assert labels == [
+        "4M, L=32, beta=0, bf16",
+        "4M, L=32, beta=0, bf16, num_iterations=2",
+        "4M, L=128, beta=0, bf16, fixed length",
+        "4M, L=128, beta=0, bf16, fixed length, num_iterations=2",
+    ]
+    with pytest.raises(SystemExit, match="--num-iterations must be at least 1"):
+        compare_trl.configs_from(compare_trl.parse_args(["--num-iterations", "0"]))

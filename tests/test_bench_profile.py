@@ -90,3 +90,48 @@ def test_without_extra_steps_nothing_is_counted_or_profiled():
         recorder.step_end()
     result = recorder.result(RunSpec(trainer="trl", model_dir="m", data_file="d", steps=1))
     assert len(result.steps) == 1 and result.op_profile is None and result.matmul_flops_by_dtype is None
+
+
+def test_with_num_iterations_a_trl_record_spans_the_sampling_step_and_the_training_only_steps():
+    """TRL's trainer steps alternate (one samples, num_iterations - 1 train on the buffered batch);
+    one record covers them all, and the counted step is a whole generation batch too."""
+    from types import SimpleNamespace
+
+    recorder = RecordingCallback.for_transformers(2, count_matmuls=True, optimizer_steps_per_record=3)
+    state = SimpleNamespace(global_step=0)
+    a, b = torch.ones(4, 8), torch.ones(8, 16)
+    recorder.on_train_begin(None, state, None)
+    for generation_batch in range(3):  # 2 timed + the counted one
+        for inner in range(3):
+            if inner == 0:  # the sampling step scores the batch
+                RECORDER.prompt_lengths, RECORDER.completion_lengths, RECORDER.rewards = [5, 6], [generation_batch + 1, 2], [0.5]
+            recorder.on_step_begin(None, state, None)
+            a @ b
+            state.global_step += 1  # the trainer counts the step before on_step_end
+            recorder.on_step_end(None, state, None)
+    result = recorder.result(RunSpec(trainer="trl", model_dir="m", data_file="d", steps=2, num_iterations=3, count_matmuls=True))
+    assert [record.step for record in result.steps] == [0, 1]
+    assert [record.completion_lengths for record in result.steps] == [[1, 2], [2, 2]]
+    assert result.matmul_flops_by_dtype == {"float32": 3 * 2 * 4 * 8 * 16}  # all 3 optimizer steps
+    assert result.counted_step_completion_lengths == [3, 2]
+
+
+def test_trl_phases_of_a_generation_batch_sum_its_trainer_steps():
+    from trainer_runs import TRLPhaseTimer
+
+    timer = object.__new__(TRLPhaseTimer)  # without patching TRL (not installed for the tests)
+    timer.spans = [
+        (2, "transformers.generate", 0.0, 1.0),
+        (2, "_prepare_inputs", 0.0, 1.75),
+        (2, "_get_per_token_logps_and_entropies", 1.25, 1.5),  # the old log-probs, before the loss
+        (2, "compute_loss", 2.0, 3.0),
+        (2, "_get_per_token_logps_and_entropies", 2.0, 2.5),  # inside compute_loss: training
+        (3, "_prepare_inputs", 3.0, 3.125),  # the training-only step reads the buffered batch
+        (3, "compute_loss", 3.25, 4.0),
+        (4, "transformers.generate", 5.0, 6.0),  # the next generation batch
+    ]
+    phases = timer.phases(range(2, 4))
+    assert phases["generate"] == 1.0
+    assert phases["logprobs"] == 0.25
+    assert phases["prepare_inputs"] == 1.875
+    assert phases["compute_loss"] == 1.75
