@@ -17,9 +17,8 @@ A *step* is one generation batch: sampling, scoring and its ``num_iterations`` o
 ``num_iterations`` 2, TRL's trainer steps alternate between one that samples and one that trains
 again on the buffered batch; the pair is one step here). Reported per trainer: the median seconds
 per step, completion tokens per second (real generated tokens, EOS included, over the summed step
-time), peak RSS of the process, the compute floor
-(``bench/flops.py``: matmul FLOPs the step needs / this machine's best measured matmul rate at that
-precision) and the time split. ``lit/TRL`` is lit-grpo's tokens per second over TRL's (above 1:
+time), peak RSS of the process, the compute floor (``bench/flops.py``: matmul FLOPs the step needs /
+this machine's best measured matmul rate at that precision) and the time split. ``lit/TRL`` is lit-grpo's tokens per second over TRL's (above 1:
 lit-grpo is faster), the median over the pairs.
 
 The first pair of each configuration also runs one extra, untimed step under a matmul counter
