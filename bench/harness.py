@@ -247,9 +247,12 @@ def step_flops(shape: ModelShape, step: dict, spec: dict):
     a run of ``spec`` (a :class:`RunSpec` as a dict; ``lit_options`` may set the passes over the
     generation batch, and take precedence over its ``num_iterations``)."""
     rows = list(zip(step["prompt_lengths"], step["completion_lengths"]))
-    passes = {"num_iterations": spec.get("num_iterations", 1), "steps_per_generation": 1, **spec.get("lit_options", {})}
-    passes = {key: passes[key] for key in ("num_iterations", "steps_per_generation")}
-    return grpo_step_flops(shape, rows, spec["num_generations"], spec["beta"], **passes)
+    lit_options = spec.get("lit_options", {})
+    return grpo_step_flops(
+        shape, rows, spec["num_generations"], spec["beta"],
+        num_iterations=lit_options.get("num_iterations", spec.get("num_iterations", 1)),
+        steps_per_generation=lit_options.get("steps_per_generation", 1),
+    )
 
 
 def summarize_runs(results: list[dict], warmup_steps: int, shape: ModelShape, matmul_rate: float) -> dict:
