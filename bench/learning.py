@@ -4,7 +4,10 @@ The quickstart setup on both trainers (``configs/quickstart.yaml``): the ``lit-g
 model (hidden 64, 2 layers, seed 0 weights), the quickstart prompts and ``char_fraction`` reward,
 G = 8, 8 prompts per step, ``max_completion_length`` 16, temperature 1, dapo, beta 0,
 epsilon 0.2 / epsilon_high 0.28, AdamW lr 3e-3 (fused, no weight decay, constant), clipping at 1.0,
-fp32. Only the seed changes between runs (data order and sampling); the weights are the same.
+fp32, one optimizer step per generation batch (``--num-iterations N``: N on both trainers, so the
+ratio against the sampling policy moves away from 1 and its clipping takes part). Only the seed
+changes between runs (data order and sampling); the weights are the same. A step is one generation
+batch.
 
 The reward of a step is the mean ``char_fraction`` of its 64 completions, recorded identically for
 both trainers. Summary: the mean reward of the last 10 steps per seed and trainer, and whether
@@ -50,9 +53,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block", type=int, default=10, help="steps per block when comparing curves")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--max-completion-length", type=int, default=16)
+    parser.add_argument(
+        "--num-iterations", type=int, default=1, help="optimizer steps on each generation batch, both trainers"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     parser.add_argument("--name", default="learning", help="output file name in bench/results/")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.num_iterations < 1:
+        raise SystemExit(f"--num-iterations must be at least 1, got {args.num_iterations}")
+    return args
+
+
+def run_spec(args: argparse.Namespace, trainer: str, model_dir: str, seed: int) -> RunSpec:
+    """One trainer's run on the quickstart task; only ``seed`` differs between a trainer's runs."""
+    return RunSpec(
+        trainer=trainer,
+        model_dir=model_dir,
+        data_file=str(QUICKSTART_DATA),
+        steps=args.steps,
+        max_completion_length=args.max_completion_length,
+        learning_rate=args.learning_rate,
+        seed=seed,
+        threads=args.threads,
+        num_iterations=args.num_iterations,
+    )
 
 
 def block_means(curve: list[float], block: int) -> list[float]:
@@ -88,17 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         model = build_models(["quickstart"], Path(tmp))["quickstart"]
         for seed in args.seeds:
             for trainer in TRAINERS:
-                spec = RunSpec(
-                    trainer=trainer,
-                    model_dir=model.path,
-                    data_file=str(QUICKSTART_DATA),
-                    steps=args.steps,
-                    max_completion_length=args.max_completion_length,
-                    learning_rate=args.learning_rate,
-                    seed=seed,
-                    threads=args.threads,
-                )
-                result = run_in_subprocess(spec)
+                result = run_in_subprocess(run_spec(args, trainer, model.path, seed))
                 curves[trainer][seed] = [step["reward"] for step in result["steps"]]
                 wall[trainer][seed] = sum(step["seconds"] for step in result["steps"])
                 print(f"[{(time.perf_counter() - start) / 60:5.1f} min] seed {seed} {trainer}: last-10 reward "
@@ -137,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
             f"Machine: {machine_before['cpu']}, {machine_before['cores']} cores, torch threads {threads}; "
             f"{load_line(machine_before)} before, {load_line(machine_after)} after. Quickstart settings on both "
             f"(tiny model {model.num_parameters:,} parameters, G 8, 8 prompts/step, L {args.max_completion_length}, "
-            f"lr {args.learning_rate:g}, dapo, beta 0), {args.steps} steps, seeds {args.seeds}.",
+            f"lr {args.learning_rate:g}, dapo, beta 0, num_iterations {args.num_iterations}), {args.steps} steps "
+            f"(generation batches), seeds {args.seeds}.",
             "",
             verdict,
             "",

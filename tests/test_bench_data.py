@@ -122,3 +122,15 @@ def test_compare_trl_runs_every_configuration_at_each_num_iterations():
     ]
     with pytest.raises(SystemExit, match="--num-iterations must be at least 1"):
         compare_trl.configs_from(compare_trl.parse_args(["--num-iterations", "0"]))
+
+
+def test_learning_runs_both_trainers_at_the_asked_num_iterations():
+    import learning
+
+    args = learning.parse_args(["--num-iterations", "2", "--steps", "50"])
+    specs = [learning.run_spec(args, trainer, "model", seed=3) for trainer in learning.TRAINERS]
+    assert [spec.trainer for spec in specs] == ["lit-grpo", "trl"]
+    assert [(spec.num_iterations, spec.steps, spec.seed) for spec in specs] == [(2, 50, 3), (2, 50, 3)]
+    assert learning.run_spec(learning.parse_args([]), "trl", "model", seed=0).num_iterations == 1
+    with pytest.raises(SystemExit, match="--num-iterations must be at least 1, got 0"):
+        learning.parse_args(["--num-iterations", "0"])
