@@ -18,8 +18,8 @@ A *step* is one generation batch: sampling, scoring and its ``num_iterations`` o
 again on the buffered batch; the pair is one step here). Reported per trainer: the median seconds
 per step, completion tokens per second (real generated tokens, EOS included, over the summed step
 time), peak RSS of the process, the compute floor (``bench/flops.py``: matmul FLOPs the step needs /
-this machine's best measured matmul rate at that precision) and the time split. ``lit/TRL`` is lit-grpo's tokens per second over TRL's (above 1:
-lit-grpo is faster), the median over the pairs.
+this machine's best measured matmul rate at that precision) and the time split. ``lit/TRL`` is
+lit-grpo's tokens per second over TRL's (above 1: lit-grpo is faster), the median over the pairs.
 
 The first pair of each configuration also runs one extra, untimed step under a matmul counter
 (``bench/trainer_runs.py``): the FLOPs each trainer really executes, by dtype, which shows whether
@@ -53,6 +53,7 @@ from harness import (  # noqa: E402
     QUICKSTART_DATA,
     RunSpec,
     build_models,
+    check_num_iterations,
     command_line,
     long_prompt_data,
     fmt,
@@ -132,8 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def configs_from(args: argparse.Namespace) -> list[Config]:
-    if any(mu < 1 for mu in args.num_iterations):
-        raise SystemExit(f"--num-iterations must be at least 1, got {args.num_iterations}")
+    check_num_iterations(*args.num_iterations)
     configs = [
         Config(size, length, beta, precision, fixed_length=False, num_iterations=mu)
         for mu, size, length, beta, precision in itertools.product(

@@ -105,6 +105,13 @@ def build_models(names: list[str], directory: Path, max_position_embeddings: int
     return built
 
 
+def check_num_iterations(*values: int) -> None:
+    """``--num-iterations`` (optimizer steps per generation batch) must be at least 1."""
+    for value in values:
+        if value < 1:
+            raise SystemExit(f"--num-iterations must be at least 1, got {value}")
+
+
 def add_work_options(parser, length: int, precision: str) -> None:
     """The options that say what one run trains on: ``--size``, ``--length``, ``--beta``,
     ``--precision``, ``--fixed-length``, ``--prompt-chars`` (see :func:`work_spec`)."""

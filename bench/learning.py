@@ -36,6 +36,7 @@ from harness import (  # noqa: E402
     QUICKSTART_DATA,
     RunSpec,
     build_models,
+    check_num_iterations,
     command_line,
     fmt,
     load_line,
@@ -59,8 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     parser.add_argument("--name", default="learning", help="output file name in bench/results/")
     args = parser.parse_args(argv)
-    if args.num_iterations < 1:
-        raise SystemExit(f"--num-iterations must be at least 1, got {args.num_iterations}")
+    check_num_iterations(args.num_iterations)
     return args
 
 

@@ -560,8 +560,9 @@ class TRLPhaseTimer:
         ``time/*`` metrics.
 
         ``logprobs`` is the no-gradient log-prob forwards inside ``_prepare_inputs`` (the sampling
-        policy's with ``num_iterations > 1``, the reference model's with beta > 0); the forwards inside ``compute_loss`` belong to ``train``, which is measured as the
-        rest of the step after ``_prepare_inputs`` (forward, backward, clipping, optimizer)."""
+        policy's with ``num_iterations > 1``, the reference model's with beta > 0); the forwards
+        inside ``compute_loss`` belong to ``train``, which is measured as the rest of the step after
+        ``_prepare_inputs`` (forward, backward, clipping, optimizer)."""
         spans = [s for s in self.spans if s[0] in steps]
         total = defaultdict(float)
         for _, name, start, end in spans:
