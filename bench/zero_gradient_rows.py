@@ -15,7 +15,13 @@ advantages set to 0, for each ``k`` in ``--zero-groups``, skipping on and off al
 ``--repeats`` times each; the median is reported. The cost of a row's forward and backward does not
 depend on its advantage's value, so setting it stands in for a group of equal rewards.
 
+With ``--phases old_logps`` (``--steps-per-generation S``, default 2) it times instead the pass that
+computes the sampling policy's log-probs of the rows trained after the policy first moves (the last
+``(S - 1) / S`` of the rows in a random order): with ``skip_zero_gradient_rows`` it leaves out the
+rows of the zero-advantage groups, whose old log-probs multiply into nothing.
+
     python bench/zero_gradient_rows.py --threads 1 --sizes 4M 30M --lengths 32 128
+    python bench/zero_gradient_rows.py --threads 1 --sizes 4M 30M --lengths 32 128 --phases old_logps --name zero_gradient_rows_old_logps
 
 Writes ``bench/results/zero_gradient_rows.md`` and ``.json`` (``--name`` changes the file name).
 """
@@ -37,10 +43,10 @@ G = 8
 PROMPTS = 8
 
 
-def time_training_phase(model_dir: str, length: int, precision: str, zero_groups: list[int], repeats: int) -> list[dict]:
-    """Seconds of ``_micro_batch_backward`` over one generation batch, by zero-advantage groups and mode."""
+def sampled_batch(model_dir: str, length: int, precision: str):
+    """A module on ``model_dir`` (beta 0, dapo) with one real generation batch of the quickstart's
+    first prompts: ``(module, scored, autocast)``."""
     import lightning.pytorch as pl
-    import torch
 
     from lit_grpo.data import PromptBatch
     from lit_grpo.module import GRPOModule
@@ -62,8 +68,15 @@ def time_training_phase(model_dir: str, length: int, precision: str, zero_groups
     autocast = module.trainer.precision_plugin.forward_context
     with autocast():
         scored, _ = module._generate_and_score(batch)
+    return module, scored, autocast
+
+
+def time_alternating(module, scored, zero_groups: list[int], repeats: int, run) -> list[dict]:
+    """Median seconds of ``run()`` with ``skip_zero_gradient_rows`` on and off alternating, the first
+    ``k`` groups' advantages set to 0 for each ``k`` in ``zero_groups`` (``--repeats`` rounds after a warm-up)."""
+    import torch
+
     advantages = torch.linspace(-1.5, 1.5, PROMPTS * G)  # nonzero everywhere, then groups set to 0
-    every_row = torch.arange(PROMPTS * G)
     results = []
     for k in zero_groups:
         scored.group.advantages = advantages.clone()
@@ -73,16 +86,47 @@ def time_training_phase(model_dir: str, length: int, precision: str, zero_groups
             for skip in (True, False):
                 module.hparams.skip_zero_gradient_rows = skip
                 start = time.perf_counter()
-                with autocast():
-                    module._micro_batch_backward(scored, every_row, 1.0, sync=True)
+                run()
                 seconds[skip].append(time.perf_counter() - start)
                 module.policy.zero_grad(set_to_none=True)
         skipped, trained = statistics.median(seconds[True][1:]), statistics.median(seconds[False][1:])
         results.append({
-            "zero_groups": k, "skip_s": skipped, "train_every_row_s": trained, "speedup": trained / skipped,
-            "runs_s": {"skip": seconds[True][1:], "train_every_row": seconds[False][1:]},
+            "zero_groups": k, "skip_s": skipped, "every_row_s": trained, "speedup": trained / skipped,
+            "runs_s": {"skip": seconds[True][1:], "every_row": seconds[False][1:]},
             "completion_tokens": int(scored.rollout.completion_mask.sum()),
         })
+    return results
+
+
+def time_training_phase(module, scored, autocast, zero_groups: list[int], repeats: int) -> list[dict]:
+    """Seconds of ``_micro_batch_backward`` over the whole generation batch."""
+    import torch
+
+    every_row = torch.arange(PROMPTS * G)
+
+    def train():
+        with autocast():
+            module._micro_batch_backward(scored, every_row, 1.0, sync=True)
+
+    return time_alternating(module, scored, zero_groups, repeats, train)
+
+
+def time_old_logps_pass(module, scored, autocast, zero_groups: list[int], repeats: int, steps_per_generation: int) -> list[dict]:
+    """Seconds of ``_sampling_policy_logps`` for the rows trained after the first of
+    ``steps_per_generation`` optimizer steps."""
+    import torch
+
+    order = torch.randperm(PROMPTS * G, generator=torch.Generator().manual_seed(0))
+    later_rows = order[PROMPTS * G // steps_per_generation :]
+
+    def old_logps_pass():
+        with autocast():
+            module._sampling_policy_logps(scored, later_rows=later_rows)
+
+    results = time_alternating(module, scored, zero_groups, repeats, old_logps_pass)
+    for result in results:
+        result["rows_computed"] = int((later_rows >= result["zero_groups"] * G).sum())
+        result["later_rows"] = len(later_rows)
     return results
 
 
@@ -94,37 +138,61 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--zero-groups", nargs="+", type=int, default=[0, 2, 4, 6, 8], help=f"of the {PROMPTS} groups")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per setting (after one warm-up round)")
+    parser.add_argument(
+        "--phases", nargs="+", default=["train"], choices=["train", "old_logps"],
+        help="train: forward and backward of every row; old_logps: the old-log-prob pass before training",
+    )
+    parser.add_argument("--steps-per-generation", type=int, default=2, help="for the old_logps phase (at least 2)")
     parser.add_argument("--name", default="zero_gradient_rows")
     args = parser.parse_args(argv)
     if any(not 0 <= k <= PROMPTS for k in args.zero_groups):
         parser.error(f"--zero-groups values must be between 0 and {PROMPTS}")
+    if args.steps_per_generation < 2 or (PROMPTS * G) % args.steps_per_generation:
+        parser.error(f"--steps-per-generation must be at least 2 and divide the {PROMPTS * G} rows, got {args.steps_per_generation}")
     import torch
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     machine = machine_description()
-    table = []
+    tables = {phase: [] for phase in args.phases}
     data = {"command": command_line("zero_gradient_rows.py", argv), "machine": machine, "args": vars(args), "results": []}
     with tempfile.TemporaryDirectory() as directory:
         models = build_models(args.sizes, Path(directory))
         for size in args.sizes:
             for length in args.lengths:
                 print(f"{size}, L = {length} ...", flush=True)
-                results = time_training_phase(models[size].path, length, args.precision, args.zero_groups, args.repeats)
-                data["results"].append({"size": size, "length": length, "results": results})
-                for result in results:
-                    table.append([
-                        size, str(length), str(result["completion_tokens"]), f"{result['zero_groups']} / {PROMPTS}",
-                        fmt(result["train_every_row_s"], 3), fmt(result["skip_s"], 3), fmt(result["speedup"]),
-                    ])
-    header = ["model", "L", "completion tokens", "groups of equal rewards", "train every row s", "skip them s", "speedup"]
+                module, scored, autocast = sampled_batch(models[size].path, length, args.precision)
+                for phase in args.phases:
+                    if phase == "train":
+                        results = time_training_phase(module, scored, autocast, args.zero_groups, args.repeats)
+                    else:
+                        results = time_old_logps_pass(module, scored, autocast, args.zero_groups, args.repeats, args.steps_per_generation)
+                    data["results"].append({"size": size, "length": length, "phase": phase, "results": results})
+                    for result in results:
+                        rows = [f"{result['rows_computed']} / {result['later_rows']}"] if phase == "old_logps" else []
+                        tables[phase].append([
+                            size, str(length), str(result["completion_tokens"]), f"{result['zero_groups']} / {PROMPTS}",
+                            *rows, fmt(result["every_row_s"], 3), fmt(result["skip_s"], 3), fmt(result["speedup"]),
+                        ])
+    common = ["model", "L", "completion tokens", "groups of equal rewards"]
+    headers = {
+        "train": [*common, "train every row s", "skip them s", "speedup"],
+        "old_logps": [*common, "rows computed", "every later row s", "skip them s", "speedup"],
+    }
+    titles = {
+        "train": f"Training phase: forward and backward of all {PROMPTS * G} rows",
+        "old_logps": (
+            f"Old-log-prob pass, steps_per_generation {args.steps_per_generation}: no-gradient forward of the rows "
+            "trained after the first optimizer step (rows computed: with skipping)"
+        ),
+    }
     markdown = "\n\n".join([
-        "# Training phase against groups of equal rewards (`skip_zero_gradient_rows`)",
+        "# Groups of equal rewards (`skip_zero_gradient_rows`)",
         f"`{data['command']}`",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, {args.threads or 'default'} torch threads; "
         f"{load_line(machine)}. {args.precision}, beta 0, dapo, G = {G}, {PROMPTS} prompts, one generation batch per "
-        f"row group; forward and backward of all {PROMPTS * G} rows, median of {args.repeats} alternating rounds.",
-        markdown_table(header, table),
+        f"model and length; median of {args.repeats} alternating rounds.",
+        *(f"## {titles[phase]}\n\n" + markdown_table(headers[phase], tables[phase]) for phase in args.phases),
     ])
     write_outputs(args.name, markdown, data)
     print(markdown)

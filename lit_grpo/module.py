@@ -240,8 +240,9 @@ class GRPOModule(pl.LightningModule):
             with gradient checkpointing or sliding-window / linear-attention layers.
         skip_zero_gradient_rows: rows whose loss terms have exactly zero gradient (advantage 0, as in
             a group of equal rewards, with ``beta = 0``; or no token that counts) go forward without
-            autograd, for the statistics only, and skip the backward pass; the update and every
-            logged value are unchanged (``lit_grpo.algorithm.rows_without_gradient``).
+            autograd, for the statistics only, and skip the backward pass (and, when the policy moves
+            within a generation batch, the old-log-prob pass); the update and every logged value are
+            unchanged (``lit_grpo.algorithm.rows_without_gradient``).
         generation_backend: ``lit`` (default): the group sampler of ``lit_grpo.generation`` (each
             prompt encoded once, preallocated KV cache, finished completions leave the batch);
             ``transformers``: Hugging Face ``generate``. ``lit`` falls back to ``generate`` (with a
@@ -462,7 +463,7 @@ class GRPOModule(pl.LightningModule):
         if policy_moves:  # step 4's old_logps, for the rows that are trained after the policy has moved
             start = time.perf_counter()
             first_step_rows = first_order if first_order is not None else torch.arange(num_completions, device=self.device)
-            scored.old_logps = self._sampling_policy_logps(rollout, later_rows=first_step_rows[mini_batch_size:])
+            scored.old_logps = self._sampling_policy_logps(scored, later_rows=first_step_rows[mini_batch_size:])
             scored.timings["logprobs"] += time.perf_counter() - start
         train_start = time.perf_counter()
         optimizer = self.optimizers()
@@ -731,14 +732,13 @@ class GRPOModule(pl.LightningModule):
         (:func:`lit_grpo.algorithm.rows_without_gradient`: advantage 0 with ``beta = 0``, or no token
         that counts), where their backward would cost more than the extra forward they then get
         (``FORWARD_OVERHEAD_TOKENS``; a backward costs about two forwards). Not with
-        ``top_entropy_quantile < 1``, whose threshold is taken over every row's entropy in the loss.
-        One row always goes backward, so the optimizer steps on a zero gradient where no row has
+        ``top_entropy_quantile < 1`` (:meth:`_skips_rows_without_gradient`). One row always goes backward, so the optimizer steps on a zero gradient where no row has
         any (AdamW's momentum and weight decay still move the weights, as after training every row)
         and DDP all-reduces on every rank. Sharded (FSDP2) ranks leave out the same number of rows,
         so they keep running as many forwards and backwards as each other.
         """
         hp = self.hparams
-        if not hp.skip_zero_gradient_rows or hp.top_entropy_quantile < 1.0:
+        if not self._skips_rows_without_gradient():
             return None
         inert = algorithm.rows_without_gradient(scored.group.advantages[rows], scored.loss_mask[rows], hp.loss_type, hp.beta)
         positions = inert.nonzero().squeeze(1)[: len(rows) - 1]  # [f]
@@ -747,6 +747,11 @@ class GRPOModule(pl.LightningModule):
         count = len(positions) if backward_tokens > FORWARD_OVERHEAD_TOKENS else 0
         count = agreed_over_sharded_ranks(count, self.policy, "min")
         return positions[:count] if count else None
+
+    def _skips_rows_without_gradient(self) -> bool:
+        """``skip_zero_gradient_rows``, unless ``top_entropy_quantile < 1``, whose threshold is taken
+        over every row's entropy in the loss."""
+        return self.hparams.skip_zero_gradient_rows and self.hparams.top_entropy_quantile >= 1.0
 
     def _may_chunk_backward(self) -> bool:
         """Whether the settings let a micro-batch go backward in chunks: ``group_by_length`` with a
@@ -955,13 +960,29 @@ class GRPOModule(pl.LightningModule):
         entropy = algorithm.entropy_from_logits(logits, temperature) if with_entropy else None
         return logps, entropy
 
-    def _sampling_policy_logps(self, rollout: Rollout, later_rows: torch.Tensor) -> torch.Tensor:
+    def _sampling_policy_logps(self, scored: ScoredRollout, later_rows: torch.Tensor) -> torch.Tensor:
         """``old_logps [N, C]``: the sampling policy's log-probs of ``later_rows`` (the rows trained
         after the first optimizer step), computed now without gradient; 0 for the other rows until
-        the first optimizer step's forward fills them (``training_step``)."""
-        old_logps = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)
-        if len(later_rows):  # the same count on every rank (equal batches), so FSDP2 ranks agree
-            old_logps[later_rows] = self._logps_no_grad(self.policy, rollout.select(later_rows))
+        the first optimizer step's forward fills them (``training_step``).
+
+        With ``skip_zero_gradient_rows``, rows whose loss terms have no gradient
+        (:func:`lit_grpo.algorithm.rows_without_gradient`: advantage 0 with ``beta = 0``, or no token
+        that counts) get no pass and keep 0: their old log-probs only enter a ratio that is multiplied
+        by a zero advantage or a zero mask, and the clip fractions count no token of theirs, so the
+        update and every statistic are the same whatever the value. Sharded (FSDP2) ranks compute as
+        many rows as the rank that needs most, so they run as many forwards as each other.
+        """
+        old_logps = torch.zeros(scored.rollout.completion_ids.shape, device=scored.rollout.completion_ids.device)
+        needed = later_rows
+        if self._skips_rows_without_gradient():
+            hp = self.hparams
+            inert = algorithm.rows_without_gradient(
+                scored.group.advantages[later_rows], scored.loss_mask[later_rows], hp.loss_type, hp.beta
+            )  # [n]
+            count = agreed_over_sharded_ranks(int((~inert).sum()), self.policy, "max")  # every rank has n rows
+            needed = torch.cat([later_rows[~inert], later_rows[inert]])[:count]
+        if len(needed):
+            old_logps[needed] = self._logps_no_grad(self.policy, scored.rollout.select(needed))
         return old_logps
 
     @torch.no_grad()

@@ -161,12 +161,20 @@ def main() -> None:
         return frozen
 
     module._rows_without_gradient = counting_rows_without_gradient
+    no_grad_rows = []  # rows of this rank's no-gradient log-prob passes (old and reference log-probs)
+    logps_no_grad = module._logps_no_grad
+    module._logps_no_grad = lambda model, rollout: (no_grad_rows.append(rollout.completion_ids.size(0)), logps_no_grad(model, rollout))[1]
     cli.trainer.fit(module, datamodule=cli.datamodule, ckpt_path=args.ckpt_path)
     state = full_policy_state(module)
+    no_grad_rows_per_rank = [no_grad_rows]
+    if dist.is_initialized():
+        no_grad_rows_per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(no_grad_rows_per_rank, no_grad_rows)
     if cli.trainer.global_rank == 0:
         result = {
             "steps": steps, "state": state, "world_size": cli.trainer.world_size,
             "backward_passes": len(backward_passes), "skipped_rows": skipped_rows,
+            "no_grad_rows": no_grad_rows_per_rank,
         }
         torch.save(result, args.out)
     exit_without_finalisation()

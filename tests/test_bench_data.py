@@ -134,3 +134,12 @@ def test_learning_runs_both_trainers_at_the_asked_num_iterations():
     assert learning.run_spec(learning.parse_args([]), "trl", "model", seed=0).num_iterations == 1
     with pytest.raises(SystemExit, match="--num-iterations must be at least 1, got 0"):
         learning.parse_args(["--num-iterations", "0"])
+
+
+@pytest.mark.parametrize("value", ["1", "3"])
+def test_zero_gradient_rows_refuses_steps_per_generation_that_leave_no_later_rows_or_do_not_divide(value, capsys):
+    import zero_gradient_rows  # bench/, on the path above
+
+    with pytest.raises(SystemExit):
+        zero_gradient_rows.main(["--phases", "old_logps", "--steps-per-generation", value])
+    assert f"--steps-per-generation must be at least 2 and divide the 64 rows, got {value}" in capsys.readouterr().err

@@ -206,6 +206,35 @@ def test_rows_without_gradient_skipped_on_two_processes_match_one_process_traini
         torch.testing.assert_close(two["state"][name], expected, rtol=1e-4, atol=1e-4, msg=name)
 
 
+def test_old_logps_pass_leaves_out_zero_advantage_rows_on_two_processes(run_dir):
+    """steps_per_generation 2, beta 0 and a reward constant for a third of the prompts: each DDP rank's
+    old-log-prob pass leaves out the later rows of those groups (advantage 0); FSDP2 ranks compute as
+    many rows as the rank that needs most, so they run as many forwards. Losses, statistics and
+    weights equal those of computing every row."""
+    model = {"beta": 0.0, "rewards": [{"name": "gated"}], "steps_per_generation": 2}
+    data = {"batch_size": GLOBAL_BATCH // 2}  # 8 completions per rank: mini-batches of 4 rows
+    flags = ["--fixed-completions", "--gated-reward"]
+    def overrides(strategy: str, skip: bool) -> dict:
+        trainer = {"devices": 2, "strategy": STRATEGIES[strategy], "max_steps": 12}  # 3 generation batches
+        return {"trainer": trainer, "data": data, "model": {**model, "skip_zero_gradient_rows": skip}}
+
+    every_row = run_worker(run_dir, "old_logps_every_row", 2, overrides("ddp", False), *flags)
+    ddp = run_worker(run_dir, "old_logps_ddp", 2, overrides("ddp", True), *flags)
+    fsdp2 = run_worker(run_dir, "old_logps_fsdp2", 2, overrides("fsdp2", True), *flags)
+
+    assert every_row["no_grad_rows"] == [[4, 4, 4], [4, 4, 4]]
+    assert sum(map(sum, ddp["no_grad_rows"])) < 24 and ddp["no_grad_rows"][0] != ddp["no_grad_rows"][1]
+    agreed = [max(counts) for counts in zip(*ddp["no_grad_rows"])]
+    assert fsdp2["no_grad_rows"] == [agreed, agreed]
+    assert any(step["frac_reward_zero_std"] > 0 for step in every_row["steps"])
+    for run in (ddp, fsdp2):
+        for step, (expected, actual) in enumerate(zip(every_row["steps"], run["steps"], strict=True)):
+            for name in ["loss", "entropy", "clip_ratio/region_mean", "grad_norm"]:
+                assert actual[name] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), (step, name)
+        for name, expected in every_row["state"].items():
+            torch.testing.assert_close(run["state"][name], expected, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir):
     """Real sampling on 2 ranks: a run stopped after 2 generation batches and resumed from its sharded
     ``last.ckpt`` logs what an uninterrupted run logs (each rank's random state is restored)."""

@@ -67,6 +67,12 @@ def adamw(lr):
     return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
+def sgd(lr):
+    """Plain SGD: the weights move by the gradient itself (AdamW's normalisation would magnify rounding
+    differences in tiny gradient elements to a fraction of the learning rate)."""
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
 class MetricRecorder(pl.Callback):
     """Keeps ``trainer.callback_metrics`` after every training step (generation batch)."""
 
@@ -251,7 +257,8 @@ def test_old_logps_equal_the_sampling_policys_log_probs(
 ):
     """Whether they came from the first optimizer step's forwards (with gradient, in micro-batches,
     in chunks, or without gradient for rows left out of the backward) or from the pass before
-    training, ``old_logps`` are the log-probs of the policy that sampled, computed afresh."""
+    training, ``old_logps`` are the log-probs of the policy that sampled, computed afresh. The pass
+    before training leaves out rows with advantage 0 (their old log-probs are multiplied by 0)."""
     pl.seed_everything(0)
     monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)  # short rows: leave them out all the same
     module = make_module(
@@ -273,20 +280,84 @@ def test_old_logps_equal_the_sampling_policys_log_probs(
         return scored, completions
 
     module._generate_and_score = recording
+    later_rows_per_batch = []  # the rows trained after the policy's first move
+    sampling_policy_logps = module._sampling_policy_logps
+
+    def recording_later_rows(scored, later_rows):
+        later_rows_per_batch.append(later_rows)
+        return sampling_policy_logps(scored, later_rows=later_rows)
+
+    module._sampling_policy_logps = recording_later_rows
     trainer = fast_trainer(max_steps=2 * num_iterations * steps_per_generation)
     trainer.fit(module, make_data(say_a_or_b_file))
 
-    assert len(sampled) == 2
-    for scored, sampling_policy in sampled:
+    assert len(sampled) == len(later_rows_per_batch) == 2
+    for (scored, sampling_policy), later_rows in zip(sampled, later_rows_per_batch):
         with torch.no_grad():
             expected, _ = module.completion_logps(sampling_policy, scored.rollout)
         mask = scored.rollout.completion_mask.bool()
+        mask[:4] = False  # the zero-advantage group: checked below
         assert mask.sum() > 8
         torch.testing.assert_close(scored.old_logps[mask], expected[mask], rtol=0, atol=1e-5)
+        # the zero-advantage group's rows trained in the first optimizer step have theirs from that
+        # step's forward; its later rows get no pass
+        later = torch.isin(torch.arange(4), later_rows)  # [4]
+        assert later.any() == (steps_per_generation > 1)
+        first = ~later[:, None] & scored.rollout.completion_mask[:4].bool()  # [4, C]
+        torch.testing.assert_close(scored.old_logps[:4][first], expected[:4][first], rtol=0, atol=1e-5)
+        assert (scored.old_logps[:4][later] == 0).all()
         # ... and the policy did move, so a stale value would show
         with torch.no_grad():
             after, _ = module.completion_logps(module.policy, scored.rollout)
         assert (after[mask] - expected[mask]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("loss_type, importance_sampling_level", [("dapo", "token"), ("grpo", "sequence"), ("sapo", "token")])
+def test_old_logps_pass_leaves_out_zero_advantage_rows_and_changes_nothing(
+    tiny_model_dir, say_a_or_b_file, fast_trainer, monkeypatch, loss_type, importance_sampling_level
+):
+    """With ``steps_per_generation`` 2, the pass before training computes old log-probs only for the
+    second mini-batch's rows whose advantage is not 0; the update and every logged value equal those
+    of computing them for every row (``skip_zero_gradient_rows`` off)."""
+    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)  # short rows: leave them out all the same
+    runs = {}
+    for skip in (False, True):
+        pl.seed_everything(0)
+        module = make_module(
+            tiny_model_dir, rewards=LOWERCASE, steps_per_generation=2, loss_type=loss_type,
+            importance_sampling_level=importance_sampling_level, optimizer=sgd(1.0), skip_zero_gradient_rows=skip,
+        )
+        generate_and_score = module._generate_and_score
+
+        def zero_first_group(batch, generate_and_score=generate_and_score):
+            scored, completions = generate_and_score(batch)
+            scored.group.advantages[:4] = 0.0  # a group of equal rewards
+            return scored, completions
+
+        module._generate_and_score = zero_first_group
+        rows_per_pass = []  # beta 0: the only no-gradient log-prob pass is the old log-probs'
+        logps_no_grad = module._logps_no_grad
+
+        def counting(model, rollout, logps_no_grad=logps_no_grad, rows_per_pass=rows_per_pass):
+            rows_per_pass.append(rollout.completion_ids.size(0))
+            return logps_no_grad(model, rollout)
+
+        module._logps_no_grad = counting
+        steps = MetricRecorder()
+        trainer = fast_trainer(max_steps=2, callbacks=[steps])  # one generation batch, two optimizer steps
+        module.configure_model()  # idempotent: the trainer's own call keeps this policy
+        initial = [p.detach().clone() for p in module.policy.parameters()]
+        trainer.fit(module, make_data(say_a_or_b_file))
+        assert trainer.global_step == 2 and len(steps.steps) == 1
+        runs[skip] = rows_per_pass, steps.steps[0], [p.detach().clone() for p in module.policy.parameters()]
+
+    (every_row, expected_metrics, expected), (left_out, metrics, weights) = runs[False], runs[True]
+    assert every_row == [4] and len(left_out) == 1 and left_out[0] < 4  # some zero-advantage rows were in the second half
+    assert max(float((after - before).abs().max()) for after, before in zip(expected, initial)) > 1e-3
+    for got, want in zip(weights, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    for name in ("loss", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert metrics[name] == pytest.approx(expected_metrics[name], rel=1e-5, abs=1e-7), name
 
 
 # --------------------------------------------------------------------------------------------------
