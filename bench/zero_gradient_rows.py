@@ -170,9 +170,11 @@ def main(argv: list[str] | None = None) -> None:
                     data["results"].append({"size": size, "length": length, "phase": phase, "results": results})
                     for result in results:
                         rows = [f"{result['rows_computed']} / {result['later_rows']}"] if phase == "old_logps" else []
+                        no_pass = phase == "old_logps" and result["rows_computed"] == 0
                         tables[phase].append([
                             size, str(length), str(result["completion_tokens"]), f"{result['zero_groups']} / {PROMPTS}",
-                            *rows, fmt(result["every_row_s"], 3), fmt(result["skip_s"], 3), fmt(result["speedup"]),
+                            *rows, fmt(result["every_row_s"], 3), fmt(result["skip_s"], 3),
+                            "no pass" if no_pass else fmt(result["speedup"]),
                         ])
     common = ["model", "L", "completion tokens", "groups of equal rewards"]
     headers = {
