@@ -10,8 +10,9 @@ savings this module implements:
 * the KL reference needs no second copy of the weights: it is the policy itself with its adapter
   switched off (:func:`reference_model`, peft's ``disable_adapter``);
 * a checkpoint needs only the adapter: the frozen base weights are those of
-  ``model.model_name_or_path`` and are loaded from there again (:func:`drop_frozen_weights` on save,
-  :func:`add_frozen_weights` on load).
+  ``model.model_name_or_path`` and are loaded from there again (:func:`drop_frozen_weights` from
+  the module's state dict, so from every checkpoint, sharded or not; :func:`add_frozen_weights` on
+  load).
 """
 
 from __future__ import annotations
@@ -204,11 +205,12 @@ def _trainable_parameter_names(model: torch.nn.Module, prefix: str) -> set[str]:
     return {prefix + name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
-def drop_frozen_weights(state_dict: dict[str, Any], model: torch.nn.Module, prefix: str = "") -> dict[str, Any]:
-    """``state_dict`` without ``model``'s frozen parameters (keys ``prefix + name``): with LoRA, the
-    base weights, which :func:`add_frozen_weights` takes back from ``model.model_name_or_path``."""
-    frozen = _frozen_parameter_names(model, prefix)
-    return {key: value for key, value in state_dict.items() if key not in frozen}
+def drop_frozen_weights(state_dict: dict[str, Any], model: torch.nn.Module, prefix: str = "") -> None:
+    """Remove ``model``'s frozen parameters (keys ``prefix + name``) from ``state_dict``, in place:
+    with LoRA, the base weights, which :func:`add_frozen_weights` takes back from
+    ``model.model_name_or_path``."""
+    for key in _frozen_parameter_names(model, prefix) & state_dict.keys():
+        del state_dict[key]
 
 
 def add_frozen_weights(state_dict: dict[str, Any], model: torch.nn.Module, prefix: str = "") -> dict[str, Any]:

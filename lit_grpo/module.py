@@ -39,7 +39,6 @@ import torch
 import torchmetrics
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, GenerationConfig
 
 from lit_grpo import algorithm, evaluation, models
@@ -81,6 +80,12 @@ from lit_grpo.shared_prompt import (
     shared_prompt_unsupported,
 )
 
+
+
+def _without_frozen_policy_weights(module: "GRPOModule", state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post-hook of a LoRA module: drops the policy's frozen base weights."""
+    if module.policy is not None:
+        models.drop_frozen_weights(state_dict, module.policy, prefix=prefix + "policy.")
 
 
 def ignore_expected_lightning_warnings() -> None:
@@ -317,7 +322,10 @@ class GRPOModule(pl.LightningModule):
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         if lora is not None:
             models.lora_config(lora)  # a bad model.lora fails before any model is loaded
-            # Checkpoints hold only the adapter; on_load_checkpoint checks it and adds the base weights.
+            # The module's state dict, so every checkpoint (FSDP2's sharded ones too), holds only the
+            # adapter: the base weights are model_name_or_path's. on_load_checkpoint checks a full
+            # checkpoint and adds them back; a sharded one loads the keys the state dict has.
+            self.register_state_dict_post_hook(_without_frozen_policy_weights)
             self.strict_loading = False
 
         # Rewards are resolved now, so a misspelt name fails before any model is loaded.
@@ -403,20 +411,28 @@ class GRPOModule(pl.LightningModule):
             self.eval_scorer.close()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """With LoRA the checkpoint keeps only the policy's adapter: its frozen base weights are those
-        of ``model_name_or_path``. (A sharded checkpoint of ``ModelParallelStrategy`` keeps every
-        weight: ``torch.distributed.checkpoint`` loads by the model's full set of keys.)"""
-        state_dict = checkpoint["state_dict"]
-        sharded = any(isinstance(value, DTensor) for value in state_dict.values())
-        if self.hparams.lora is not None and not sharded:
-            checkpoint["state_dict"] = models.drop_frozen_weights(state_dict, self.policy, prefix="policy.")
+        """Keep the weights' keys beside them: a sharded checkpoint is loaded by this module's keys
+        only, so :meth:`on_load_checkpoint` checks that none of the saved ones was left behind."""
+        checkpoint["state_dict_keys"] = sorted(checkpoint["state_dict"])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """With LoRA, check that the checkpoint holds this policy's whole adapter and add the frozen
-        base weights, already loaded from ``model_name_or_path`` by ``configure_model``."""
+        base weights, already loaded from ``model_name_or_path`` by ``configure_model``.
+
+        A sharded (FSDP2) checkpoint has already loaded the weights this module asks for (a missing
+        one fails there, naming it); here the weights it holds that this module has no place for are
+        an error (a resume with other ``model.lora`` target modules would otherwise drop them)."""
         if self.hparams.lora is not None and "state_dict" in checkpoint:
             state_dict = checkpoint["state_dict"]
             checkpoint["state_dict"] = models.add_frozen_weights(state_dict, self.policy, prefix="policy.")
+        if "state_dict" not in checkpoint and "state_dict_keys" in checkpoint:
+            left_behind = sorted(set(checkpoint["state_dict_keys"]) - set(self.state_dict()))
+            if left_behind:
+                raise ValueError(
+                    f"The sharded checkpoint holds {len(left_behind)} weights this module does not have "
+                    f"({', '.join(left_behind[:3])}{' ...' if len(left_behind) > 3 else ''}): was it saved "
+                    "with the same model.model_name_or_path and model.lora settings?"
+                )
 
     def configure_callbacks(self) -> list[pl.Callback]:
         """Every run, from the CLI or from Python, checkpoints its random states for exact resume;

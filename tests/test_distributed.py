@@ -76,6 +76,12 @@ def run_dir(tmp_path_factory, tiny_model_dir):
 
 
 def run_worker(run_dir: Path, name: str, processes: int, overrides: dict, *flags: str) -> dict:
+    result = start_worker(run_dir, name, processes, overrides, *flags)
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return torch.load(run_dir / f"{name}.pt", weights_only=False)
+
+
+def start_worker(run_dir: Path, name: str, processes: int, overrides: dict, *flags: str) -> subprocess.CompletedProcess:
     (run_dir / f"{name}.yaml").write_text(yaml.safe_dump(overrides))
     out = run_dir / f"{name}.pt"
     script = [str(WORKER), "--config", "base.yaml", "--config", f"{name}.yaml", "--out", str(out), *flags]
@@ -85,9 +91,7 @@ def run_worker(run_dir: Path, name: str, processes: int, overrides: dict, *flags
         command = [sys.executable, *script]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}  # a crash shows its Python stack
     # a deadlock shows up as this timeout
-    result = subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return torch.load(out, weights_only=False)
+    return subprocess.run(command, cwd=run_dir, env=env, capture_output=True, text=True, timeout=300)
 
 
 VARIANTS = {
@@ -235,9 +239,16 @@ def test_old_logps_pass_leaves_out_zero_advantage_rows_on_two_processes(run_dir)
             torch.testing.assert_close(run["state"][name], expected, rtol=1e-4, atol=1e-4, msg=name)
 
 
-def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir):
+@pytest.mark.parametrize("variant", ["full", "lora"])
+def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir, variant):
     """Real sampling on 2 ranks: a run stopped after 2 generation batches and resumed from its sharded
-    ``last.ckpt`` logs what an uninterrupted run logs (each rank's random state is restored)."""
+    ``last.ckpt`` logs what an uninterrupted run logs (each rank's random state is restored). With
+    LoRA the checkpoint holds only the adapter; the base weights come from the model path again."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM
+
+    from lit_grpo.export import export_checkpoint
+
     def overrides(name: str, max_steps: int) -> dict:
         return {
             "trainer": {
@@ -253,21 +264,50 @@ def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir):
                     }
                 ],
             },
-            "model": {"temperature": 1.0, "num_iterations": 1, "steps_per_generation": 2},
+            "model": {"temperature": 1.0, "num_iterations": 1, "steps_per_generation": 2, **VARIANTS[variant]},
             "data": {"batch_size": 2},
         }
 
-    straight = run_worker(run_dir, "straight", 2, overrides("straight", 6))
-    run_worker(run_dir, "first_half", 2, overrides("resumed", 4))
-    checkpoint = run_dir / "resumed" / "checkpoints" / "last.ckpt"
+    straight = run_worker(run_dir, f"straight_{variant}", 2, overrides(f"straight_{variant}", 6))
+    run_worker(run_dir, f"first_half_{variant}", 2, overrides(f"resumed_{variant}", 4))
+    checkpoint = run_dir / f"resumed_{variant}" / "checkpoints" / "last.ckpt"
     assert checkpoint.is_dir() and sorted(p.name for p in checkpoint.parent.iterdir()) == ["last.ckpt"]
-    resumed = run_worker(run_dir, "second_half", 2, overrides("resumed", 6), "--ckpt-path", str(checkpoint))
+    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    weights = {key.removeprefix("state_dict.") for key in saved if key.startswith("state_dict.")}
+    policy = {f"policy.{name}" for name in straight["state"]}
+    adapter = {name for name in policy if "lora_" in name}
+    if variant == "lora":
+        assert adapter and weights == adapter  # no frozen base weight
+    else:
+        assert not adapter and policy <= weights
+    if variant == "lora":  # resumed with fewer target modules: the saved adapters of the others have no place
+        other_targets = overrides(f"resumed_{variant}", 6)
+        other_targets["model"]["lora"] = {**VARIANTS["lora"]["lora"], "target_modules": ["q_proj", "v_proj"]}
+        failed = start_worker(run_dir, "resumed_other_targets", 2, other_targets, "--ckpt-path", str(checkpoint))
+        output = failed.stdout + failed.stderr
+        assert failed.returncode != 0
+        assert "The sharded checkpoint holds 20 weights this module does not have" in output  # 5 modules x 2 layers x A, B
+        assert "mlp.down_proj.lora_A.default.weight" in output and "model.lora settings" in output
+    resumed = run_worker(
+        run_dir, f"second_half_{variant}", 2, overrides(f"resumed_{variant}", 6), "--ckpt-path", str(checkpoint)
+    )
 
     assert len(straight["steps"]) == 3 and len(resumed["steps"]) == 1
     for name in ["loss", "reward", "entropy", "completions/mean_length", "grad_norm"]:
         assert resumed["steps"][0][name] == pytest.approx(straight["steps"][2][name], rel=1e-5, abs=1e-7), name
     for name, expected in straight["state"].items():
         torch.testing.assert_close(resumed["state"][name], expected, rtol=1e-5, atol=1e-6, msg=name)
+    if variant == "lora":  # the README's way to export it: consolidate, then export (base + adapter, merged)
+        consolidated = run_dir / "resumed_lora.ckpt"
+        command = [sys.executable, "-m", "lightning.fabric.utilities.consolidate_checkpoint", str(checkpoint), "--output_file", str(consolidated)]
+        subprocess.run(command, check=True, capture_output=True, timeout=120)
+        export_checkpoint(consolidated, run_dir / "exported_lora")
+        exported = AutoModelForCausalLM.from_pretrained(run_dir / "exported_lora").state_dict()
+        prefix = "base_model.model.model.layers.0.self_attn.q_proj."
+        state = resumed["state"]  # scaling: lora_alpha 8 / r 4
+        merged = state[prefix + "base_layer.weight"] + 2.0 * state[prefix + "lora_B.default.weight"] @ state[prefix + "lora_A.default.weight"]
+        assert state[prefix + "lora_B.default.weight"].abs().max() > 1e-3  # the adapter moved (B starts at 0)
+        torch.testing.assert_close(exported["model.layers.0.self_attn.q_proj.weight"], merged, rtol=1e-5, atol=1e-6)
 
 
 def test_fsdp2_generation_gathers_weights_once_and_ranks_finish_independently(run_dir):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import types
 
 import numpy as np
