@@ -393,6 +393,18 @@ class GRPOModule(pl.LightningModule):
                 self.hparams.micro_batch_size,
             )
 
+    def on_train_start(self) -> None:
+        """``dynamic_sampling`` draws further prompt batches through the fit loop's data fetcher
+        (:meth:`_next_prompt_batch`), a part of Lightning with no public interface: check before the
+        first step that this Lightning has it, rather than fail after the first generation batch."""
+        fetcher = getattr(self.trainer.fit_loop, "_data_fetcher", None)
+        if self.hparams.dynamic_sampling and not (hasattr(fetcher, "__next__") and hasattr(fetcher, "done")):
+            raise RuntimeError(
+                "model.dynamic_sampling draws further prompt batches through Lightning's "
+                f"`trainer.fit_loop._data_fetcher`, which Lightning {pl.__version__} does not provide "
+                "(lit-grpo is tested with Lightning 2.6); set model.dynamic_sampling: false or use that Lightning"
+            )
+
     def _warn_if_bf16_is_emulated(self) -> None:
         """bf16 on a CPU without bf16 matmul instructions is emulated, and slower than float32."""
         precision = str(getattr(self.trainer, "precision", ""))

@@ -86,3 +86,21 @@ def test_dynamic_sampling_on_two_processes_keeps_ranks_in_step(run_dir):  # noqa
     # global batches [0 1 2 3], [4 5 6 7], [8 9 10 11]: prompts 0, 3, 6, 9 have no signal
     assert steps[0]["dynamic_sampling/rounds"] == 2
     assert steps[0]["dynamic_sampling/dropped_frac"] == pytest.approx(3 / 8)
+
+
+def test_a_lightning_without_the_data_fetcher_is_refused_before_the_first_step(tiny_model_dir, write_jsonl, fast_trainer, reward_plugin):
+    """Dynamic sampling pulls batches through ``fit_loop._data_fetcher`` (no public interface): a
+    Lightning without it fails at the start of training, naming the setting, not mid-run."""
+    reward_plugin(gated=gated)
+    module = make_module(tiny_model_dir, rewards=[{"name": "gated"}], dynamic_sampling=True)
+
+    class LightningWithoutFetcher(pl.Callback):  # callbacks' on_train_start runs before the module's
+        def on_train_start(self, trainer, pl_module):
+            trainer.fit_loop._data_fetcher = None
+
+    generated = []
+    module._generate_and_score = lambda *args, **kwargs: generated.append(1)
+    trainer = fast_trainer(max_steps=1, callbacks=[LightningWithoutFetcher()])
+    with pytest.raises(RuntimeError, match=r"model.dynamic_sampling draws further prompt batches .*_data_fetcher"):
+        trainer.fit(module, make_data(write_jsonl([{"prompt": "Say a:"}] * 4), batch_size=2))
+    assert generated == [] and trainer.global_step == 0
