@@ -3,7 +3,7 @@
 Two ways in, one way out:
 
 - ``lit-grpo export CKPT DIR`` (:func:`export_checkpoint`) reads a Lightning checkpoint of
-  :class:`~lit_grpo.module.GRPOModule`;
+  :class:`~lit_grpo.module.GRPOModule`, a file or FSDP2's directory of shards;
 - the :class:`ExportOnFitEnd` callback exports the policy in memory when ``trainer.fit`` ends.
 
 Both rebuild the policy from the module's hyperparameters exactly as training built it
@@ -40,26 +40,25 @@ POLICY_PREFIX = "policy."  # GRPOModule keeps the policy in ``self.policy``
 def export_checkpoint(
     checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike, merge_lora: bool = True, overwrite: bool = False
 ) -> Path:
-    """Write the policy of a GRPOModule checkpoint (``.ckpt`` file) to ``output_dir``.
+    """Write the policy of a GRPOModule checkpoint (a ``.ckpt`` file, or the directory of a sharded
+    one: :func:`load_sharded_policy_checkpoint`) to ``output_dir``.
 
     Raises:
         FileNotFoundError: ``checkpoint_path`` does not exist.
         FileExistsError: ``output_dir`` exists and is not empty, and ``overwrite`` is False.
-        ValueError: the file is not a GRPOModule checkpoint, or ``merge_lora=False`` without LoRA.
+        ValueError: the file or directory is not a GRPOModule checkpoint, or ``merge_lora=False``
+            without LoRA.
     """
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.exists():
         raise FileNotFoundError(f"checkpoint {str(checkpoint_path)!r} does not exist")
-    if checkpoint_path.is_dir():
-        raise ValueError(
-            f"checkpoint {str(checkpoint_path)!r} is a directory, a sharded (distributed) checkpoint; "
-            "consolidate it into one file first: "
-            f"python -m lightning.fabric.utilities.consolidate_checkpoint {checkpoint_path}"
-        )
     check_output_dir(output_dir, overwrite)
-    # weights_only=False: the hyperparameters hold plain Python objects (reward specs); a checkpoint
-    # is trusted input, like the Lightning checkpoints `trainer.fit(ckpt_path=...)` resumes from.
-    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+    if checkpoint_path.is_dir():
+        checkpoint = load_sharded_policy_checkpoint(checkpoint_path)
+    else:
+        # weights_only=False: the hyperparameters hold plain Python objects (reward specs); a checkpoint
+        # is trusted input, like the Lightning checkpoints `trainer.fit(ckpt_path=...)` resumes from.
+        checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
     hparams = checkpoint.get("hyper_parameters") or {}
     if "model_name_or_path" not in hparams or "state_dict" not in checkpoint:
         raise ValueError(
@@ -72,6 +71,35 @@ def export_checkpoint(
         if key.startswith(POLICY_PREFIX)
     }
     return export_policy(hparams, policy_state, output_dir, merge_lora=merge_lora, overwrite=overwrite)
+
+
+def load_sharded_policy_checkpoint(path: Path) -> dict[str, Any]:
+    """A sharded checkpoint of ``ModelParallelStrategy`` (a directory of
+    ``torch.distributed.checkpoint`` shards and Lightning's ``meta.pt``) as one checkpoint dict, in
+    this process, with only the policy's weights in its ``state_dict``: the optimizer state and a
+    reference model are never read, so this needs the memory of the policy alone."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as load_shards
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta_file = path / "meta.pt"
+    if not meta_file.is_file() or not (path / ".metadata").is_file():
+        raise ValueError(
+            f"checkpoint {str(path)!r} is a directory but not a sharded Lightning checkpoint "
+            "(it needs the shards' .metadata and Lightning's meta.pt)"
+        )
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata  # flattened keys
+    prefix = "state_dict." + POLICY_PREFIX
+    policy_state = {
+        key.removeprefix("state_dict."): torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for key, entry in saved.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+    shards = {"state_dict": policy_state}
+    load_shards(shards, checkpoint_id=str(path), no_dist=True)  # fills the tensors in place
+    checkpoint = torch.load(meta_file, map_location="cpu", weights_only=False)  # trusted, as above
+    checkpoint["state_dict"] = shards["state_dict"]
+    return checkpoint
 
 
 def rebuild_policy(hparams: Mapping[str, Any], policy_state: Mapping[str, torch.Tensor]) -> torch.nn.Module:

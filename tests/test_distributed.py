@@ -243,7 +243,8 @@ def test_old_logps_pass_leaves_out_zero_advantage_rows_on_two_processes(run_dir)
 def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir, variant):
     """Real sampling on 2 ranks: a run stopped after 2 generation batches and resumed from its sharded
     ``last.ckpt`` logs what an uninterrupted run logs (each rank's random state is restored). With
-    LoRA the checkpoint holds only the adapter; the base weights come from the model path again."""
+    LoRA the checkpoint holds only the adapter; the base weights come from the model path again.
+    ``export_checkpoint`` writes the checkpoint's policy straight from its directory of shards."""
     from torch.distributed.checkpoint import FileSystemReader
     from transformers import AutoModelForCausalLM
 
@@ -276,11 +277,11 @@ def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir, variant
     weights = {key.removeprefix("state_dict.") for key in saved if key.startswith("state_dict.")}
     policy = {f"policy.{name}" for name in straight["state"]}
     adapter = {name for name in policy if "lora_" in name}
-    if variant == "lora":
-        assert adapter and weights == adapter  # no frozen base weight
-    else:
+    if variant == "full":
         assert not adapter and policy <= weights
-    if variant == "lora":  # resumed with fewer target modules: the saved adapters of the others have no place
+    else:
+        assert adapter and weights == adapter  # no frozen base weight
+        # resumed with fewer target modules: the saved adapters of the others have no place
         other_targets = overrides(f"resumed_{variant}", 6)
         other_targets["model"]["lora"] = {**VARIANTS["lora"]["lora"], "target_modules": ["q_proj", "v_proj"]}
         failed = start_worker(run_dir, "resumed_other_targets", 2, other_targets, "--ckpt-path", str(checkpoint))
@@ -297,17 +298,18 @@ def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir, variant
         assert resumed["steps"][0][name] == pytest.approx(straight["steps"][2][name], rel=1e-5, abs=1e-7), name
     for name, expected in straight["state"].items():
         torch.testing.assert_close(resumed["state"][name], expected, rtol=1e-5, atol=1e-6, msg=name)
-    if variant == "lora":  # the README's way to export it: consolidate, then export (base + adapter, merged)
-        consolidated = run_dir / "resumed_lora.ckpt"
-        command = [sys.executable, "-m", "lightning.fabric.utilities.consolidate_checkpoint", str(checkpoint), "--output_file", str(consolidated)]
-        subprocess.run(command, check=True, capture_output=True, timeout=120)
-        export_checkpoint(consolidated, run_dir / "exported_lora")
-        exported = AutoModelForCausalLM.from_pretrained(run_dir / "exported_lora").state_dict()
-        prefix = "base_model.model.model.layers.0.self_attn.q_proj."
-        state = resumed["state"]  # scaling: lora_alpha 8 / r 4
+    # `lit-grpo export` reads the directory of shards itself (base weights + adapter, merged, with LoRA)
+    exported = AutoModelForCausalLM.from_pretrained(export_checkpoint(checkpoint, run_dir / f"exported_{variant}")).state_dict()
+    state = resumed["state"]
+    if variant == "full":
+        assert exported.keys() == state.keys()
+        for name, expected in state.items():
+            torch.testing.assert_close(exported[name], expected, rtol=0, atol=0, msg=name)
+    else:
+        prefix = "base_model.model.model.layers.0.self_attn.q_proj."  # scaling: lora_alpha 8 / r 4
         merged = state[prefix + "base_layer.weight"] + 2.0 * state[prefix + "lora_B.default.weight"] @ state[prefix + "lora_A.default.weight"]
         assert state[prefix + "lora_B.default.weight"].abs().max() > 1e-3  # the adapter moved (B starts at 0)
-        torch.testing.assert_close(exported["model.layers.0.self_attn.q_proj.weight"], merged, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(exported["model.layers.0.self_attn.q_proj.weight"], merged, rtol=1e-6, atol=1e-7)
 
 
 def test_fsdp2_generation_gathers_weights_once_and_ranks_finish_independently(run_dir):

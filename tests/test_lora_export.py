@@ -362,3 +362,13 @@ def test_cli_fit_with_lora_and_export_callback_then_export_adapter(tiny_model_di
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
     assert torch.equal(greedy_tokens(merged, tokenizer), greedy_tokens(adapter, tokenizer))
     assert_weights_differ_from_base(merged, tiny_model_dir)
+
+
+def test_export_refuses_a_directory_that_is_not_a_sharded_checkpoint(tmp_path):
+    """A directory is read as FSDP2's shards only with their ``.metadata`` and Lightning's ``meta.pt``."""
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    (folder / "meta.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"is a directory but not a sharded Lightning checkpoint \(it needs the shards' \.metadata"):
+        export_checkpoint(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
