@@ -760,9 +760,10 @@ class GRPOModule(pl.LightningModule):
         (:func:`lit_grpo.algorithm.rows_without_gradient`: advantage 0 with ``beta = 0``, or no token
         that counts), where their backward would cost more than the extra forward they then get
         (``FORWARD_OVERHEAD_TOKENS``; a backward costs about two forwards). Not with
-        ``top_entropy_quantile < 1`` (:meth:`_skips_rows_without_gradient`). One row always goes backward, so the optimizer steps on a zero gradient where no row has
-        any (AdamW's momentum and weight decay still move the weights, as after training every row)
-        and DDP all-reduces on every rank. Sharded (FSDP2) ranks leave out the same number of rows,
+        ``top_entropy_quantile < 1`` (:meth:`_skips_rows_without_gradient`). One row always goes
+        backward, so the optimizer steps on a zero gradient where no row has any (AdamW's momentum
+        and weight decay still move the weights, as after training every row) and DDP all-reduces
+        on every rank. Sharded (FSDP2) ranks leave out the same number of rows,
         so they keep running as many forwards and backwards as each other.
         """
         hp = self.hparams
