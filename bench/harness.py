@@ -106,10 +106,16 @@ def build_models(names: list[str], directory: Path, max_position_embeddings: int
 
 
 def check_num_iterations(*values: int) -> None:
-    """``--num-iterations`` (optimizer steps per generation batch) must be at least 1."""
+    """``--num-iterations`` (passes over each generation batch) must be at least 1."""
     for value in values:
         if value < 1:
             raise SystemExit(f"--num-iterations must be at least 1, got {value}")
+
+
+def check_steps_per_generation(value: int, completions: int) -> None:
+    """``--steps-per-generation`` must split the ``completions`` of a generation batch evenly."""
+    if value < 1 or completions % value:
+        raise SystemExit(f"--steps-per-generation must be at least 1 and divide the {completions} completions, got {value}")
 
 
 def add_work_options(parser, length: int, precision: str) -> None:
@@ -252,13 +258,13 @@ def run_measured(spec: RunSpec, warmup_steps: int, quiet_wait: float, retries: i
 def step_flops(shape: ModelShape, step: dict, spec: dict):
     """The floor FLOPs (:func:`flops.grpo_step_flops`) of one recorded step (one generation batch) of
     a run of ``spec`` (a :class:`RunSpec` as a dict; ``lit_options`` may set the passes over the
-    generation batch, and take precedence over its ``num_iterations``)."""
+    generation batch, and take precedence over its ``num_iterations`` and ``steps_per_generation``)."""
     rows = list(zip(step["prompt_lengths"], step["completion_lengths"]))
     lit_options = spec.get("lit_options", {})
     return grpo_step_flops(
         shape, rows, spec["num_generations"], spec["beta"],
         num_iterations=lit_options.get("num_iterations", spec.get("num_iterations", 1)),
-        steps_per_generation=lit_options.get("steps_per_generation", 1),
+        steps_per_generation=lit_options.get("steps_per_generation", spec.get("steps_per_generation", 1)),
     )
 
 

@@ -4,8 +4,10 @@ The quickstart setup on both trainers (``configs/quickstart.yaml``): the ``lit-g
 model (hidden 64, 2 layers, seed 0 weights), the quickstart prompts and ``char_fraction`` reward,
 G = 8, 8 prompts per step, ``max_completion_length`` 16, temperature 1, dapo, beta 0,
 epsilon 0.2 / epsilon_high 0.28, AdamW lr 3e-3 (fused, no weight decay, constant), clipping at 1.0,
-fp32, one optimizer step per generation batch (``--num-iterations N``: N on both trainers, so the
-ratio against the sampling policy moves away from 1 and its clipping takes part). Only the seed
+fp32, one optimizer step per generation batch (``--num-iterations N``: N passes on both trainers, so
+the ratio against the sampling policy moves away from 1 and its clipping takes part;
+``--steps-per-generation S``: S optimizer steps per pass, each on a shuffled 1/S of the 64
+completions, TRL's ``steps_per_generation``). Only the seed
 changes between runs (data order and sampling); the weights are the same. A step is one generation
 batch.
 
@@ -24,6 +26,7 @@ Writes ``bench/results/learning.md`` and ``.json`` (with every curve).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -37,6 +40,7 @@ from harness import (  # noqa: E402
     RunSpec,
     build_models,
     check_num_iterations,
+    check_steps_per_generation,
     command_line,
     fmt,
     load_line,
@@ -45,6 +49,10 @@ from harness import (  # noqa: E402
     run_in_subprocess,
     write_outputs,
 )
+
+
+_RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSpec)}
+COMPLETIONS_PER_STEP = _RUN_DEFAULTS["num_generations"] * _RUN_DEFAULTS["prompts_per_step"]  # G 8 x 8 prompts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,10 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--num-iterations", type=int, default=1, help="optimizer steps on each generation batch, both trainers"
     )
+    parser.add_argument(
+        "--steps-per-generation", type=int, default=1,
+        help="optimizer steps per pass over a generation batch, each on 1/S of its completions, both trainers",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")
     parser.add_argument("--name", default="learning", help="output file name in bench/results/")
     args = parser.parse_args(argv)
     check_num_iterations(args.num_iterations)
+    check_steps_per_generation(args.steps_per_generation, COMPLETIONS_PER_STEP)
     return args
 
 
@@ -76,6 +89,7 @@ def run_spec(args: argparse.Namespace, trainer: str, model_dir: str, seed: int) 
         seed=seed,
         threads=args.threads,
         num_iterations=args.num_iterations,
+        steps_per_generation=args.steps_per_generation,
     )
 
 
@@ -151,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
             f"Machine: {machine_before['cpu']}, {machine_before['cores']} cores, torch threads {threads}; "
             f"{load_line(machine_before)} before, {load_line(machine_after)} after. Quickstart settings on both "
             f"(tiny model {model.num_parameters:,} parameters, G 8, 8 prompts/step, L {args.max_completion_length}, "
-            f"lr {args.learning_rate:g}, dapo, beta 0, num_iterations {args.num_iterations}), {args.steps} steps "
+            f"lr {args.learning_rate:g}, dapo, beta 0, num_iterations {args.num_iterations}, steps_per_generation "
+            f"{args.steps_per_generation}), {args.steps} steps "
             f"(generation batches), seeds {args.seeds}.",
             "",
             verdict,

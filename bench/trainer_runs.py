@@ -53,7 +53,8 @@ class RunSpec:
     max_completion_length: int = 32
     fixed_length: bool = False  # suppress EOS: every completion is exactly max_completion_length tokens
     beta: float = 0.0
-    num_iterations: int = 1  # optimizer steps on each generation batch (the GRPO paper's mu), both trainers
+    num_iterations: int = 1  # passes over each generation batch (the GRPO paper's mu), both trainers
+    steps_per_generation: int = 1  # optimizer steps per pass, each on 1/S of the completions, both trainers
     precision: str = "fp32"  # "fp32" | "bf16" (autocast, float32 weights)
     learning_rate: float = 1e-5
     epsilon: float = 0.2
@@ -369,7 +370,7 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
         top_p=1.0,
         top_k=0,
         num_iterations=spec.num_iterations,
-        steps_per_generation=1,
+        steps_per_generation=spec.steps_per_generation,
         micro_batch_size=None,
         loss_type="dapo",
         beta=spec.beta,
@@ -588,9 +589,10 @@ def run_trl(spec: RunSpec) -> RunResult:
     from trl import GRPOConfig, GRPOTrainer
 
     phase_timer = TRLPhaseTimer()
-    # TRL's optimizer steps alternate: the first of each num_iterations samples a generation batch, the
-    # others train on it again; a record covers them all, as one lit-grpo training_step does
-    recorder = RecordingCallback.for_transformers(spec.steps, spec.count_matmuls, spec.profile_ops, spec.num_iterations)
+    # TRL's optimizer steps alternate: the first of each num_iterations * steps_per_generation samples a
+    # generation batch, the others train on it; a record covers them all, as one lit-grpo training_step does
+    optimizer_steps = spec.num_iterations * spec.steps_per_generation  # per generation batch
+    recorder = RecordingCallback.for_transformers(spec.steps, spec.count_matmuls, spec.profile_ops, optimizer_steps)
     dataset = datasets.load_dataset("json", data_files=spec.data_file, split="train")
     completions_per_step = spec.num_generations * spec.prompts_per_step
     generation_kwargs = {"min_new_tokens": spec.max_completion_length} if spec.fixed_length else None
@@ -600,9 +602,9 @@ def run_trl(spec: RunSpec) -> RunResult:
             use_cpu=True,
             bf16=spec.precision == "bf16",
             gradient_checkpointing=False,  # GRPOConfig defaults to True; lit-grpo's default is False
-            per_device_train_batch_size=completions_per_step,
+            per_device_train_batch_size=completions_per_step // spec.steps_per_generation,
             gradient_accumulation_steps=1,
-            steps_per_generation=1,
+            steps_per_generation=spec.steps_per_generation,
             num_generations=spec.num_generations,
             max_completion_length=spec.max_completion_length,
             generation_kwargs=generation_kwargs,
@@ -620,7 +622,7 @@ def run_trl(spec: RunSpec) -> RunResult:
             weight_decay=0.0,
             optim="adamw_torch_fused",
             max_grad_norm=1.0,
-            max_steps=(spec.steps + recorder.extra_steps) * spec.num_iterations,
+            max_steps=(spec.steps + recorder.extra_steps) * optimizer_steps,
             seed=spec.seed,
             data_seed=spec.seed,
             logging_steps=1,
@@ -641,7 +643,7 @@ def run_trl(spec: RunSpec) -> RunResult:
         TOKENIZER = trainer.processing_class
         trainer.train()
     for record in recorder.records:
-        record.phases = phase_timer.phases(range(record.step * spec.num_iterations, (record.step + 1) * spec.num_iterations))
+        record.phases = phase_timer.phases(range(record.step * optimizer_steps, (record.step + 1) * optimizer_steps))
     return recorder.result(spec)
 
 

@@ -143,3 +143,24 @@ def test_zero_gradient_rows_refuses_steps_per_generation_that_leave_no_later_row
     with pytest.raises(SystemExit):
         zero_gradient_rows.main(["--phases", "old_logps", "--steps-per-generation", value])
     assert f"--steps-per-generation must be at least 2 and divide the 64 rows, got {value}" in capsys.readouterr().err
+
+
+def test_learning_runs_both_trainers_at_the_asked_steps_per_generation():
+    import learning
+    from flops import ModelShape, grpo_step_flops
+    from harness import step_flops
+
+    args = learning.parse_args(["--steps-per-generation", "2", "--num-iterations", "2"])
+    specs = [learning.run_spec(args, trainer, "model", seed=0) for trainer in learning.TRAINERS]
+    assert [(spec.steps_per_generation, spec.num_iterations) for spec in specs] == [(2, 2), (2, 2)]
+    assert learning.run_spec(learning.parse_args([]), "trl", "model", seed=0).steps_per_generation == 1
+    # the floor counts the run's old-log-prob pass over the rows trained after the first step
+    shape = ModelShape(hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=10)
+    step = {"prompt_lengths": [2, 2, 3, 3], "completion_lengths": [3, 1, 2, 4]}
+    rows = list(zip(step["prompt_lengths"], step["completion_lengths"]))
+    spec = {"num_generations": 2, "beta": 0.0, "steps_per_generation": 2}
+    assert step_flops(shape, step, spec) == grpo_step_flops(shape, rows, 2, 0.0, steps_per_generation=2)
+    assert step_flops(shape, step, spec) != step_flops(shape, step, {"num_generations": 2, "beta": 0.0})
+    for bad in ("0", "3"):  # 64 completions per generation batch
+        with pytest.raises(SystemExit, match=f"--steps-per-generation must be at least 1 and divide the 64 completions, got {bad}"):
+            learning.parse_args(["--steps-per-generation", bad])
