@@ -394,7 +394,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # aggregation has the same signature:
 #   (per_token_loss [n, T], completion_mask [n, T], max_completion_length, num_items_in_batch) -> []
 # where n is the micro-batch and ``num_items_in_batch`` the real completion tokens of the whole
-# generation batch (across ranks and micro-batches). For aggregations that are means over the
+# generation batch (across ranks and micro-batches), divided, as TRL 1.16 does, by the number of
+# optimizer steps that share the batch (``steps_per_generation``). For aggregations that are means over the
 # micro-batch (``accumulates_by_mean``) the caller divides by the number of micro-batches of an
 # optimizer step, as Hugging Face's Trainer and TRL do; a global normaliser (dapo) needs no division.
 # Every built-in loss is a sum of per-row terms whose normalisers depend only on the masks
@@ -495,7 +496,8 @@ def dapo_aggregation(per_token_loss, completion_mask, max_completion_length, num
 
     The normaliser counts every real completion token of the whole generation batch (all
     micro-batches, all ranks), so splitting the batch into micro-batches or ranks does not change
-    the summed gradient.
+    the summed gradient. When S optimizer steps share the batch, the caller passes 1/S of the count
+    (TRL 1.16), so each step's gradient is about the token mean over its own rows.
     """
     mask = completion_mask.to(per_token_loss.dtype)
     return (per_token_loss * mask).sum() / max(float(num_items_in_batch), 1.0)

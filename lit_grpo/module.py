@@ -110,7 +110,7 @@ class ScoredRollout:
     # step fill theirs during that step (``training_step``)
     old_logps: torch.Tensor | None
     ref_logps: torch.Tensor | None  # [N, C] reference model, None when beta == 0
-    num_items_in_batch: float  # real completion tokens of the generation batch, over all ranks, / world size
+    num_items_in_batch: float  # generation batch's real completion tokens, all ranks, / world size / steps_per_generation
     timings: dict[str, float]  # seconds spent in each phase of the step (generate, rewards, logprobs, train)
     prompts: list  # [B] the prompts of the groups (with dynamic sampling, not only the step's batch)
     dynamic_sampling: dict[str, torch.Tensor] | None = None  # dropped_frac and rounds, when enabled
@@ -567,10 +567,14 @@ class GRPOModule(pl.LightningModule):
         loss_mask = rollout.completion_mask
         if hp.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.is_truncated).unsqueeze(1).long()
+        # dapo's (and cispo's) normaliser, as TRL 1.16 computes it: the real completion tokens of the
+        # generation batch over all ranks, / world size (each rank's gradient is averaged), / the
+        # steps_per_generation optimizer steps that share it, so each step takes about a token mean
+        # of its own rows (not half of one with two steps per pass)
         local_tokens = loss_mask.sum().float()
         num_items_in_batch = float(self.trainer.strategy.reduce(local_tokens, reduce_op="sum")) / max(
             self.trainer.world_size, 1
-        )
+        ) / hp.steps_per_generation
 
         # 4. Log-probs of the reference model (only with a KL penalty); those of the policy that
         #    sampled, where the update needs them, come in ``training_step``.

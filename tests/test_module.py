@@ -312,6 +312,39 @@ def test_old_logps_equal_the_sampling_policys_log_probs(
         assert (after[mask] - expected[mask]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("steps_per_generation", [1, 2, 4])
+def test_dapo_normalises_each_optimizer_step_by_its_share_of_the_generation_batchs_tokens(
+    tiny_model_dir, say_a_or_b_file, fast_trainer, monkeypatch, steps_per_generation
+):
+    """TRL 1.16: with S optimizer steps per generation batch, dapo divides each step's token sum by
+    1/S of the batch's real completion tokens (micro-batches of a step still share one normaliser)."""
+    calls = []
+    original = lit_grpo.module.algorithm.grpo_loss
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs["num_items_in_batch"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(lit_grpo.module.algorithm, "grpo_loss", recording)
+    sampled = []
+    module = make_module(tiny_model_dir, steps_per_generation=steps_per_generation, micro_batch_size=2, loss_type="dapo")
+    generate_and_score = module._generate_and_score
+
+    def recording_batch(batch):
+        scored, completions = generate_and_score(batch)
+        sampled.append(scored)
+        return scored, completions
+
+    module._generate_and_score = recording_batch
+    trainer = fast_trainer(max_steps=steps_per_generation)  # one generation batch
+    trainer.fit(module, make_data(say_a_or_b_file))
+
+    assert len(sampled) == 1
+    tokens = float(sampled[0].loss_mask.sum())  # 8 completions
+    assert tokens > 8
+    assert calls and set(calls) == {tokens / steps_per_generation}
+
+
 @pytest.mark.parametrize("loss_type, importance_sampling_level", [("dapo", "token"), ("grpo", "sequence"), ("sapo", "token")])
 def test_old_logps_pass_leaves_out_zero_advantage_rows_and_changes_nothing(
     tiny_model_dir, say_a_or_b_file, fast_trainer, monkeypatch, loss_type, importance_sampling_level
