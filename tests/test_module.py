@@ -83,6 +83,23 @@ class MetricRecorder(pl.Callback):
         self.steps.append({key: float(value) for key, value in trainer.callback_metrics.items()})
 
 
+def record_generation_batches(module: GRPOModule, edit=None) -> list:
+    """The ScoredRollout of every generation batch the module trains on, appended as they come
+    (after ``edit(scored)``, which may change them, e.g. set advantages)."""
+    batches = []
+    generate_and_score = module._generate_and_score
+
+    def recording(batch, training=True):
+        scored, completions = generate_and_score(batch, training)
+        if edit is not None:
+            edit(scored)
+        batches.append(scored)
+        return scored, completions
+
+    module._generate_and_score = recording
+    return batches
+
+
 def attach_trainer(module: GRPOModule, fast_trainer) -> GRPOModule:
     """Load the policy and attach an (unfitted) trainer, so the step's pieces can be called directly."""
     module.configure_model()
@@ -100,15 +117,7 @@ def test_two_step_fit_updates_policy_and_logs_trl_metrics(tiny_model_dir, say_a_
     module = make_module(tiny_model_dir, rewards=LOWERCASE, optimizer=adamw(1e-3))
     module.configure_model()  # idempotent: the trainer's own call keeps this policy
     before = {name: p.detach().clone() for name, p in module.policy.named_parameters()}
-    scored_batches = []
-    generate_and_score = module._generate_and_score
-
-    def recording(batch):
-        scored, completions = generate_and_score(batch)
-        scored_batches.append(scored)
-        return scored, completions
-
-    module._generate_and_score = recording
+    scored_batches = record_generation_batches(module)
     trainer = fast_trainer(max_steps=2)
     trainer.fit(module, make_data(say_a_or_b_file))
 
@@ -326,16 +335,8 @@ def test_dapo_normalises_each_optimizer_step_by_its_share_of_the_generation_batc
         return original(*args, **kwargs)
 
     monkeypatch.setattr(lit_grpo.module.algorithm, "grpo_loss", recording)
-    sampled = []
     module = make_module(tiny_model_dir, steps_per_generation=steps_per_generation, micro_batch_size=2, loss_type="dapo")
-    generate_and_score = module._generate_and_score
-
-    def recording_batch(batch):
-        scored, completions = generate_and_score(batch)
-        sampled.append(scored)
-        return scored, completions
-
-    module._generate_and_score = recording_batch
+    sampled = record_generation_batches(module)
     trainer = fast_trainer(max_steps=steps_per_generation)  # one generation batch
     trainer.fit(module, make_data(say_a_or_b_file))
 
@@ -360,14 +361,7 @@ def test_old_logps_pass_leaves_out_zero_advantage_rows_and_changes_nothing(
             tiny_model_dir, rewards=LOWERCASE, steps_per_generation=2, loss_type=loss_type,
             importance_sampling_level=importance_sampling_level, optimizer=sgd(1.0), skip_zero_gradient_rows=skip,
         )
-        generate_and_score = module._generate_and_score
-
-        def zero_first_group(batch, generate_and_score=generate_and_score):
-            scored, completions = generate_and_score(batch)
-            scored.group.advantages[:4] = 0.0  # a group of equal rewards
-            return scored, completions
-
-        module._generate_and_score = zero_first_group
+        record_generation_batches(module, edit=lambda scored: scored.group.advantages[:4].zero_())  # equal rewards
         rows_per_pass = []  # beta 0: the only no-gradient log-prob pass is the old log-probs'
         logps_no_grad = module._logps_no_grad
 
