@@ -289,6 +289,12 @@ def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir, variant
         assert failed.returncode != 0
         assert "The sharded checkpoint holds 20 weights this module does not have" in output  # 5 modules x 2 layers x A, B
         assert "mlp.down_proj.lora_A.default.weight" in output and "model.lora settings" in output
+        # resumed with another rank: the load itself names the weight and both shapes
+        other_rank = overrides(f"resumed_{variant}", 6)
+        other_rank["model"]["lora"] = {**VARIANTS["lora"]["lora"], "r": 8}
+        failed = start_worker(run_dir, "resumed_other_rank", 2, other_rank, "--ckpt-path", str(checkpoint))
+        assert failed.returncode != 0
+        assert "Size mismatch between saved torch.Size([4, 64]) and current: torch.Size([8, 64])" in failed.stdout + failed.stderr
     resumed = run_worker(
         run_dir, f"second_half_{variant}", 2, overrides(f"resumed_{variant}", 6), "--ckpt-path", str(checkpoint)
     )
