@@ -112,10 +112,19 @@ def check_num_iterations(*values: int) -> None:
             raise SystemExit(f"--num-iterations must be at least 1, got {value}")
 
 
+def steps_per_generation_problem(value: int, completions: int, minimum: int = 1, noun: str = "completions") -> str | None:
+    """What is wrong with ``--steps-per-generation``, or None: it must be at least ``minimum`` and
+    split the ``completions`` of a generation batch evenly (``noun`` names them in the message)."""
+    if value < minimum or completions % value:
+        return f"--steps-per-generation must be at least {minimum} and divide the {completions} {noun}, got {value}"
+    return None
+
+
 def check_steps_per_generation(value: int, completions: int) -> None:
-    """``--steps-per-generation`` must split the ``completions`` of a generation batch evenly."""
-    if value < 1 or completions % value:
-        raise SystemExit(f"--steps-per-generation must be at least 1 and divide the {completions} completions, got {value}")
+    """Exit with :func:`steps_per_generation_problem`'s message, if there is one."""
+    problem = steps_per_generation_problem(value, completions)
+    if problem:
+        raise SystemExit(problem)
 
 
 def add_work_options(parser, length: int, precision: str) -> None:

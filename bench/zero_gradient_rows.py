@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import QUICKSTART_DATA, build_models, command_line, fmt, load_line, machine_description, markdown_table, write_outputs  # noqa: E402
+from harness import QUICKSTART_DATA, build_models, command_line, fmt, load_line, machine_description, markdown_table, steps_per_generation_problem, write_outputs  # noqa: E402
 
 G = 8
 PROMPTS = 8
@@ -147,8 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if any(not 0 <= k <= PROMPTS for k in args.zero_groups):
         parser.error(f"--zero-groups values must be between 0 and {PROMPTS}")
-    if args.steps_per_generation < 2 or (PROMPTS * G) % args.steps_per_generation:
-        parser.error(f"--steps-per-generation must be at least 2 and divide the {PROMPTS * G} rows, got {args.steps_per_generation}")
+    problem = steps_per_generation_problem(args.steps_per_generation, PROMPTS * G, minimum=2, noun="rows")  # 1: no later rows
+    if problem:
+        parser.error(problem)
     import torch
 
     if args.threads is not None:

@@ -767,8 +767,8 @@ class GRPOModule(pl.LightningModule):
         ``top_entropy_quantile < 1`` (:meth:`_skips_rows_without_gradient`). One row always goes
         backward, so the optimizer steps on a zero gradient where no row has any (AdamW's momentum
         and weight decay still move the weights, as after training every row) and DDP all-reduces
-        on every rank. Sharded (FSDP2) ranks leave out the same number of rows,
-        so they keep running as many forwards and backwards as each other.
+        on every rank. Sharded (FSDP2) ranks leave out the same number of rows, so they keep running
+        as many forwards and backwards as each other.
         """
         hp = self.hparams
         if not self._skips_rows_without_gradient():
