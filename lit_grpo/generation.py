@@ -14,7 +14,9 @@ tokens; sampling draws from the same distribution):
   The tokens are chosen by ``transformers``' own logits processors, in the order ``generate``
   applies them. Under bf16/fp16 autocast on the CPU, attention is two grouped matrix products
   (:mod:`lit_grpo.attention`) instead of PyTorch's SDPA kernel, which is slower there, and every
-  weight is cast to the half dtype once per generation batch instead of at every token.
+  weight is cast to the half dtype once per generation batch instead of at every token; in bf16
+  the linear layers' weights are also reordered once per batch into oneDNN's blocked layout
+  (:mod:`lit_grpo.prepacked`).
 * ``"transformers"``: Hugging Face ``generate`` on the prompts repeated G times; used for models
   with sliding-window or linear-attention layers and generation options the loop does not implement.
 """
@@ -43,6 +45,7 @@ from transformers.generation import (
 
 from lit_grpo.algorithm import completion_mask_from_ids
 from lit_grpo.attention import HALF_DTYPES, text_config, use_cpu_half_attention
+from lit_grpo.prepacked import prepacked_linear_weights
 
 
 @dataclass
@@ -237,7 +240,7 @@ def generate_completions(
     repeated_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
     repeated_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
     try:
-        with weights_cast_once(device.type), use_cpu_half_attention(model):
+        with weights_cast_once(device.type), prepacked_linear_weights(model, device), use_cpu_half_attention(model):
             if backend == "lit" and reason is None:
                 completion_ids = sample_groups(model, prompt_ids, prompt_mask, num_generations, generation_config)
             else:
