@@ -266,7 +266,7 @@ def test_bf16_training_step_runs_no_sdpa_kernel(tiny_model_dir, say_a_or_b_file,
     assert any(changed) and all(torch.isfinite(p).all() for p in module.policy.parameters())
 
 
-@pytest.mark.parametrize("preset,expected", [(None, "16"), ("99", "99")], ids=["default", "user's value"])
+@pytest.mark.parametrize("preset,expected", [(None, "128"), ("99", "99")], ids=["default", "user's value"])
 def test_import_caps_onednn_primitive_cache_unless_the_user_set_it(preset, expected):
     """bf16 matmuls of ever-changing shapes fill oneDNN's primitive cache (1024 entries by default);
     importing lit_grpo caps it before the first matmul, and a value in the environment wins."""
