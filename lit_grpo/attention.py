@@ -91,6 +91,13 @@ AttentionInterface.register(NAME, cpu_half_attention)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks as "sdpa"
 
 
+def cpu_compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype ``model``'s matrix products run in on the CPU: autocast's when it is on, else its weights'."""
+    if torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return next(model.parameters()).dtype
+
+
 def text_config(model: torch.nn.Module):
     """The configuration that holds the attention settings (the text part of a multimodal model)."""
     config = model.config

@@ -44,7 +44,12 @@ from transformers.generation import (
 )
 
 from lit_grpo.algorithm import completion_mask_from_ids
-from lit_grpo.attention import HALF_DTYPES, text_config, use_cpu_half_attention
+from lit_grpo.attention import (
+    HALF_DTYPES,
+    cpu_compute_dtype,
+    text_config,
+    use_cpu_half_attention,
+)
 from lit_grpo.prepacked import prepacked_linear_weights
 
 
@@ -443,11 +448,7 @@ def select_rows(processors: LogitsProcessorList, keep: torch.Tensor) -> None:
 
 def cpu_half_precision(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether ``model`` computes in bf16/fp16 (autocast's dtype, else its weights') on the CPU."""
-    if device.type != "cpu":
-        return False
-    if torch.is_autocast_enabled("cpu"):
-        return torch.get_autocast_dtype("cpu") in HALF_DTYPES
-    return next(model.parameters()).dtype in HALF_DTYPES
+    return device.type == "cpu" and cpu_compute_dtype(model) in HALF_DTYPES
 
 
 def eos_token_ids(generation_config: GenerationConfig) -> list[int]:

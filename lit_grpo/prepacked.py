@@ -24,16 +24,15 @@ from contextlib import contextmanager
 
 import torch
 
+from lit_grpo.attention import cpu_compute_dtype
+
 
 def prepack_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype | None:
     """The dtype to prepack ``model``'s linear weights in on ``device`` (bf16), or None where the
     layers would not run through oneDNN's bf16 kernels or autograd is recording."""
     if device.type != "cpu" or torch.is_grad_enabled() or not torch.backends.mkldnn.is_available():
         return None
-    if torch.is_autocast_enabled("cpu"):
-        dtype = torch.get_autocast_dtype("cpu")
-    else:
-        dtype = next(model.parameters()).dtype
+    dtype = cpu_compute_dtype(model)
     if dtype != torch.bfloat16 or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
     return dtype

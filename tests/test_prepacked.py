@@ -4,6 +4,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 import lit_grpo.generation as generation
 from lit_grpo.prepacked import prepack_dtype, prepacked_linear_weights
@@ -49,7 +50,7 @@ def test_every_linear_layer_multiplies_by_its_packed_weight_with_the_same_bf16_o
 @needs_bf16_kernels
 def test_bf16_sampling_draws_the_same_tokens_with_and_without_packed_weights(chaotic_model, monkeypatch):
     model, tokenizer = chaotic_model
-    generation_config = generation.GenerationConfig(
+    generation_config = GenerationConfig(
         max_new_tokens=20, do_sample=True, top_k=0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
