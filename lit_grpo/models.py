@@ -65,7 +65,9 @@ def model_init_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 def cpu_multiplies_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     """Whether this CPU multiplies bf16 in hardware (the ``avx512_bf16`` or ``amx_bf16`` flag of Linux's
     ``/proc/cpuinfo``); None where that cannot be read. Without them PyTorch emulates bf16 matmuls,
-    several times slower than float32 (measured 31 vs 115 GFLOP/s on an AVX-512 Xeon, 1 thread)."""
+    several to tens of times slower than float32 (1 thread: 31 vs 115 GFLOP/s on an AVX-512 Xeon; on an
+    AMD EPYC with AVX2 only, 1.3-2.3 vs 70-78 GFLOP/s for ``torch.matmul`` and 10x slower linear
+    layers, ``bench/results/fused_projections_zen3.md``)."""
     try:
         with open(cpuinfo) as file:
             flags = next((line.split(":", 1)[1].split() for line in file if line.startswith("flags")), None)

@@ -413,7 +413,7 @@ class GRPOModule(pl.LightningModule):
         if on_cpu and (precision.startswith("bf16") or bf16_weights) and models.cpu_multiplies_bf16() is False:
             rank_zero_warn(
                 f"bf16 on this CPU (trainer.precision={precision}, bf16 weights: {bf16_weights}) is emulated: it has no "
-                "avx512_bf16/amx_bf16 instructions, so bf16 matmuls run several times slower than float32; "
+                "avx512_bf16/amx_bf16 instructions, so bf16 matmuls run several to tens of times slower than float32; "
                 "use trainer.precision: 32-true here"
             )
 
