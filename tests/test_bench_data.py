@@ -164,3 +164,18 @@ def test_learning_runs_both_trainers_at_the_asked_steps_per_generation():
     for bad in ("0", "3"):  # 64 completions per generation batch
         with pytest.raises(SystemExit, match=f"--steps-per-generation must be at least 1 and divide the 64 completions, got {bad}"):
             learning.parse_args(["--steps-per-generation", bad])
+
+
+def test_fused_projections_stack_exactly_the_weights_a_bench_models_layer_has(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import fused_projections  # bench/, on the path above
+    from harness import build_models
+
+    for size, built in build_models(["4M", "30M"], tmp_path).items():
+        layer = AutoModelForCausalLM.from_pretrained(built.path).model.layers[0]
+        groups = fused_projections.projection_groups(size)
+        attention, mlp = layer.self_attn, layer.mlp
+        assert groups["q, k, v"] == [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features]
+        assert groups["gate, up"] == [mlp.gate_proj.out_features, mlp.up_proj.out_features]
+    assert fused_projections.projection_groups("4M")["q, k, v"] == [256, 128, 128]  # 4 heads of 64 on 2 key/value heads
