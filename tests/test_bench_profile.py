@@ -1,6 +1,7 @@
 """bench/trainer_runs.py's extra, untimed steps: the matmul counter and the operator profiler
 (bench/profile_step.py), and how a profiled step's time is split."""
 
+import mmap
 import sys
 from pathlib import Path
 
@@ -47,12 +48,20 @@ def test_the_operator_timer_sees_the_kernels_below_autocast_and_in_the_backward_
     assert sum(timer.summary["seconds_by_category"].values()) == pytest.approx(timer.summary["wall_seconds"])
 
 
+def touch_fresh_pages(size: int = 64 * 2**20) -> None:
+    """Write to every page of a new anonymous mapping: page faults whatever the heap holds (a tensor
+    may reuse memory that an earlier test faulted in and the allocator kept, and then fault nothing)."""
+    with mmap.mmap(-1, size) as fresh:
+        for offset in range(0, size, mmap.PAGESIZE):
+            fresh[offset] = 1
+
+
 def test_the_timed_steps_come_first_then_the_counted_step_then_the_profiled_one():
     recorder = RecordingCallback(recorded_steps=2, count_matmuls=True, profile_ops=True)
     assert recorder.extra_steps == 2  # the trainer runs 2 + 2 steps
     a, b = torch.ones(4, 8), torch.ones(8, 16)
     work = [
-        lambda: torch.ones(16 * 2**20).sum(),  # 64 MiB of fresh memory, touched in this step
+        touch_fresh_pages,  # 64 MiB of fresh memory, touched in this step
         lambda: a @ b,
         lambda: a @ b,  # counted: 2 * 4 * 8 * 16 FLOPs
         lambda: torch.bmm(a[None], b[None]),  # profiled
