@@ -38,7 +38,7 @@ linear in the parameter or activation count, not matmuls).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -204,6 +204,22 @@ def matmul_shapes_for(shape: ModelShape, num_rows: int, sequence_length: int) ->
     return shapes
 
 
+def calls_lasting(function: Callable[[], object], seconds: float) -> int:
+    """How many back-to-back calls of ``function`` last at least ``seconds`` (doubling from 1)."""
+    calls = 1
+    while seconds_per_call(function, calls) * calls < seconds:
+        calls *= 2
+    return calls
+
+
+def seconds_per_call(function: Callable[[], object], calls: int) -> float:
+    """Seconds per call of ``function`` over a loop of ``calls`` calls."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        function()
+    return (time.perf_counter() - start) / calls
+
+
 def measure_matmul_rate(
     shapes: Sequence[tuple[int, int, int]], dtype_name: str, min_seconds: float = 0.3, repeats: int = 5
 ) -> dict[str, float]:
@@ -222,21 +238,9 @@ def measure_matmul_rate(
         a = torch.randn(m, k).to(dtype)
         b = torch.randn(k, n).to(dtype)
         torch.matmul(a, b)  # warm-up (oneDNN/AMX kernel selection)
-        calls = 1
-        while True:  # grow the loop until it lasts min_seconds / repeats
-            start = time.perf_counter()
-            for _ in range(calls):
-                torch.matmul(a, b)
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_seconds / repeats:
-                break
-            calls *= 2
-        timings = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(calls):
-                torch.matmul(a, b)
-            timings.append((time.perf_counter() - start) / calls)
-        rates[f"{m}x{k}x{n}"] = 2 * m * k * n / min(timings)
+        product = lambda: torch.matmul(a, b)  # noqa: E731
+        calls = calls_lasting(product, min_seconds / repeats)
+        best = min(seconds_per_call(product, calls) for _ in range(repeats))
+        rates[f"{m}x{k}x{n}"] = 2 * m * k * n / best
     rates["best"] = max(rates.values())
     return rates

@@ -20,25 +20,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flops import calls_lasting, seconds_per_call  # noqa: E402
 from harness import MODEL_SIZES, command_line, machine_description, markdown_table, write_outputs  # noqa: E402
-
-
-def seconds_per_call(function, min_seconds: float) -> float:
-    """Seconds per call of ``function``, in a loop grown until it lasts ``min_seconds``."""
-    function()  # warm-up: oneDNN picks and compiles its kernel on the first call of a shape
-    calls = 1
-    while True:
-        start = time.perf_counter()
-        for _ in range(calls):
-            function()
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds:
-            return elapsed / calls
-        calls *= 2
 
 
 def projection_groups(size: str) -> dict[str, list[int]]:
@@ -72,10 +58,12 @@ def measure(size: str, dtype_name: str, rows: int, repeats: int, min_seconds: fl
 
         for out_separate, out_fused in zip(separate(), fused()):  # the same products, rounded alike
             torch.testing.assert_close(out_fused, out_separate, rtol=2e-2, atol=2e-2)
-        timings = {"separate": [], "fused": []}
+        variants = {"separate": separate, "fused": fused}  # each called above: oneDNN has picked its kernels
+        calls = {name: calls_lasting(function, min_seconds) for name, function in variants.items()}
+        timings = {name: [] for name in variants}
         for _ in range(repeats):
-            for name, function in (("separate", separate), ("fused", fused)):
-                timings[name].append(seconds_per_call(function, min_seconds))
+            for name, function in variants.items():
+                timings[name].append(seconds_per_call(function, calls[name]))
         separate_ms = statistics.median(timings["separate"]) * 1e3
         fused_ms = statistics.median(timings["fused"]) * 1e3
         results.append({
