@@ -131,3 +131,34 @@ def test_size_options_reach_the_config(tmp_path):
     assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
     assert config.max_position_embeddings == 128
     assert AutoTokenizer.from_pretrained(tmp_path).model_max_length == 128
+
+
+def test_qwen2_variant_loads_as_qwen2_with_chatml_and_two_eos_ids(tiny_qwen2_dir):
+    from transformers import Qwen2ForCausalLM, Qwen2Tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
+    assert isinstance(model, Qwen2ForCausalLM) and isinstance(tokenizer, Qwen2Tokenizer)
+    assert model.dtype == torch.bfloat16  # saved in bf16, as hub checkpoints are
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert tokenizer.eos_token_id == im_end and tokenizer.pad_token_id == endoftext
+    assert model.generation_config.eos_token_id == [im_end, endoftext]
+    # one token per ASCII character, whitespace included, through the real byte-level class
+    ids = tokenizer(TEXT_WITH_WHITESPACE).input_ids
+    assert len(ids) == len(TEXT_WITH_WHITESPACE) and tokenizer.decode(ids) == TEXT_WITH_WHITESPACE
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "2 + 2?"}], tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\n2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tokenizer(text).input_ids
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>") and im_end in ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+
+
+def test_vocab_size_pads_the_embedding_beyond_the_tokenizer(tmp_path):
+    path = build_tiny_model(tmp_path / "big-vocab", architecture="qwen2", vocab_size=1000)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.vocab_size == 1000 and len(AutoTokenizer.from_pretrained(path)) < 1000
+    with pytest.raises(ValueError, match="vocab_size 10 is smaller than the tokenizer's"):
+        build_tiny_model(tmp_path / "small", vocab_size=10)
