@@ -81,6 +81,7 @@ from typing import Any
 import torch
 
 from lit_grpo import plugins
+from lit_grpo.config import AsWritten
 from lit_grpo._reward_pool import PoolCancelled, PoolInitError, WorkerPool
 
 try:  # numpy comes with torch in practice, but the scorer does not require it
@@ -116,7 +117,7 @@ class RewardSpec:
 
     name: str
     weight: float = 1.0
-    args: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, AsWritten] = field(default_factory=dict)  # as written in YAML (lit_grpo.config)
     on_error: str = "raise"
     num_workers: int = 0
     timeout: float | None = None
