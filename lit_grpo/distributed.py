@@ -39,6 +39,7 @@ __all__ = [
     "gather_real_values",
     "gather_rows",
     "gathered_for_generation",
+    "mixed_precision_policy",
     "replace_atomically",
     "reshard",
     "shard_model",
@@ -92,8 +93,23 @@ def decoder_layer_classes(model: torch.nn.Module) -> set[type]:
     return classes
 
 
+def mixed_precision_policy(precision: str):
+    """FSDP2's ``MixedPrecisionPolicy`` for a Lightning ``trainer.precision``: for ``bf16-mixed`` (or
+    ``16-mixed``) the gathered weights and the forward and backward compute are in that half dtype,
+    while the sharded master weights the optimizer updates and the gradient reduction stay float32.
+    None (FSDP2's default: everything in the weights' dtype) for any other precision."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    precision = str(precision)
+    half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if half is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+
+
 def shard_model(model: torch.nn.Module, mesh: DeviceMesh, mp_policy=None) -> torch.nn.Module:
-    """FSDP2: ``fully_shard`` every decoder layer, then the root (embeddings, norm and LM head)."""
+    """FSDP2: ``fully_shard`` every decoder layer, then the root (embeddings, norm and LM head), with
+    ``mp_policy`` (:func:`mixed_precision_policy`) when given."""
     from torch.distributed.fsdp import fully_shard
 
     kwargs = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}

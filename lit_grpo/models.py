@@ -29,11 +29,17 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 __all__ = [
+    "HALF_DTYPES",
     "LORA_DEFAULTS",
+    "check_trainable_dtype",
+    "compute_dtype",
+    "half_precision_trainable_weights",
+    "reference_init_kwargs",
     "add_frozen_weights",
     "build_policy",
     "drop_frozen_weights",
     "enable_gradient_checkpointing",
+    "eos_token_ids",
     "load_causal_lm",
     "lora_config",
     "model_init_kwargs",
@@ -50,16 +56,93 @@ LORA_DEFAULTS: dict[str, Any] = {"target_modules": "all-linear", "task_type": "C
 # ----------------------------------------------------------------------------------------------
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def model_init_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """``model.model_init_kwargs`` for ``from_pretrained``, with a dtype name turned into a torch dtype."""
+    """``model.model_init_kwargs`` for ``from_pretrained``, with a dtype name turned into a torch dtype.
+
+    Without a dtype the weights load in float32, whatever dtype the checkpoint was saved in
+    (transformers 5 would keep a bf16 checkpoint in bf16): trainable weights and their optimizer
+    state are float32, as in TRL, and bf16 compute comes from ``trainer.precision: bf16-mixed``
+    (under FSDP2 from a ``MixedPrecisionPolicy``, :func:`lit_grpo.distributed.shard_model`). In
+    bf16, weights near 0.02 are about 1e-4 apart, so AdamW updates of a learning rate of 1e-6 would
+    round away.
+    """
     kwargs = dict(kwargs or {})
-    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-    if isinstance(dtype, str) and dtype != "auto":
+    key = "torch_dtype" if "torch_dtype" in kwargs and "dtype" not in kwargs else "dtype"
+    dtype = kwargs.get(key)
+    if dtype is None:
+        kwargs[key] = torch.float32
+    elif isinstance(dtype, str) and dtype != "auto":
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
             raise ValueError(f"model.model_init_kwargs.dtype {dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
-        kwargs["dtype" if "dtype" in kwargs else "torch_dtype"] = resolved
+        kwargs[key] = resolved
     return kwargs
+
+
+def reference_init_kwargs(settings: dict[str, Any] | None, precision: str) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments of the frozen KL reference model.
+
+    It has no optimizer, so where the run computes in half precision (``trainer.precision``
+    ``bf16-mixed``/``16-mixed``) and ``model.model_init_kwargs`` names no dtype, it loads in that
+    half dtype: the same compute at half the memory. Otherwise as the policy (:func:`model_init_kwargs`).
+    """
+    kwargs = model_init_kwargs(settings)
+    explicit = settings is not None and any(settings.get(key) is not None for key in ("dtype", "torch_dtype"))
+    half = compute_dtype(precision)
+    if not explicit and half is not None:
+        kwargs["torch_dtype" if "torch_dtype" in kwargs else "dtype"] = half
+    return kwargs
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The half dtype a Lightning ``trainer.precision`` computes in (``bf16-mixed`` -> bfloat16), or None."""
+    precision = str(precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return None
+
+
+def half_precision_trainable_weights(model: torch.nn.Module) -> list[tuple[str, torch.dtype]]:
+    """The trainable parameters of ``model`` stored in bf16/fp16, with their dtype."""
+    return [(name, p.dtype) for name, p in model.named_parameters() if p.requires_grad and p.dtype in HALF_DTYPES]
+
+
+def check_trainable_dtype(model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str) -> str | None:
+    """Refuse half-precision trainable weights under a plain ``torch.optim`` optimizer.
+
+    Raises ``ValueError`` naming the setting that made them half (``trainer.precision: bf16-true`` or
+    ``model.model_init_kwargs.dtype``) and the fix; for another optimizer (which may round
+    stochastically or keep float32 master weights itself) returns the same text as a warning to
+    show; None when every trainable weight is float32.
+    """
+    half = half_precision_trainable_weights(model)
+    if not half:
+        return None
+    name, dtype = half[0]
+    dtype_name = str(dtype).removeprefix("torch.")
+    if compute_dtype(precision) is not None and str(precision).endswith("-true"):
+        cause = f"trainer.precision: {precision} casts the trainable weights to {dtype_name}"
+        fix = f"use trainer.precision: {str(precision).replace('-true', '-mixed')} (float32 weights, {dtype_name} compute)"
+    else:
+        cause = f"model.model_init_kwargs.dtype loads the trainable weights in {dtype_name}"
+        fix = (
+            "remove model.model_init_kwargs.dtype (trainable weights then load in float32) and set "
+            f"trainer.precision: {'bf16' if dtype == torch.bfloat16 else '16'}-mixed for {dtype_name} compute, "
+            "or train a LoRA adapter (model.lora: its weights stay float32 over a frozen half-precision base)"
+        )
+    message = (
+        f"{cause} ({len(half)} tensors, e.g. {name}): {type(optimizer).__name__} keeps its state in that dtype "
+        f"and small updates round away (near 0.02, {dtype_name} values are about "
+        f"{torch.finfo(dtype).eps * 0.02:.0e} apart; an update of lr 1e-6 vanishes). To fix: {fix}."
+    )
+    if type(optimizer).__module__.startswith("torch.optim"):
+        raise ValueError(message)
+    return message
 
 
 def cpu_multiplies_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
@@ -76,6 +159,18 @@ def cpu_multiplies_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     if flags is None:
         return None
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
+    """Every token id that ends a completion: the model's ``generation_config.eos_token_id`` (a
+    list for chat models: Qwen2.5 ends a turn with ``<|im_end|>`` or ``<|endoftext|>``) and the
+    tokenizer's EOS, in that order, without repeats."""
+    config = getattr(model, "generation_config", None)
+    configured = getattr(config, "eos_token_id", None)
+    ids = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return list(dict.fromkeys(int(i) for i in ids))
 
 
 def load_causal_lm(path: str, init_kwargs: dict[str, Any]) -> PreTrainedModel:
