@@ -15,16 +15,24 @@ import argparse
 import sys
 
 import torch
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
 
 from lit_grpo.checkpointing import configure_checkpointing
 
-TRAINER_DEFAULTS = {
-    "logger": {
-        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-        "init_args": {"save_dir": "runs", "name": "lit-grpo"},
-    },
-}
+# Where a run without a logger of its own logs: ``<trainer.default_root_dir or runs>/lit-grpo/version_N``.
+DEFAULT_LOG_ROOT = "runs"
+DEFAULT_LOGGER_NAME = "lit-grpo"
+
+
+def default_logger(default_root_dir: str | None) -> Namespace:
+    """The TensorBoard logger of a run that names none: under ``trainer.default_root_dir`` when it
+    is set, as Lightning's own default logger is, else under ``runs/``."""
+    save_dir = str(default_root_dir) if default_root_dir else DEFAULT_LOG_ROOT
+    return Namespace(
+        class_path="lightning.pytorch.loggers.TensorBoardLogger",
+        init_args=Namespace(save_dir=save_dir, name=DEFAULT_LOGGER_NAME),
+    )
 
 
 class GRPOCLI(LightningCLI):
@@ -51,6 +59,8 @@ class GRPOCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.trainer.get("logger") in (None, True):  # no logger given: ours, not Lightning's
+            config.trainer.logger = default_logger(config.trainer.get("default_root_dir"))
         if self.subcommand in (None, "fit"):
             configure_checkpointing(config.trainer)
         use_atomic_model_parallel_checkpoints(config.trainer)
@@ -82,21 +92,17 @@ def use_atomic_model_parallel_checkpoints(trainer_config) -> None:
         strategy.class_path = "lit_grpo.distributed.ModelParallelStrategy"
 
 
-def run_cli(args: list[str] | None = None) -> GRPOCLI:
+def run_cli(args: list[str] | None = None, run: bool = True) -> GRPOCLI:
+    """``lit-grpo fit|validate ...`` as the command runs it; ``run=False`` only builds the trainer,
+    module and data module from ``args`` (a subcommand is then not given)."""
     from lit_grpo.data import GRPODataModule
     from lit_grpo.module import GRPOModule
 
-    return GRPOCLI(
-        GRPOModule,
-        GRPODataModule,
-        trainer_defaults=TRAINER_DEFAULTS,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+    return GRPOCLI(GRPOModule, GRPODataModule, save_config_kwargs={"overwrite": True}, args=args, run=run)
 
 
 def init_tiny_main(argv: list[str]) -> None:
-    from lit_grpo.tiny import build_tiny_model
+    from lit_grpo.tiny import ARCHITECTURES, build_tiny_model
 
     parser = argparse.ArgumentParser(
         prog="lit-grpo init-tiny",
@@ -109,16 +115,23 @@ def init_tiny_main(argv: list[str]) -> None:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--architecture", choices=ARCHITECTURES, default="llama",
+        help="llama (default), or qwen2: Qwen2.5-Instruct's model class, special tokens, chat template and EOS ids",
+    )
+    parser.add_argument("--dtype", default=None, help="dtype to save the weights in, e.g. bfloat16 (default float32)")
     options = parser.parse_args(argv)
     path = build_tiny_model(
         options.dir,
+        architecture=options.architecture,
+        dtype=options.dtype,
         hidden_size=options.hidden_size,
         intermediate_size=options.intermediate_size,
         num_hidden_layers=options.num_layers,
         num_attention_heads=options.num_heads,
         seed=options.seed,
     )
-    print(f"Wrote a tiny Llama model and character tokenizer to {path}")
+    print(f"Wrote a tiny {options.architecture} model and character tokenizer to {path}")
 
 
 def rewards_main(argv: list[str]) -> None:

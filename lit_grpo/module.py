@@ -46,6 +46,7 @@ from lit_grpo.allocator import keep_freed_memory
 from lit_grpo.attention import use_cpu_half_attention
 from lit_grpo.callbacks import ValidateBeforeTraining
 from lit_grpo.checkpointing import RNGStateCheckpoint
+from lit_grpo.config import AsWritten
 from lit_grpo.completions import COMPLETIONS_FILE, append_records, completion_records, format_table
 from lit_grpo.data import PromptBatch
 from lit_grpo.distributed import (
@@ -54,6 +55,7 @@ from lit_grpo.distributed import (
     gather_real_values,
     gather_rows,
     gathered_for_generation,
+    mixed_precision_policy,
     shard_model,
 )
 from lit_grpo.generation import (
@@ -283,7 +285,7 @@ class GRPOModule(pl.LightningModule):
         max_grad_norm: float | None = 1.0,
         log_completions_every_n_steps: int = 10,
         num_completions_to_log: int = 8,
-        model_init_kwargs: dict[str, Any] | None = None,
+        model_init_kwargs: dict[str, AsWritten] | None = None,
         delta: float | None = None,
         sapo_temperature_pos: float = 1.0,
         sapo_temperature_neg: float = 1.05,
@@ -302,7 +304,7 @@ class GRPOModule(pl.LightningModule):
         sync_ref_model: bool = False,
         ref_model_mixup_alpha: float = 0.6,
         ref_model_sync_steps: int = 512,
-        lora: dict[str, Any] | None = None,
+        lora: dict[str, AsWritten] | None = None,
         gradient_checkpointing: bool = False,
         logprob_micro_batch_size: int | None = None,
         group_by_length: bool = True,
@@ -341,6 +343,7 @@ class GRPOModule(pl.LightningModule):
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
         self._prompt_sharing_notes: set[str] = set()  # reasons share_prompt_forward was not used, said once
+        self.run_log_dir: Path | None = None  # the logger's directory of this run, set in setup
 
     # ------------------------------------------------------------------------------------------
     # Setup
@@ -358,14 +361,18 @@ class GRPOModule(pl.LightningModule):
             lora=self.hparams.lora,
             gradient_checkpointing=self.hparams.gradient_checkpointing,
         )
+        precision = self._precision()
         if self.hparams.beta > 0 and self.hparams.lora is None:  # with LoRA: the policy, adapter disabled
-            self.ref_model = models.load_causal_lm(self.hparams.model_name_or_path, init_kwargs)
+            ref_kwargs = models.reference_init_kwargs(self.hparams.model_init_kwargs, precision)
+            self.ref_model = models.load_causal_lm(self.hparams.model_name_or_path, ref_kwargs)
             self.ref_model.requires_grad_(False).eval()
+        eos_token_ids = models.eos_token_ids(self.policy, self.tokenizer)
         if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: shard with FSDP2
             mesh = data_parallel_mesh(self.device_mesh)
+            mp_policy = mixed_precision_policy(precision)  # float32 shards, half-precision compute
             for model in (self.policy, self.ref_model):
                 if model is not None:
-                    shard_model(model, mesh)
+                    shard_model(model, mesh, mp_policy)
         self.generation_config = GenerationConfig(
             do_sample=True,
             max_new_tokens=self.hparams.max_completion_length,
@@ -375,12 +382,20 @@ class GRPOModule(pl.LightningModule):
             min_p=self.hparams.min_p,
             repetition_penalty=self.hparams.repetition_penalty,
             pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=eos_token_ids,  # every id that ends a turn: the model's and the tokenizer's
             bos_token_id=self.tokenizer.bos_token_id,
         )
         self.eval_generation_config = eval_generation_config(self.generation_config, self.hparams.temperature_eval)
 
+    def _precision(self) -> str:
+        """Lightning's ``trainer.precision`` (``32-true`` when no trainer is attached)."""
+        return str(self._trainer.precision) if self._trainer is not None else "32-true"
+
     def setup(self, stage: str) -> None:
+        # The run's log directory, resolved now, on every rank: ``trainer.log_dir`` is a collective
+        # (rank 0 broadcasts the logger's version directory), so asking for it later on rank 0 alone,
+        # where completions are written, would pair with another collective of the other ranks.
+        self.run_log_dir = Path(self.trainer.log_dir) if self.trainer.logger is not None else None
         self._warn_if_bf16_is_emulated()
         if self.trainer.strategy.root_device.type == "cpu":
             keep_freed_memory()  # no page faults for memory freed by the previous step (lit_grpo.allocator)
@@ -464,6 +479,9 @@ class GRPOModule(pl.LightningModule):
         """
         params = [p for p in self.parameters() if p.requires_grad]
         optimizer = self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=1e-6)
+        warning = models.check_trainable_dtype(self.policy, optimizer, self._precision())
+        if warning is not None:  # not a torch.optim optimizer: it may handle half-precision weights
+            rank_zero_warn(warning)
         if self.lr_scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}
@@ -1149,11 +1167,10 @@ class GRPOModule(pl.LightningModule):
             scored.group.advantages.tolist(),
         )
         records = _gather_objects(records)
-        if not self.trainer.is_global_zero:
+        if not self.trainer.is_global_zero:  # no collective below this line: rank 0 only
             return
-        log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
-        if hp.save_completions and log_dir is not None:  # a run without a logger directory has nowhere to write
-            append_records(Path(log_dir) / COMPLETIONS_FILE, records)
+        if hp.save_completions and self.run_log_dir is not None:  # without a logger there is nowhere to write
+            append_records(self.run_log_dir / COMPLETIONS_FILE, records)
         if hp.print_completions:
             print(f"completions at step {step}:\n{format_table(records[: hp.print_completions])}", flush=True)
 

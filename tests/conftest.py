@@ -136,3 +136,49 @@ def chaotic_model(tiny_model_dir):
             if param.dim() == 2:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """A tiny random ``Qwen2ForCausalLM`` shaped like Qwen2.5-Instruct (ChatML chat template, EOS ids
+    ``<|im_end|>`` and ``<|endoftext|>``), saved in bf16 as hub checkpoints are."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), architecture="qwen2", dtype="bfloat16")
+
+
+# A few rows in GSM8K's format (`question`; `answer`: the worked solution, then "#### <number>").
+GSM8K_ROWS = [
+    {
+        "question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?",
+        "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
+        "altogether in April and May.\n#### 72",
+    },
+    {
+        "question": "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+        "How much did she earn?",
+        "answer": "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = "
+        "$<<0.2*50=10>>10.\n#### 10",
+    },
+    {
+        "question": "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write "
+        "a year?",
+        "answer": "He writes each friend 3*2=<<3*2=6>>6 pages a week\nSo he writes 6*2=<<6*2=12>>12 pages every "
+        "week\nThat means he writes 12*52=<<12*52=624>>624 pages a year\n#### 624",
+    },
+    {
+        "question": "Albert buys 2 large pizzas and 2 small pizzas. A large pizza has 16 slices and a small pizza "
+        "has 8 slices. If he eats it all, how many pieces does he eat that day?",
+        "answer": "He eats 32 from the largest pizzas because 2 x 16 = <<2*16=32>>32\nHe eats 16 from the small "
+        "pizza because 2 x 8 = <<2*8=16>>16\nHe eats 48 pieces because 32 + 16 = <<32+16=48>>48\n#### 48",
+    },
+]
+
+
+@pytest.fixture
+def gsm8k_file(write_jsonl):
+    """``gsm8k_file(copies=8) -> path``: GSM8K-format rows (``question``, ``answer``), repeated."""
+
+    def write(copies: int = 8):
+        return write_jsonl(GSM8K_ROWS * copies, name="gsm8k.jsonl")
+
+    return write

@@ -106,6 +106,10 @@ def main() -> None:
     )
     parser.add_argument("--validate", action="store_true", help="run trainer.validate and save its metrics")
     parser.add_argument(
+        "--record-compute-dtype", action="store_true",
+        help="record the dtype of the first attention projection's weight and input at each training forward",
+    )
+    parser.add_argument(
         "--gated-reward", action="store_true",
         help="register the reward `gated`: constant for prompts whose number is a multiple of 3",
     )
@@ -114,9 +118,7 @@ def main() -> None:
     import lightning.pytorch as pl
 
     import lit_grpo.module
-    from lit_grpo.cli import GRPOCLI
-    from lit_grpo.data import GRPODataModule
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.cli import run_cli
 
     if args.fixed_completions:
         lit_grpo.module.generate_completions = fixed_generate_completions
@@ -133,10 +135,7 @@ def main() -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             steps.append({name: float(value) for name, value in trainer.callback_metrics.items()})
 
-    cli = GRPOCLI(
-        GRPOModule, GRPODataModule, run=False, save_config_kwargs={"overwrite": True},
-        args=[*(arg for path in args.config for arg in ("--config", path)), *cli_args],
-    )
+    cli = run_cli([*(arg for path in args.config for arg in ("--config", path)), *cli_args], run=False)
     cli.trainer.callbacks.append(RecordMetrics())
     module = cli.model
 
@@ -164,6 +163,20 @@ def main() -> None:
     no_grad_rows = []  # rows of this rank's no-gradient log-prob passes (old and reference log-probs)
     logps_no_grad = module._logps_no_grad
     module._logps_no_grad = lambda model, rollout: (no_grad_rows.append(rollout.completion_ids.size(0)), logps_no_grad(model, rollout))[1]
+    compute_dtypes = set()  # (weight dtype, input dtype) of q_proj in forwards with gradient
+    if args.record_compute_dtype:
+        def record(layer, inputs):
+            if torch.is_grad_enabled():
+                compute_dtypes.add((str(layer.weight.dtype), str(inputs[0].dtype)))
+
+        original_configure_model = module.configure_model
+
+        def configure_model_and_record():
+            original_configure_model()
+            projection = next(m for name, m in module.policy.named_modules() if name.endswith("q_proj"))
+            projection.register_forward_pre_hook(record)
+
+        module.configure_model = configure_model_and_record
     cli.trainer.fit(module, datamodule=cli.datamodule, ckpt_path=args.ckpt_path)
     state = full_policy_state(module)
     no_grad_rows_per_rank = [no_grad_rows]
@@ -174,7 +187,8 @@ def main() -> None:
         result = {
             "steps": steps, "state": state, "world_size": cli.trainer.world_size,
             "backward_passes": len(backward_passes), "skipped_rows": skipped_rows,
-            "no_grad_rows": no_grad_rows_per_rank,
+            "no_grad_rows": no_grad_rows_per_rank, "compute_dtypes": sorted(compute_dtypes),
+            "log_dir": str(module.run_log_dir),
         }
         torch.save(result, args.out)
     exit_without_finalisation()

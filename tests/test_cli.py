@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from lit_grpo import plugins
-from lit_grpo.cli import TRAINER_DEFAULTS, GRPOCLI, main
+from lit_grpo.cli import GRPOCLI, main, run_cli
 from lit_grpo.data import GRPODataModule
 from lit_grpo.module import GRPOModule
 
@@ -81,13 +81,7 @@ def quickstart_config(tmp_path, **changes) -> Path:
 
 def instantiate(args) -> GRPOCLI:
     """The CLI's objects without running a subcommand."""
-    return GRPOCLI(
-        GRPOModule,
-        GRPODataModule,
-        trainer_defaults=TRAINER_DEFAULTS,
-        run=False,
-        args=args,
-    )
+    return run_cli(args, run=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -340,3 +334,90 @@ def test_init_tiny_writes_a_loadable_model(tmp_path, capsys):
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, 6, len(tokenizer))
+
+
+# --------------------------------------------------------------------------------------------------
+# Values reach rewards as written; where a run without a logger of its own logs
+# --------------------------------------------------------------------------------------------------
+
+# strings that YAML would read as something else if parsed a second time
+AS_WRITTEN = {
+    "answer_pattern": "####\\s*(.+)$",  # a '#' starts a YAML comment: None
+    "number": "123",  # an int
+    "flag": "yes",  # True
+    "brackets": "[ab]",  # a list
+}
+
+
+@pytest.fixture
+def recorded_reward_args(reward_plugin):
+    """``recorded_reward_args(args) -> dict``: the keyword arguments the reward ``record`` receives
+    in a run configured by ``args``."""
+    seen = {}
+
+    def record(completions, **kwargs):
+        seen.update({key: kwargs[key] for key in AS_WRITTEN})
+        return [0.0] * len(completions)
+
+    reward_plugin(record=record)
+
+    def run(args: list[str]) -> dict:
+        seen.clear()
+        cli = instantiate(args)
+        cli.model.scorer(["p"], ["c"], [[1]], {})
+        cli.model.scorer.close()
+        return dict(seen)
+
+    return run
+
+
+def test_reward_args_from_yaml_reach_the_reward_as_written(recorded_reward_args, tiny_model_dir, tmp_path, in_repo):
+    config = yaml.safe_load(QUICKSTART.read_text())
+    config["model"]["rewards"] = [{"name": "record", "args": AS_WRITTEN}]
+    config["trainer"]["logger"] = False
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))  # quotes each of those strings
+    assert "'123'" in (tmp_path / "config.yaml").read_text()
+    seen = recorded_reward_args(["--config", str(tmp_path / "config.yaml"), "--model.model_name_or_path", str(tiny_model_dir)])
+    assert seen == AS_WRITTEN
+
+
+def test_reward_args_on_the_command_line_reach_the_reward_as_written(recorded_reward_args, tiny_model_dir, in_repo):
+    args = ["--config", str(QUICKSTART), "--trainer.logger", "false", "--model.model_name_or_path", str(tiny_model_dir)]
+    as_json = json.dumps([{"name": "record", "args": AS_WRITTEN}])
+    assert recorded_reward_args([*args, "--model.rewards", as_json]) == AS_WRITTEN
+    # the same in YAML flow style, as people type it in a shell
+    flow = '[{name: record, args: {answer_pattern: "####\\\\s*(.+)$", number: "123", flag: "yes", brackets: "[ab]"}}]'
+    assert recorded_reward_args([*args, "--model.rewards", flow]) == AS_WRITTEN
+
+
+def test_saved_config_keeps_reward_args_as_written(capsys, in_repo):
+    rewards = json.dumps([{"name": "exact_match", "args": {"answer_pattern": AS_WRITTEN["answer_pattern"], "other": "123"}}])
+    config = print_config(capsys, "--config", str(QUICKSTART), "--model.rewards", rewards)
+    assert config["model"]["rewards"][0]["args"] == {"answer_pattern": "####\\s*(.+)$", "other": "123"}
+
+
+def test_default_logger_and_checkpoints_go_under_default_root_dir(tmp_path, tiny_model_dir, in_repo):
+    base = ["--config", str(quickstart_config(tmp_path)), "--model.model_name_or_path", str(tiny_model_dir)]
+    base += ["--trainer.logger", "null"]  # the quickstart names its own logger: a run without one
+
+    cli = instantiate([*base, "--trainer.default_root_dir", str(tmp_path / "root")])
+    logger = cli.trainer.logger
+    assert type(logger).__name__ == "TensorBoardLogger"
+    assert Path(logger.save_dir) == tmp_path / "root" and logger.name == "lit-grpo"
+    checkpoint = next(c for c in cli.trainer.callbacks if type(c).__name__ == "ModelCheckpoint")
+    assert Path(checkpoint.dirpath) == tmp_path / "root" / "lit-grpo" / "checkpoints"
+
+    # neither a logger nor default_root_dir: runs/
+    cli = instantiate(base)
+    assert Path(cli.trainer.logger.save_dir) == Path("runs")
+
+
+def test_init_tiny_qwen2_in_bf16(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
+
+    target = tmp_path / "tiny-qwen2"
+    main(["init-tiny", str(target), "--architecture", "qwen2", "--dtype", "bfloat16"])
+    model = AutoModelForCausalLM.from_pretrained(target)
+    assert isinstance(model, Qwen2ForCausalLM) and model.dtype == torch.bfloat16
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    assert model.generation_config.eos_token_id == [tokenizer.eos_token_id, tokenizer.pad_token_id]

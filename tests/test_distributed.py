@@ -28,15 +28,8 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 # counts the tokens of the whole generation batch across ranks) and gradient clipping.
 BASE_CONFIG = {
     "seed_everything": 0,
-    "trainer": {
-        "max_steps": 4,
-        "accelerator": "cpu",
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "log_every_n_steps": 1,
-    },
+    # what a user's run has: the default logger (TensorBoard), checkpoints, completions logged and saved
+    "trainer": {"max_steps": 4, "accelerator": "cpu", "log_every_n_steps": 1},
     "model": {
         "num_generations": 4,
         "max_completion_length": 8,
@@ -46,7 +39,7 @@ BASE_CONFIG = {
         "beta": 0.04,
         "scale_rewards": "batch",
         "max_grad_norm": 1.0,
-        "log_completions_every_n_steps": 0,
+        "log_completions_every_n_steps": 1,
         "rewards": [{"name": "char_fraction", "args": {"chars": "abcdefghijklm"}}],
     },
     "data": {"path": "json", "prompt_column": "prompt", "shuffle": True, "seed": 3},
@@ -82,7 +75,9 @@ def run_worker(run_dir: Path, name: str, processes: int, overrides: dict, *flags
 
 
 def start_worker(run_dir: Path, name: str, processes: int, overrides: dict, *flags: str) -> subprocess.CompletedProcess:
-    (run_dir / f"{name}.yaml").write_text(yaml.safe_dump(overrides))
+    # each run logs and checkpoints in its own directory, as a user's run under default_root_dir
+    trainer = {"default_root_dir": str(run_dir / name), **overrides.get("trainer", {})}
+    (run_dir / f"{name}.yaml").write_text(yaml.safe_dump({**overrides, "trainer": trainer}))
     out = run_dir / f"{name}.pt"
     script = [str(WORKER), "--config", "base.yaml", "--config", f"{name}.yaml", "--out", str(out), *flags]
     if processes > 1:
@@ -271,7 +266,7 @@ def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir, variant
 
     straight = run_worker(run_dir, f"straight_{variant}", 2, overrides(f"straight_{variant}", 6))
     run_worker(run_dir, f"first_half_{variant}", 2, overrides(f"resumed_{variant}", 4))
-    checkpoint = run_dir / f"resumed_{variant}" / "checkpoints" / "last.ckpt"
+    checkpoint = run_dir / f"resumed_{variant}" / "lit-grpo" / "checkpoints" / "last.ckpt"
     assert checkpoint.is_dir() and sorted(p.name for p in checkpoint.parent.iterdir()) == ["last.ckpt"]
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     weights = {key.removeprefix("state_dict.") for key in saved if key.startswith("state_dict.")}

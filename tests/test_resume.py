@@ -33,7 +33,7 @@ from lit_grpo.checkpointing import (
     ResumableDataLoader,
     RNGStateCheckpoint,
 )
-from lit_grpo.cli import TRAINER_DEFAULTS, GRPOCLI
+from lit_grpo.cli import run_cli
 from lit_grpo.data import GRPODataModule
 from lit_grpo.module import GRPOModule
 
@@ -402,7 +402,7 @@ def quickstart_with(tmp_path, monkeypatch, tiny_model_dir):
         config_file = tmp_path / "config.yaml"
         config_file.write_text(yaml.safe_dump(config))
         args = ["--config", str(config_file), "--model.model_name_or_path", str(tiny_model_dir)]
-        return GRPOCLI(GRPOModule, GRPODataModule, trainer_defaults=TRAINER_DEFAULTS, run=False, args=args)
+        return run_cli(args, run=False)
 
     yield instantiate
     plugins.reset_plugins()
