@@ -7,6 +7,7 @@
 - ``lit-grpo export CKPT DIR [--no-merge-lora] [--overwrite]``: a checkpoint's policy as a Hugging Face
   ``save_pretrained`` directory (LoRA merged, or as a peft adapter), with its tokenizer.
 - ``lit-grpo completions RUN_DIR [--step N]``: the completions a run logged at a step, as a table.
+- ``lit-grpo prompts --config FILE [-n N]``: the first prompts exactly as the model sees them.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class GRPOCLI(LightningCLI):
         # the optimizer is created in configure_optimizers, after the policy has been loaded.
         parser.add_optimizer_args((torch.optim.Optimizer,), link_to="model.optimizer")
         parser.add_lr_scheduler_args(LRSchedulerTypeTuple, link_to="model.lr_scheduler")
+        # the data describes how its prompts are rendered; the module renders them
+        parser.link_arguments("data.chat_template_kwargs", "model.chat_template_kwargs")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -144,6 +147,54 @@ def rewards_main(argv: list[str]) -> None:
     print(plugins.rewards_as_json(infos) if options.json else plugins.format_rewards_table(infos))
 
 
+class PromptsCLI(GRPOCLI):
+    """The ``fit`` configuration parsed as ``lit-grpo fit`` parses it; only the data module and the
+    tokenizer are built (no model weights are loaded)."""
+
+    def instantiate_classes(self) -> None:
+        from lit_grpo.data import GRPODataModule
+        from lit_grpo.module import load_tokenizer
+
+        self.datamodule = GRPODataModule(**self.config.data.as_dict())
+        self.tokenizer = load_tokenizer(self.config.model.model_name_or_path)
+        self.max_prompt_length = self.config.model.max_prompt_length
+
+
+def prompts_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lit-grpo prompts",
+        description="Print the first prompts of a run's data exactly as the model sees them: the prompt "
+        "template, system prompt and chat template applied, special tokens included, cut to "
+        "model.max_prompt_length. Takes the same --config files and --key value overrides as `lit-grpo fit`; "
+        "loads the tokenizer and the data, not the model.",
+    )
+    parser.add_argument("-n", "--num", type=int, default=3, help="how many prompts (default 3)")
+    parser.add_argument("--split", choices=["train", "val"], default="train", help="data.split or data.val_split")
+    options, config_args = parser.parse_known_args(argv)
+    if not config_args:
+        parser.error("give the run's configuration: --config FILE [--key value ...]")
+    from lit_grpo.data import GRPODataModule
+    from lit_grpo.generation import render_prompts, tokenize_prompts
+    from lit_grpo.module import GRPOModule
+
+    cli = PromptsCLI(GRPOModule, GRPODataModule, save_config_callback=None, run=False, args=config_args)
+    data = cli.datamodule
+    data.setup("fit" if options.split == "train" else "validate")
+    dataset = data.train_dataset if options.split == "train" else data.val_dataset
+    if dataset is None:
+        parser.error("--split val needs data.val_split")
+    for index in range(min(options.num, dataset.num_rows)):
+        prompt = data.prompt_format(dataset[index])
+        text = render_prompts(cli.tokenizer, [prompt], data.chat_template_kwargs)[0]
+        prompt_ids, prompt_mask = tokenize_prompts(cli.tokenizer, [text], cli.max_prompt_length, "cpu")
+        ids = prompt_ids[0][prompt_mask[0].bool()].tolist()
+        full = len(cli.tokenizer(text, add_special_tokens=False).input_ids)
+        cut = f", the last {len(ids)} of {full} kept (model.max_prompt_length)" if full > len(ids) else ""
+        print(f"----- {options.split} row {index}: {len(ids)} tokens{cut} -----")
+        print(cli.tokenizer.decode(ids, skip_special_tokens=False))
+    sys.stdout.flush()
+
+
 def export_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="lit-grpo export",
@@ -182,6 +233,7 @@ SUBCOMMANDS = {
     "rewards": rewards_main,
     "export": export_main,
     "completions": completions_main,
+    "prompts": prompts_main,
 }
 
 

@@ -20,15 +20,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COMPLETIONS_FILE", "append_records", "completion_records", "completions_main", "format_table", "read_records"]
+__all__ = ["COMPLETIONS_FILE", "append_records", "as_text", "completion_records", "completions_main", "format_table", "read_records"]
 
 COMPLETIONS_FILE = "completions.jsonl"
 
 
-def _text(value: Any) -> str:
-    """A prompt or completion as text: the last message's content for a conversation."""
-    if isinstance(value, list) and value and isinstance(value[-1], dict):
-        return str(value[-1].get("content", ""))
+def as_text(value: Any) -> str:
+    """A prompt or completion as text: a single message's content, or for a conversation each
+    message as ``role: content`` on its own line (so a system prompt shows)."""
+    if isinstance(value, list) and value and all(isinstance(message, dict) for message in value):
+        if len(value) == 1:
+            return str(value[0].get("content", ""))
+        return "\n".join(f"{message.get('role', '?')}: {message.get('content', '')}" for message in value)
     return str(value)
 
 
@@ -84,7 +87,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _cell(value: Any, width: int) -> str:
-    text = _text(value) if not isinstance(value, float) else f"{value:.3f}"
+    text = as_text(value) if not isinstance(value, float) else f"{value:.3f}"
     text = text.replace("\n", "⏎").replace("|", "\\|")
     return text if len(text) <= width else text[: width - 1] + "…"
 

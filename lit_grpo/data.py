@@ -13,6 +13,7 @@ first training step, and reported as a ``ValueError`` that names the offending c
 from __future__ import annotations
 
 import functools
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,9 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_grpo.checkpointing import ResumableDataLoader
+from lit_grpo.config import AsWritten
 
-__all__ = ["RESERVED_COLUMNS", "GRPODataModule", "PromptBatch", "PromptSampler", "collate_prompt_batch"]
+__all__ = ["RESERVED_COLUMNS", "GRPODataModule", "PromptBatch", "PromptFormat", "PromptSampler", "collate_prompt_batch"]
 
 # Keyword arguments that reward functions receive from the trainer; a dataset column with one of
 # these names would collide with them when the columns are forwarded as ``**columns``.
@@ -52,6 +54,63 @@ class PromptBatch:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a dataset row becomes the prompt the model is given (``data.prompt_column``,
+    ``data.prompt_template``, ``data.system_prompt``, ``data.conversational``).
+
+    1. The text: ``prompt_template`` filled from the row's columns (``"Solve: {question}"``; ``{{``
+       and ``}}`` are literal braces), else the row's ``prompt_column`` (a string, or chat messages).
+    2. A string becomes a user message when ``conversational`` is set or a ``system_prompt`` is given,
+       so the tokenizer's chat template is applied; otherwise it stays raw text, as in TRL.
+    3. ``system_prompt`` is put first in every conversation that does not already start with a
+       system message.
+    """
+
+    prompt_column: str = "prompt"
+    prompt_template: str | None = None
+    system_prompt: str | None = None
+    conversational: bool = False
+
+    def template_columns(self) -> list[str]:
+        """The columns ``prompt_template`` names (a malformed template is a ``ValueError``)."""
+        if self.prompt_template is None:
+            return []
+        try:
+            fields = [field for _, field, _, _ in string.Formatter().parse(self.prompt_template) if field is not None]
+        except ValueError as exc:
+            raise ValueError(f"data.prompt_template {self.prompt_template!r} is not a valid template: {exc}") from None
+        for field in fields:
+            if not field.isidentifier():
+                raise ValueError(
+                    f"data.prompt_template field {{{field}}} must be a plain column name (write {{{{ and }}}} for literal braces)"
+                )
+        return list(dict.fromkeys(fields))
+
+    @property
+    def makes_conversations(self) -> bool:
+        return self.conversational or self.system_prompt is not None
+
+    def __call__(self, row: dict[str, Any]) -> str | list[dict[str, Any]]:
+        prompt = self.prompt_template.format_map(row) if self.prompt_template is not None else row[self.prompt_column]
+        if isinstance(prompt, str) and self.makes_conversations:
+            prompt = [{"role": "user", "content": prompt}]
+        if self.system_prompt is not None and isinstance(prompt, list) and not (prompt and prompt[0].get("role") == "system"):
+            prompt = [{"role": "system", "content": self.system_prompt}, *prompt]
+        return prompt
+
+    def check(self, dataset: datasets.Dataset, source: str) -> None:
+        """Raise ``ValueError`` naming the setting and the column when a row cannot become a prompt."""
+        missing = [column for column in self.template_columns() if column not in dataset.column_names]
+        if missing:
+            raise ValueError(
+                f"data.prompt_template names column {missing[0]!r}, which the {source} does not have; "
+                f"its columns are {dataset.column_names}"
+            )
+        if self.prompt_template is None:
+            _check_prompts(dataset, self.prompt_column, source)
 
 
 class PromptSampler(DistributedSampler):
@@ -132,6 +191,16 @@ class GRPODataModule(pl.LightningDataModule):
         split: Split to train on; slicing syntax such as ``train[:1000]`` is allowed.
         prompt_column: Column holding the prompts: non-empty strings, or lists of chat messages
             ``{"role": ..., "content": ...}`` (then the model's chat template is applied).
+        prompt_template: A prompt built from the row's columns instead of ``prompt_column``:
+            ``"Solve: {question}\nAnswer in <answer></answer> tags."`` (Python format fields; ``{{``
+            and ``}}`` for literal braces). A column it names that the data lacks is an error.
+        system_prompt: A system message put first in every prompt (implies ``conversational``);
+            conversations that already start with a system message keep theirs.
+        conversational: Turn plain-string prompts into a user message, so that the tokenizer's chat
+            template is applied (false: the text is given to the model as it is, as in TRL).
+        chat_template_kwargs: Extra keyword arguments of ``apply_chat_template``, e.g.
+            ``{enable_thinking: false}`` for Qwen3-style templates (TRL's ``chat_template_kwargs``);
+            ``lit-grpo fit`` hands them to the module, which renders the prompts.
         batch_size: Number of prompts per training step; each yields a group of completions. Rows
             that do not fill a last complete batch are skipped in each epoch.
         shuffle: Whether to shuffle the training prompts every epoch (see :class:`PromptSampler`).
@@ -150,6 +219,10 @@ class GRPODataModule(pl.LightningDataModule):
         name: str | None = None,
         split: str = "train",
         prompt_column: str = "prompt",
+        prompt_template: str | None = None,
+        system_prompt: str | None = None,
+        conversational: bool = False,
+        chat_template_kwargs: dict[str, AsWritten] | None = None,
         batch_size: int = 4,
         shuffle: bool = True,
         seed: int = 0,
@@ -170,6 +243,9 @@ class GRPODataModule(pl.LightningDataModule):
         self.name = name
         self.split = split
         self.prompt_column = prompt_column
+        self.prompt_format = PromptFormat(prompt_column, prompt_template, system_prompt, conversational)
+        self.prompt_format.template_columns()  # a malformed template fails now
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
@@ -195,7 +271,7 @@ class GRPODataModule(pl.LightningDataModule):
         if stage in (None, "fit") and self.train_dataset is None:
             dataset = self._load_train()
             source = _describe_source(self.path, self.name, self.data_files, self.split)
-            _check_dataset(dataset, prompt_column=self.prompt_column, source=source)
+            _check_dataset(dataset, self.prompt_format, source=source)
             if dataset.num_rows < self.batch_size:
                 raise ValueError(
                     f"the {source} has {dataset.num_rows} rows, fewer than batch_size={self.batch_size}, "
@@ -205,7 +281,7 @@ class GRPODataModule(pl.LightningDataModule):
         if stage in (None, "fit", "validate") and self.val_split is not None and self.val_dataset is None:
             dataset = self._load_val()
             source = _describe_source(self.path, self.name, self._val_source_files(), self.val_split)
-            _check_dataset(dataset, prompt_column=self.prompt_column, source=source)
+            _check_dataset(dataset, self.prompt_format, source=source)
             self.val_dataset = dataset
 
     def train_dataloader(self) -> DataLoader:
@@ -230,7 +306,7 @@ class GRPODataModule(pl.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),  # worker seeds; never the global RNG
             drop_last=True,
             num_workers=self.num_workers,
-            collate_fn=functools.partial(collate_prompt_batch, prompt_column=self.prompt_column),
+            collate_fn=functools.partial(collate_prompt_batch, prompt_format=self.prompt_format),
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -242,7 +318,7 @@ class GRPODataModule(pl.LightningDataModule):
             batch_size=self.batch_size,
             shuffle=False,
             num_workers=self.num_workers,
-            collate_fn=functools.partial(collate_prompt_batch, prompt_column=self.prompt_column),
+            collate_fn=functools.partial(collate_prompt_batch, prompt_format=self.prompt_format),
         )
 
     def _load_train(self) -> datasets.Dataset:
@@ -257,11 +333,16 @@ class GRPODataModule(pl.LightningDataModule):
         return self.val_data_files if self.val_data_files is not None else self.data_files
 
 
-def collate_prompt_batch(rows: list[dict[str, Any]], prompt_column: str) -> PromptBatch:
-    """Turn dataset rows into a :class:`PromptBatch`: prompts apart, other columns as aligned lists."""
+def collate_prompt_batch(rows: list[dict[str, Any]], prompt_format: PromptFormat | str) -> PromptBatch:
+    """Turn dataset rows into a :class:`PromptBatch`: each row's prompt (:class:`PromptFormat`; a
+    column name means that column as it is), and every other column as aligned lists (with a
+    template, every column: the ones it uses too)."""
+    if isinstance(prompt_format, str):
+        prompt_format = PromptFormat(prompt_column=prompt_format)
+    prompt_column = prompt_format.prompt_column if prompt_format.prompt_template is None else None
     other_columns = [column for column in rows[0] if column != prompt_column]
     return PromptBatch(
-        prompts=[row[prompt_column] for row in rows],
+        prompts=[prompt_format(row) for row in rows],
         columns={column: [row[column] for row in rows] for column in other_columns},
     )
 
@@ -303,15 +384,11 @@ def _local_files(data_files: DataFiles | None) -> list[Path]:
     return [Path(entry) for entry in entries if Path(entry).is_file()]
 
 
-def _check_dataset(dataset: datasets.Dataset, *, prompt_column: str, source: str) -> None:
+def _check_dataset(dataset: datasets.Dataset, prompt_format: PromptFormat, *, source: str) -> None:
     """Raise ``ValueError`` naming the problem if ``dataset`` cannot feed GRPO training."""
     if dataset.num_rows == 0:
         raise ValueError(f"the {source} has no rows")
-    if prompt_column not in dataset.column_names:
-        raise ValueError(
-            f"prompt_column={prompt_column!r} is not a column of the {source}; "
-            f"its columns are {dataset.column_names}"
-        )
+    prompt_column = prompt_format.prompt_column if prompt_format.prompt_template is None else None
     reserved = [
         column for column in dataset.column_names if column in RESERVED_COLUMNS and column != prompt_column
     ]
@@ -320,6 +397,16 @@ def _check_dataset(dataset: datasets.Dataset, *, prompt_column: str, source: str
             f"the {source} has column(s) {reserved} whose names are reserved: every column other than "
             f"the prompt column is passed to reward functions as a keyword argument, next to "
             f"{list(RESERVED_COLUMNS)}; rename the column(s) in the data"
+        )
+    prompt_format.check(dataset, source)
+
+
+def _check_prompts(dataset: datasets.Dataset, prompt_column: str, source: str) -> None:
+    """Every row of ``prompt_column`` must be a non-empty string or a list of chat messages."""
+    if prompt_column not in dataset.column_names:
+        raise ValueError(
+            f"prompt_column={prompt_column!r} is not a column of the {source}; "
+            f"its columns are {dataset.column_names}"
         )
     for row_index, prompt in enumerate(dataset[prompt_column]):
         if not _is_valid_prompt(prompt):

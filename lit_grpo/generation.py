@@ -175,17 +175,28 @@ def is_conversational(prompt) -> bool:
     return isinstance(prompt, list)
 
 
-def render_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list) -> list[str]:
-    """Prompt texts as the model sees them: chat messages go through the chat template."""
+NO_CHAT_TEMPLATE = (
+    "the prompts are chat messages (a conversational prompt column, data.conversational or "
+    "data.system_prompt) but the tokenizer of {model} has no chat template; give plain-string prompts "
+    "without data.conversational/data.system_prompt, or use a tokenizer with a chat_template"
+)
+
+
+def render_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: list, chat_template_kwargs: dict | None = None
+) -> list[str]:
+    """Prompt texts as the model sees them: chat messages go through the chat template (with a
+    generation prompt and ``chat_template_kwargs``); strings are given as they are."""
     texts = []
     for prompt in prompts:
         if is_conversational(prompt):
             if tokenizer.chat_template is None:
-                raise ValueError(
-                    "The data has chat-message prompts but the tokenizer has no chat template; "
-                    "use plain-string prompts or a tokenizer with a chat_template."
+                raise ValueError(NO_CHAT_TEMPLATE.format(model=repr(tokenizer.name_or_path)))
+            texts.append(
+                tokenizer.apply_chat_template(
+                    prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
                 )
-            texts.append(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True))
+            )
         else:
             texts.append(prompt)
     return texts

@@ -47,7 +47,7 @@ from lit_grpo.attention import use_cpu_half_attention
 from lit_grpo.callbacks import ValidateBeforeTraining
 from lit_grpo.checkpointing import RNGStateCheckpoint
 from lit_grpo.config import AsWritten
-from lit_grpo.completions import COMPLETIONS_FILE, append_records, completion_records, format_table
+from lit_grpo.completions import COMPLETIONS_FILE, append_records, as_text, completion_records, format_table
 from lit_grpo.data import PromptBatch
 from lit_grpo.distributed import (
     agreed_over_sharded_ranks,
@@ -61,6 +61,7 @@ from lit_grpo.distributed import (
 from lit_grpo.generation import (
     FORWARD_OVERHEAD_TOKENS,
     GENERATION_BACKENDS,
+    NO_CHAT_TEMPLATE,
     Rollout,
     concat_rollouts,
     decode_completions,
@@ -254,6 +255,8 @@ class GRPOModule(pl.LightningModule):
             prompt encoded once, preallocated KV cache, finished completions leave the batch);
             ``transformers``: Hugging Face ``generate``. ``lit`` falls back to ``generate`` (with a
             warning) for models or generation options it does not implement.
+        chat_template_kwargs: extra keyword arguments of ``apply_chat_template`` when chat prompts are
+            rendered; ``lit-grpo fit`` sets them from ``data.chat_template_kwargs``.
         optimizer: built lazily from the YAML top-level ``optimizer:`` block (linked here by the
             CLI); None means AdamW at TRL's default learning rate 1e-6.
         lr_scheduler: built from the top-level ``lr_scheduler:`` block; stepped after every
@@ -312,6 +315,7 @@ class GRPOModule(pl.LightningModule):
         share_prompt_forward: bool = True,
         skip_zero_gradient_rows: bool = True,
         generation_backend: str = "lit",
+        chat_template_kwargs: dict[str, AsWritten] | None = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
     ):
@@ -400,6 +404,9 @@ class GRPOModule(pl.LightningModule):
         if self.trainer.strategy.root_device.type == "cpu":
             keep_freed_memory()  # no page faults for memory freed by the previous step (lit_grpo.allocator)
         datamodule = getattr(self.trainer, "datamodule", None)
+        prompt_format = getattr(datamodule, "prompt_format", None)
+        if prompt_format is not None and prompt_format.makes_conversations and self.tokenizer.chat_template is None:
+            raise ValueError(NO_CHAT_TEMPLATE.format(model=f"model.model_name_or_path {self.hparams.model_name_or_path!r}"))
         if stage == "fit" and datamodule is not None and hasattr(datamodule, "batch_size"):
             check_batch_sizes(
                 datamodule.batch_size,
@@ -904,7 +911,7 @@ class GRPOModule(pl.LightningModule):
     @torch.no_grad()
     def generate(self, prompts: list) -> Rollout:
         """Sample ``num_generations`` completions for each prompt (strings or chat messages)."""
-        texts = render_prompts(self.tokenizer, prompts)
+        texts = render_prompts(self.tokenizer, prompts, self.hparams.chat_template_kwargs)
         with gathered_for_generation(self.policy):  # FSDP2: gather the weights once, not per token
             return generate_completions(
                 self.policy,
@@ -1077,7 +1084,7 @@ class GRPOModule(pl.LightningModule):
             rollout = generate_completions(
                 self.policy,
                 self.tokenizer,
-                render_prompts(self.tokenizer, batch.prompts),
+                render_prompts(self.tokenizer, batch.prompts, hp.chat_template_kwargs),
                 k,
                 self.eval_generation_config,
                 hp.max_prompt_length,
@@ -1234,9 +1241,7 @@ def batch_idx_of(module: pl.LightningModule) -> int:
 
 
 def _cell(value) -> str:
-    if isinstance(value, list):
-        value = value[-1]["content"] if value and isinstance(value[-1], dict) else str(value)
-    return str(value).replace("|", "\\|").replace("\n", "⏎")
+    return as_text(value).replace("|", "\\|").replace("\n", "⏎")
 
 
 def _check_settings(hp) -> None:
