@@ -29,7 +29,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import QUICKSTART_DATA, build_models, command_line, machine_description, markdown_table, write_outputs  # noqa: E402
+from harness import (  # noqa: E402
+    QUICKSTART_DATA,
+    build_models,
+    command_line,
+    machine_description,
+    markdown_table,
+    write_outputs,
+)
 
 
 def median_seconds(function, repeats: int) -> float:
@@ -49,7 +56,7 @@ def decode_rows(repeats: int) -> list[dict]:
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from lit_grpo.attention import cpu_half_attention
+    from lit_grpo.cpu.attention import cpu_half_attention
 
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -71,7 +78,7 @@ def training_rows(repeats: int) -> list[dict]:
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from lit_grpo.attention import cpu_half_attention
+    from lit_grpo.cpu.attention import cpu_half_attention
 
     rows = []
     for n, length in ((64, 38), (30, 134), (16, 254)):
@@ -102,6 +109,7 @@ def sampler_rows(size: str, model_dir: str, length: int, repeats: int) -> list[d
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    import lit_grpo.cpu as cpu
     import lit_grpo.generation as generation
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -111,25 +119,30 @@ def sampler_rows(size: str, model_dir: str, length: int, repeats: int) -> list[d
         max_new_tokens=length, min_new_tokens=length, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
     )
-    shipped = {name: getattr(generation, name) for name in ("use_cpu_half_attention", "weights_cast_once", "cpu_half_precision")}
+    # (module, attribute) -> what each variant puts there instead of the shipped function
+    shipped = {
+        (cpu, "use_cpu_half_attention"): cpu.use_cpu_half_attention,
+        (generation, "weights_cast_once"): generation.weights_cast_once,
+        (cpu, "kv_cache_block"): cpu.kv_cache_block,
+    }
     off = lambda *args: contextlib.nullcontext()  # noqa: E731
     variants = {
         "as shipped": {},
-        "SDPA attention": {"use_cpu_half_attention": off},
-        "weights cast every token": {"weights_cast_once": off},
-        "KV cache as views of the filled positions": {"cpu_half_precision": lambda model, device: False},
+        "SDPA attention": {(cpu, "use_cpu_half_attention"): off},
+        "weights cast every token": {(generation, "weights_cast_once"): off},
+        "KV cache as views of the filled positions": {(cpu, "kv_cache_block"): lambda model, device: None},
     }
     times = {name: [] for name in variants}
     for _ in range(repeats):
         for name, replaced in variants.items():
-            for attribute, value in {**shipped, **replaced}.items():
-                setattr(generation, attribute, value)
+            for (module, attribute), value in {**shipped, **replaced}.items():
+                setattr(module, attribute, value)
             try:
                 with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):  # as Lightning's bf16-mixed
                     times[name].append(median_seconds(lambda: generation.generate_completions(model, tokenizer, prompts, 8, config), 1))
             finally:
-                for attribute, value in shipped.items():
-                    setattr(generation, attribute, value)
+                for (module, attribute), value in shipped.items():
+                    setattr(module, attribute, value)
     shipped_s = statistics.median(times["as shipped"])
     return [
         {"size": size, "variant": name, "length": length, "seconds": statistics.median(ts), "shipped_speedup": statistics.median(ts) / shipped_s}

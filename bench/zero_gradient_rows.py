@@ -67,7 +67,7 @@ def sampled_batch(model_dir: str, length: int, precision: str):
     module.manual_backward = lambda loss: loss.backward()  # what Lightning's does on one CPU without a GradScaler
     autocast = module.trainer.precision_plugin.forward_context
     with autocast():
-        scored, _ = module._generate_and_score(batch)
+        scored, _ = module.generate_and_score(batch)
     return module, scored, autocast
 
 
@@ -106,7 +106,7 @@ def time_training_phase(module, scored, autocast, zero_groups: list[int], repeat
 
     def train():
         with autocast():
-            module._micro_batch_backward(scored, every_row, 1.0, sync=True)
+            module.logprobs.micro_batch_backward(module.policy, scored, every_row, 1.0, sync=True)
 
     return time_alternating(module, scored, zero_groups, repeats, train)
 
@@ -121,7 +121,7 @@ def time_old_logps_pass(module, scored, autocast, zero_groups: list[int], repeat
 
     def old_logps_pass():
         with autocast():
-            module._sampling_policy_logps(scored, later_rows=later_rows)
+            module.logprobs.sampling_policy_logps(module.policy, scored, later_rows=later_rows)
 
     results = time_alternating(module, scored, zero_groups, repeats, old_logps_pass)
     for result in results:

@@ -400,7 +400,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # optimizer step, as Hugging Face's Trainer and TRL do; a global normaliser (dapo) needs no division.
 # Every built-in loss is a sum of per-row terms whose normalisers depend only on the masks
 # (``rows_independent``): a row's gradient does not depend on the other rows' log-probs, so a
-# micro-batch may go forward and backward in chunks of rows (``GRPOModule._micro_batch_backward``).
+# micro-batch may go forward and backward in chunks of rows (``lit_grpo.logprobs.LogProbEngine.micro_batch_backward``).
 Aggregation = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "RNGStateCheckpoint",
     "ResumableDataLoader",
     "capture_rng_states",
+    "check_no_weight_left_behind",
     "configure_checkpointing",
     "restore_rng_states",
 ]
@@ -303,6 +304,18 @@ def fsync_directory(directory: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 # Defaults of the `lit-grpo` command
 # ----------------------------------------------------------------------------------------------
+
+
+def check_no_weight_left_behind(saved_keys: list[str], state_dict: dict) -> None:
+    """A sharded checkpoint loads only the weights the module asks for: refuse one that holds weights
+    this module has no place for (a resume with other ``model.lora`` target modules would drop them)."""
+    left_behind = sorted(set(saved_keys) - set(state_dict))
+    if left_behind:
+        raise ValueError(
+            f"The sharded checkpoint holds {len(left_behind)} weights this module does not have "
+            f"({', '.join(left_behind[:3])}{' ...' if len(left_behind) > 3 else ''}): was it saved "
+            "with the same model.model_name_or_path and model.lora settings?"
+        )
 
 
 def configure_checkpointing(trainer_config) -> None:

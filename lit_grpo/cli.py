@@ -13,13 +13,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from collections.abc import Iterable, Mapping
 
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
 
+from lit_grpo import plugins
 from lit_grpo.checkpointing import configure_checkpointing
+from lit_grpo.plugins import RewardInfo
 
 # Where a run without a logger of its own logs: ``<trainer.default_root_dir or runs>/lit-grpo/version_N``.
 DEFAULT_LOG_ROOT = "runs"
@@ -137,14 +141,48 @@ def init_tiny_main(argv: list[str]) -> None:
     print(f"Wrote a tiny {options.architecture} model and character tokenizer to {path}")
 
 
-def rewards_main(argv: list[str]) -> None:
-    from lit_grpo import plugins
+def _as_list(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> list[RewardInfo]:
+    return list(infos.values()) if isinstance(infos, Mapping) else list(infos)
 
+
+def format_rewards_table(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> str:
+    """An aligned plain-text table with columns NAME, PACKAGE, VERSION, DESCRIPTION."""
+    rows = [(i.name, i.package, i.version, i.doc) for i in _as_list(infos)]
+    if not rows:
+        return "No rewards installed. " + plugins.INSTALL_HINT
+    header = ("NAME", "PACKAGE", "VERSION", "DESCRIPTION")
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(3)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3]
+        for row in [header, *rows]
+    ]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def rewards_as_json(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> str:
+    """A JSON list of ``{name, package, version, description, kind, object}``."""
+    return json.dumps(
+        [
+            {
+                "name": i.name,
+                "package": i.package,
+                "version": i.version,
+                "description": i.doc,
+                "kind": i.kind,
+                "object": i.source,
+            }
+            for i in _as_list(infos)
+        ],
+        indent=2,
+    )
+
+
+def rewards_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="lit-grpo rewards", description="List the installed reward functions.")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     options = parser.parse_args(argv)
     infos = list(plugins.get_rewards().values())
-    print(plugins.rewards_as_json(infos) if options.json else plugins.format_rewards_table(infos))
+    print(rewards_as_json(infos) if options.json else format_rewards_table(infos))
 
 
 class PromptsCLI(GRPOCLI):
@@ -153,7 +191,7 @@ class PromptsCLI(GRPOCLI):
 
     def instantiate_classes(self) -> None:
         from lit_grpo.data import GRPODataModule
-        from lit_grpo.module import load_tokenizer
+        from lit_grpo.models import load_tokenizer
 
         self.datamodule = GRPODataModule(**self.config.data.as_dict())
         self.tokenizer = load_tokenizer(self.config.model.model_name_or_path)

@@ -86,14 +86,16 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _cell(value: Any, width: int) -> str:
+def _cell(value: Any, width: int | None) -> str:
     text = as_text(value) if not isinstance(value, float) else f"{value:.3f}"
     text = text.replace("\n", "⏎").replace("|", "\\|")
-    return text if len(text) <= width else text[: width - 1] + "…"
+    return text if width is None or len(text) <= width else text[: width - 1] + "…"
 
 
-def format_table(records: list[dict[str, Any]], width: int = 40) -> str:
-    """A compact Markdown table: prompt, completion, each reward, reward, advantage."""
+def format_table(records: list[dict[str, Any]], width: int | None = 40) -> str:
+    """A Markdown table: prompt, completion, each reward, reward, advantage; text cells cut to
+    ``width`` characters (None: whole). The console, ``lit-grpo completions`` and the logger's
+    completions table all show it."""
     if not records:
         return "(no completions)"
     names = list(records[0]["rewards"])

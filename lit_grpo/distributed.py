@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
+from lightning.pytorch.strategies import (
+    ModelParallelStrategy as _LightningModelParallelStrategy,
+)
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit_grpo.checkpointing import fsync_directory
@@ -36,6 +38,7 @@ __all__ = [
     "ModelParallelStrategy",
     "agreed_over_sharded_ranks",
     "data_parallel_mesh",
+    "gather_objects",
     "gather_real_values",
     "gather_rows",
     "gathered_for_generation",
@@ -175,6 +178,16 @@ def gather_rows(tensor: torch.Tensor, all_gather) -> torch.Tensor:
     if gathered.dim() == tensor.dim():
         return gathered
     return gathered.reshape(-1, *tensor.shape[1:])
+
+
+def gather_objects(items: list) -> list:
+    """Concatenate a per-rank list of picklable objects over all ranks, in rank order (the list
+    itself on one process). A collective: every rank must call it."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return items
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
 
 
 def gather_real_values(values: torch.Tensor, mask: torch.Tensor, all_gather) -> torch.Tensor:

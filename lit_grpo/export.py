@@ -27,10 +27,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from peft import PeftModel
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 
 from lit_grpo import models
-from lit_grpo.module import load_tokenizer
 
 __all__ = ["ExportOnFitEnd", "export_checkpoint", "export_policy", "rebuild_policy"]
 
@@ -141,7 +143,7 @@ def export_policy(
         raise ValueError(
             "merge_lora=False (--no-merge-lora) keeps a LoRA adapter, but this policy has none (model.lora is null)"
         )
-    tokenizer = load_tokenizer(hparams["model_name_or_path"])
+    tokenizer = models.load_tokenizer(hparams["model_name_or_path"])
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))

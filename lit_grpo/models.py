@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import warnings
 from collections.abc import Iterator, Mapping
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 __all__ = [
     "HALF_DTYPES",
@@ -37,13 +38,17 @@ __all__ = [
     "reference_init_kwargs",
     "add_frozen_weights",
     "build_policy",
+    "cache_argument",
     "drop_frozen_weights",
     "enable_gradient_checkpointing",
     "eos_token_ids",
     "load_causal_lm",
+    "load_tokenizer",
     "lora_config",
     "model_init_kwargs",
+    "partial_kv_cache_reason",
     "reference_model",
+    "text_config",
 ]
 
 # What ``model.lora`` adds to peft's own LoraConfig defaults (r 8, lora_alpha 8, lora_dropout 0):
@@ -145,22 +150,6 @@ def check_trainable_dtype(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return message
 
 
-def cpu_multiplies_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
-    """Whether this CPU multiplies bf16 in hardware (the ``avx512_bf16`` or ``amx_bf16`` flag of Linux's
-    ``/proc/cpuinfo``); None where that cannot be read. Without them PyTorch emulates bf16 matmuls,
-    several to tens of times slower than float32 (1 thread: 31 vs 115 GFLOP/s on an AVX-512 Xeon; on an
-    AMD EPYC with AVX2 only, 1.3-2.3 vs 70-78 GFLOP/s for ``torch.matmul`` and 10x slower linear
-    layers, ``bench/results/fused_projections_zen3.md``)."""
-    try:
-        with open(cpuinfo) as file:
-            flags = next((line.split(":", 1)[1].split() for line in file if line.startswith("flags")), None)
-    except OSError:
-        return None
-    if flags is None:
-        return None
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
     """Every token id that ends a completion: the model's ``generation_config.eos_token_id`` (a
     list for chat models: Qwen2.5 ends a turn with ``<|im_end|>`` or ``<|endoftext|>``) and the
@@ -171,6 +160,36 @@ def eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return list(dict.fromkeys(int(i) for i in ids))
+
+
+def text_config(model: torch.nn.Module):
+    """The configuration that holds the attention settings (the text part of a multimodal model)."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def partial_kv_cache_reason(model: torch.nn.Module) -> str | None:
+    """Why a KV cache of this model may not hold the whole prompt, or the model is not a plain
+    decoder (sliding-window or linear-attention layers, encoder-decoder); None for full attention."""
+    config = text_config(model)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+        return f"layer types {sorted(set(layer_types))}"
+    if layer_types is None and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    return None
+
+
+def cache_argument(model: torch.nn.Module, cache) -> dict:
+    """``{name: cache}`` for a forward call of ``model``: ``transformers`` 5.24 renamed the forward
+    argument ``past_key_values`` to ``cache`` (the old name is deprecated, to be removed in 5.40).
+    The name is the one the model's forward declares (behind a ``peft`` wrapper, its base model's),
+    so models written for either version get their cache: a remote-code model that only knows
+    ``past_key_values`` would silently ignore a ``cache`` keyword."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values": cache}
 
 
 def load_causal_lm(path: str, init_kwargs: dict[str, Any]) -> PreTrainedModel:
@@ -332,3 +351,41 @@ def add_frozen_weights(state_dict: dict[str, Any], model: torch.nn.Module, prefi
         )
     frozen = {prefix + key: value for key, value in model_state.items() if prefix + key not in state_dict}
     return {**frozen, **state_dict}
+
+
+# ----------------------------------------------------------------------------------------------
+# The tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+def _looks_like_local_path(path: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything else that does not exist is a missing directory."""
+    return path.startswith((".", "/", "~")) or path.count("/") > 1 or (os.sep != "/" and os.sep in path)
+
+
+def _check_model_path(path: str) -> None:
+    if not os.path.exists(os.path.expanduser(path)) and _looks_like_local_path(path):
+        raise FileNotFoundError(
+            f"model.model_name_or_path {path!r} does not exist. Give a local directory written by "
+            "save_pretrained (e.g. one made by `lit-grpo init-tiny DIR`) or a Hugging Face hub id."
+        )
+
+
+def load_tokenizer(path: str):
+    """The tokenizer, with a pad token (EOS when it has none, with a warning)."""
+    _check_model_path(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(path))
+    except OSError as exc:
+        raise OSError(
+            f"Could not load the tokenizer of model.model_name_or_path {path!r}: {exc}"
+        ) from exc
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"The tokenizer of {path!r} has neither a pad token nor an EOS token")
+        warnings.warn(
+            f"The tokenizer of {path!r} has no pad token; using its EOS token {tokenizer.eos_token!r} for padding",
+            stacklevel=2,
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

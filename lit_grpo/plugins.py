@@ -1,4 +1,4 @@
-"""Reward plugins: the hookspec, entry-point discovery and the reward registry.
+"""Reward plugins: entry-point discovery and the reward registry (the hooks: :mod:`lit_grpo.hookspecs`).
 
 Every reward, first-party or not, lives in a pip-installable *plugin package* that declares an
 entry point in the ``lit_grpo`` group and implements one pluggy hook::
@@ -18,8 +18,8 @@ entry point in the ``lit_grpo`` group and implements one pluggy hook::
     def register_rewards(register):
         register(shouts)            # name defaults to shouts.__name__
 
-Discovery is lazy and happens once per process (the first :func:`get_rewards`, :func:`get_reward`
-or :func:`build_reward` call); :func:`reset_plugins` forgets it (for tests, or after changing the
+Discovery is lazy and happens once per process (the first :func:`get_rewards` or :func:`get_reward`
+call, e.g. by ``lit_grpo.scoring.build_reward``); :func:`reset_plugins` forgets it (for tests, or after changing the
 environment variables below).
 
 Environment variables, read when plugins are first loaded:
@@ -40,32 +40,28 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-import json
 import os
 import re
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from typing import Any
 
 import pluggy
 
-from lit_grpo import hookimpl, hookspec  # noqa: F401  (hookimpl re-exported for convenience)
+from lit_grpo.hookspecs import Hookspecs
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "DuplicateRewardError",
-    "Hookspecs",
     "PluginError",
     "PluginInfo",
     "PluginLoadWarning",
     "RewardArgumentError",
     "RewardInfo",
     "UnknownRewardError",
-    "build_reward",
-    "format_rewards_table",
     "get_plugin_manager",
     "get_plugins",
     "get_reward",
@@ -73,7 +69,6 @@ __all__ = [
     "load_plugins",
     "register_plugin",
     "reset_plugins",
-    "rewards_as_json",
     "unregister_plugin",
 ]
 
@@ -89,26 +84,6 @@ INSTALL_HINT = (
     "`pip install -e rewards` from a lit-grpo checkout) and run `lit-grpo rewards` to list what is "
     "installed."
 )
-
-
-# --------------------------------------------------------------------------------------------------
-# Hook specification
-# --------------------------------------------------------------------------------------------------
-
-
-class Hookspecs:
-    """The hooks a lit-grpo plugin may implement."""
-
-    @hookspec
-    def register_rewards(self, register: Callable[..., None]) -> None:
-        """Register reward functions or classes.
-
-        Call ``register(obj, name=None)`` once per reward. ``obj`` is a function called as
-        ``obj(prompts=..., completions=..., completion_ids=..., **columns)`` returning one
-        ``float | None`` per completion, or a class whose constructor takes the reward's YAML
-        ``args`` and whose instances are such callables. ``name`` (the name used in YAML)
-        defaults to ``obj.__name__``.
-        """
 
 
 # --------------------------------------------------------------------------------------------------
@@ -565,151 +540,3 @@ def get_reward(name: str) -> RewardInfo:
 # --------------------------------------------------------------------------------------------------
 # Building a configured reward callable
 # --------------------------------------------------------------------------------------------------
-
-
-class _BoundReward(functools.partial):
-    """``functools.partial`` whose bound keywords win over call keywords.
-
-    The trainer passes every dataset column as a keyword argument; a column that happens to share
-    its name with a YAML ``args`` entry must not silently override the configured value.
-    """
-
-    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        return self.func(*args, **{**kwargs, **self.keywords})
-
-
-def _signature(obj: Any) -> inspect.Signature | None:
-    try:
-        return inspect.signature(obj)
-    except (TypeError, ValueError):  # builtins without a signature
-        return None
-
-
-def _check_args(info: RewardInfo, args: dict[str, Any], sig: inspect.Signature | None, what: str) -> None:
-    """Raise :class:`RewardArgumentError` for args the signature cannot take."""
-    reserved = [a for a in args if a in RESERVED_ARGS]
-    if reserved:
-        raise RewardArgumentError(
-            f"Reward '{info.name}' ({info.label}): args may not set {reserved[0]!r}; "
-            f"{', '.join(RESERVED_ARGS)} are supplied by the trainer on every call"
-        )
-    if sig is None:
-        return
-    params = sig.parameters.values()
-    named = [
-        p.name
-        for p in params
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in RESERVED_ARGS
-    ]
-    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
-    for arg in args:
-        if arg in named:
-            continue
-        close = difflib.get_close_matches(arg, named, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        if not has_var_kw:
-            raise RewardArgumentError(
-                f"Reward '{info.name}' ({info.label}) got an unexpected argument {arg!r} in args"
-                f"{hint}; its {what} accepts: {', '.join(named) or 'no arguments'}"
-            )
-        if close:
-            warnings.warn(
-                f"Reward '{info.name}' ({info.label}): argument {arg!r} in args is not a named "
-                f"parameter of its {what}; it goes to **kwargs{hint}",
-                UserWarning,
-                stacklevel=3,
-            )
-
-
-def build_reward(name: str, args: Mapping[str, Any] | None = None) -> Callable[..., Any]:
-    """Resolve reward ``name`` and configure it with ``args`` (the YAML ``args`` mapping).
-
-    * a class is instantiated with ``**args`` (constructor arguments);
-    * a function with non-empty ``args`` is bound with a ``functools.partial`` (keeping the
-      function's ``__name__`` and ``__doc__``); configured ``args`` take precedence over dataset
-      columns of the same name;
-    * a function with no ``args`` is returned as is.
-
-    Raises :class:`UnknownRewardError` for an unknown name and :class:`RewardArgumentError` for
-    ``args`` the reward cannot take (or a constructor that raises).
-    """
-    info = get_reward(name)
-    if args is None:
-        args = {}
-    if not isinstance(args, Mapping):
-        raise RewardArgumentError(
-            f"Reward '{name}' ({info.label}): args must be a mapping of keyword arguments, "
-            f"got {type(args).__name__}: {args!r}"
-        )
-    args = dict(args)
-    bad_keys = [k for k in args if not isinstance(k, str)]
-    if bad_keys:
-        raise RewardArgumentError(f"Reward '{name}' ({info.label}): argument names must be strings, got {bad_keys[0]!r}")
-    obj = info.obj
-    if inspect.isclass(obj):
-        sig = _signature(obj)
-        _check_args(info, args, sig, "constructor")
-        if sig is not None:
-            try:
-                sig.bind(**args)
-            except TypeError as exc:
-                raise RewardArgumentError(
-                    f"Reward '{name}' ({info.label}) cannot be constructed with args {args!r}: {exc}"
-                ) from None
-        try:
-            return obj(**args)
-        except Exception as exc:
-            raise RewardArgumentError(
-                f"Reward '{name}' ({info.label}): constructing {obj.__qualname__}(**{args!r}) raised "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-    if not args:
-        return obj
-    _check_args(info, args, _signature(obj), "function")
-    bound = _BoundReward(obj, **args)
-    bound.__name__ = getattr(obj, "__name__", name)
-    bound.__qualname__ = getattr(obj, "__qualname__", name)
-    bound.__doc__ = getattr(obj, "__doc__", None)
-    bound.__module__ = getattr(obj, "__module__", None)
-    return bound
-
-
-# --------------------------------------------------------------------------------------------------
-# Listing (``lit-grpo rewards [--json]``)
-# --------------------------------------------------------------------------------------------------
-
-
-def _as_list(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> list[RewardInfo]:
-    return list(infos.values()) if isinstance(infos, Mapping) else list(infos)
-
-
-def format_rewards_table(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> str:
-    """An aligned plain-text table with columns NAME, PACKAGE, VERSION, DESCRIPTION."""
-    rows = [(i.name, i.package, i.version, i.doc) for i in _as_list(infos)]
-    if not rows:
-        return "No rewards installed. " + INSTALL_HINT
-    header = ("NAME", "PACKAGE", "VERSION", "DESCRIPTION")
-    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(3)]
-    lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3]
-        for row in [header, *rows]
-    ]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def rewards_as_json(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> str:
-    """A JSON list of ``{name, package, version, description, kind, object}``."""
-    return json.dumps(
-        [
-            {
-                "name": i.name,
-                "package": i.package,
-                "version": i.version,
-                "description": i.doc,
-                "kind": i.kind,
-                "object": i.source,
-            }
-            for i in _as_list(infos)
-        ],
-        indent=2,
-    )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 
+from lit_grpo.config import check_reference_sync
 from lit_grpo.distributed import reshard
 
 __all__ = ["ReferenceModelSync", "mix_into_reference"]
@@ -40,10 +41,7 @@ class ReferenceModelSync(pl.Callback):
     """Mix the policy into the reference every ``sync_steps`` optimizer steps (added by the module)."""
 
     def __init__(self, sync_steps: int, alpha: float) -> None:
-        if sync_steps < 1:
-            raise ValueError(f"model.ref_model_sync_steps must be at least 1, got {sync_steps}")
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"model.ref_model_mixup_alpha must be in (0, 1], got {alpha}")
+        check_reference_sync(sync_steps, alpha)
         self.sync_steps = sync_steps
         self.alpha = alpha
         self.num_syncs = 0  # this process's count, for logging

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from lit_grpo.attention import text_config
-from lit_grpo.generation import cache_argument, partial_kv_cache_reason, position_ids_from_mask
+from lit_grpo.models import cache_argument, partial_kv_cache_reason, text_config
+from lit_grpo.rollout import position_ids_from_mask
 
 __all__ = ["PromptGroups", "PromptPrefix", "completion_logits", "distinct_prompts", "encode_prompts", "shared_prompt_unsupported"]
 

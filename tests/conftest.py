@@ -73,7 +73,7 @@ def logps_entropy_grads(module, rollout, **hparams):
     for name, value in hparams.items():
         setattr(module.hparams, name, value)
     module.policy.zero_grad()
-    logps, entropy = module.completion_logps(module.policy, rollout, with_entropy=True)
+    logps, entropy = module.logprobs.completion_logps(module.policy, rollout, with_entropy=True)
     mask = rollout.completion_mask[:, : logps.size(1)]
     ((logps * mask).sum() + (entropy * mask).sum()).backward()
     grads = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])

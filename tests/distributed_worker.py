@@ -28,7 +28,8 @@ def fixed_generate_completions(model, tokenizer, prompt_texts, num_generations, 
     """Completions that depend only on (prompt text, index in the group): random tokens from a
     generator seeded by both, of a seeded length; those shorter than the maximum end with EOS."""
     from lit_grpo.algorithm import completion_mask_from_ids
-    from lit_grpo.generation import Rollout, tokenize_prompts
+    from lit_grpo.generation import tokenize_prompts
+    from lit_grpo.rollout import Rollout
 
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)
@@ -81,7 +82,10 @@ def register_gated_reward() -> None:
 
 def full_policy_state(module) -> dict[str, torch.Tensor]:
     """Unsharded policy weights on CPU (a collective under FSDP2: every rank calls it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     if module.device_mesh is not None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -117,15 +121,16 @@ def main() -> None:
 
     import lightning.pytorch as pl
 
+    import lit_grpo.logprobs
     import lit_grpo.module
     from lit_grpo.cli import run_cli
 
     if args.fixed_completions:
         lit_grpo.module.generate_completions = fixed_generate_completions
     if args.share_prompts_always:
-        lit_grpo.module.FORWARD_OVERHEAD_TOKENS = 0
+        lit_grpo.logprobs.FORWARD_OVERHEAD_TOKENS = 0
     if args.share_prompts_on_rank_0_only:  # RANK: set by torch.distributed.run
-        lit_grpo.module.FORWARD_OVERHEAD_TOKENS = 0 if int(os.environ.get("RANK", "0")) == 0 else 10**9
+        lit_grpo.logprobs.FORWARD_OVERHEAD_TOKENS = 0 if int(os.environ.get("RANK", "0")) == 0 else 10**9
     if args.gated_reward:
         register_gated_reward()
 
@@ -152,17 +157,17 @@ def main() -> None:
     manual_backward = module.manual_backward
     module.manual_backward = lambda loss, *a, **kw: (backward_passes.append(1), manual_backward(loss, *a, **kw))[1]
     skipped_rows = []  # rows of this rank's micro-batches that went forward without a backward
-    rows_without_gradient = module._rows_without_gradient
+    rows_without_gradient = module.logprobs.rows_without_gradient
 
     def counting_rows_without_gradient(*args, **kwargs):
         frozen = rows_without_gradient(*args, **kwargs)
         skipped_rows.append(0 if frozen is None else len(frozen))
         return frozen
 
-    module._rows_without_gradient = counting_rows_without_gradient
+    module.logprobs.rows_without_gradient = counting_rows_without_gradient
     no_grad_rows = []  # rows of this rank's no-gradient log-prob passes (old and reference log-probs)
-    logps_no_grad = module._logps_no_grad
-    module._logps_no_grad = lambda model, rollout: (no_grad_rows.append(rollout.completion_ids.size(0)), logps_no_grad(model, rollout))[1]
+    logps_no_grad = module.logprobs.logps_no_grad
+    module.logprobs.logps_no_grad = lambda model, rollout: (no_grad_rows.append(rollout.completion_ids.size(0)), logps_no_grad(model, rollout))[1]
     compute_dtypes = set()  # (weight dtype, input dtype) of q_proj in forwards with gradient
     if args.record_compute_dtype:
         def record(layer, inputs):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lit_grpo.allocator import uses_glibc
+from lit_grpo.cpu.allocator import uses_glibc
 
 pytestmark = pytest.mark.skipif(not uses_glibc(), reason="glibc malloc settings")
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not uses_glibc(), reason="glibc malloc settings"
 FREE_THEN_ALLOCATE = """
 import ctypes, json, resource, sys
 import torch
-from lit_grpo.allocator import keep_freed_memory
+from lit_grpo.cpu.allocator import keep_freed_memory
 status = keep_freed_memory() if sys.argv[1] == "keep" else "glibc defaults"
 class MallInfo(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
@@ -76,9 +76,10 @@ def test_a_cpu_run_applies_it(monkeypatch, tiny_model_dir, say_a_or_b_file):
     from conftest import cpu_trainer
     from test_module import make_data, make_module
 
+    import lit_grpo.cpu
     import lit_grpo.module
 
     calls = []
-    monkeypatch.setattr(lit_grpo.module, "keep_freed_memory", lambda: calls.append("set") or "set")
+    monkeypatch.setattr(lit_grpo.cpu, "keep_freed_memory", lambda: calls.append("set") or "set")
     cpu_trainer().fit(make_module(tiny_model_dir), datamodule=make_data(say_a_or_b_file))
     assert calls == ["set"]

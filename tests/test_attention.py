@@ -11,10 +11,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-import lit_grpo.attention as attention
-import lit_grpo.generation as generation
+import lit_grpo.cpu
+import lit_grpo.cpu.attention as attention
+import lit_grpo.logprobs
 import lit_grpo.module
-from lit_grpo.attention import NAME, cpu_half_attention, use_cpu_half_attention
+from lit_grpo.cpu.attention import NAME, cpu_half_attention, use_cpu_half_attention
 from lit_grpo.generation import generate_completions
 
 GQA_MODULE = SimpleNamespace(num_key_value_groups=2, is_causal=True)  # 4 query heads on 2 key/value heads
@@ -188,7 +189,7 @@ def test_bf16_group_sampler_never_calls_sdpa_and_decodes_as_float32_attention(ch
             return sdpa(query.float(), key.float(), value.float(), *args, **kwargs).to(query.dtype)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", float32_sdpa)
-    monkeypatch.setattr(generation, "use_cpu_half_attention", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(lit_grpo.cpu, "use_cpu_half_attention", lambda model: contextlib.nullcontext())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         reference = generate_completions(model, tokenizer, GREEDY_PROMPTS, 2, config, backend="lit")
     assert fast.completion_ids.shape[1] > 1
@@ -248,11 +249,10 @@ def test_bf16_training_step_runs_no_sdpa_kernel(tiny_model_dir, say_a_or_b_file,
     """A bf16-mixed training step (sampling, then a backward in chunks after one shared prompt
     forward) takes the matmul attention everywhere, and its update moves the weights by finite amounts."""
     import lightning.pytorch as pl
-
     import test_module
 
     pl.seed_everything(0)
-    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)  # share even these short prompts
+    monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 0)  # share even these short prompts
     module = test_module.make_module(
         tiny_model_dir, max_completion_length=6, forward_token_budget=12, optimizer=test_module.adamw(1e-2)
     )
@@ -277,6 +277,6 @@ def test_import_caps_onednn_primitive_cache_unless_the_user_set_it(preset, expec
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     if preset is not None:
         env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = preset
-    code = "import os, lit_grpo; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    code = "import os, lit_grpo.cpu; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
     output = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert output.strip() == expected

@@ -15,8 +15,6 @@ import yaml
 
 from lit_grpo import plugins
 from lit_grpo.cli import GRPOCLI, main, run_cli
-from lit_grpo.data import GRPODataModule
-from lit_grpo.module import GRPOModule
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"

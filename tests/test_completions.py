@@ -17,14 +17,14 @@ def logged_run(tiny_model_dir, say_a_or_b_file, fast_trainer, tmp_path, capsys):
     pl.seed_everything(0)
     module = make_module(tiny_model_dir, rewards=LOWERCASE, print_completions=2)
     scored_steps = []
-    generate_and_score = module._generate_and_score
+    generate_and_score = module.generate_and_score
 
     def recording(batch, training=True):
         scored, completions = generate_and_score(batch, training)
         scored_steps.append((batch, scored, completions))
         return scored, completions
 
-    module._generate_and_score = recording
+    module.generate_and_score = recording
     logger = TensorBoardLogger(tmp_path / "runs", name="demo")
     trainer = fast_trainer(max_steps=3, logger=logger, log_every_n_steps=2)
     trainer.fit(module, make_data(say_a_or_b_file))
@@ -78,3 +78,32 @@ def test_completions_command_errors_name_what_is_missing(logged_run, tmp_path, c
     with pytest.raises(SystemExit):
         main(["completions", str(tmp_path / "empty")])
     assert "no completions.jsonl under" in capsys.readouterr().err
+
+
+def test_a_logger_without_a_directory_trains_and_still_prints(tiny_model_dir, say_a_or_b_file, fast_trainer, capsys):
+    """A logger with no log directory (as a metrics-only logger): nowhere to write completions.jsonl,
+    but the run trains and prints its completions."""
+    from lightning.pytorch.loggers import Logger
+    from lightning.pytorch.loggers.logger import rank_zero_experiment
+
+    class MetricsOnly(Logger):
+        name, version = "metrics-only", 0
+        logged: list = []
+
+        @property
+        @rank_zero_experiment
+        def experiment(self):
+            return None
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            self.logged.append(metrics)
+
+    logger = MetricsOnly()
+    assert logger.log_dir is None
+    module = make_module(tiny_model_dir, rewards=LOWERCASE, print_completions=1)
+    fast_trainer(max_steps=2, logger=logger).fit(module, make_data(say_a_or_b_file))
+    assert module.run_log_dir is None
+    assert [m for m in logger.logged if "reward" in m] and capsys.readouterr().out.count("completions at step") == 2

@@ -27,14 +27,14 @@ def recorded_fit(tiny_model_dir, write_jsonl, fast_trainer, reward_plugin):
         pl.seed_everything(0)
         module = make_module(tiny_model_dir, rewards=[{"name": "gated"}], dynamic_sampling=True, **settings)
         steps, metrics = [], []
-        generate_and_score = module._generate_and_score
+        generate_and_score = module.generate_and_score
 
         def recording(batch, training=True):
             scored, completions = generate_and_score(batch, training)
             steps.append(scored)
             return scored, completions
 
-        module._generate_and_score = recording
+        module.generate_and_score = recording
 
         class Metrics(pl.Callback):
             def on_train_batch_end(self, trainer, *args):
@@ -99,7 +99,7 @@ def test_a_lightning_without_the_data_fetcher_is_refused_before_the_first_step(t
             trainer.fit_loop._data_fetcher = None
 
     generated = []
-    module._generate_and_score = lambda *args, **kwargs: generated.append(1)
+    module.generate_and_score = lambda *args, **kwargs: generated.append(1)
     trainer = fast_trainer(max_steps=1, callbacks=[LightningWithoutFetcher()])
     with pytest.raises(RuntimeError, match=r"model.dynamic_sampling draws further prompt batches .*_data_fetcher"):
         trainer.fit(module, make_data(write_jsonl([{"prompt": "Say a:"}] * 4), batch_size=2))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lit_grpo import plugins
-from lit_grpo.scoring import RewardScorer, RewardSpec
+from lit_grpo.scoring import RewardScorer, RewardSpec, build_reward
 from lit_grpo_rewards import char_fraction, completion_text, exact_match, think_format
 
 
@@ -74,7 +74,7 @@ def test_char_fraction_needs_a_char_set():
 
 
 def test_char_fraction_configured_chars_win_over_a_target_column():
-    reward = plugins.build_reward("char_fraction", {"chars": "b"})
+    reward = build_reward("char_fraction", {"chars": "b"})
     assert reward.__name__ == "char_fraction"
     assert reward(prompts=["p"], completions=["abbb"], completion_ids=[[]], target=["a"]) == [0.75]
 

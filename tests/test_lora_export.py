@@ -17,8 +17,10 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import test_module
 import torch
 import yaml
+from conftest import cpu_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from peft import AutoPeftModelForCausalLM, PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -28,9 +30,6 @@ from lit_grpo.cli import main
 from lit_grpo.data import GRPODataModule, PromptBatch
 from lit_grpo.export import ExportOnFitEnd, export_checkpoint
 from lit_grpo.module import GRPOModule
-
-import test_module
-from conftest import cpu_trainer
 
 REPO = Path(__file__).resolve().parents[1]
 # The fraction of lowercase letters varies between a random model's completions: non-zero advantages.
@@ -167,9 +166,9 @@ def test_lora_reference_is_the_policy_with_its_adapter_disabled(tiny_model_dir, 
     rollout = module.generate(batch.prompts)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).train()
     with torch.no_grad():
-        base_logps, _ = module.completion_logps(base, rollout)
-    reference_logps = module._reference_logps(rollout)
-    policy_logps = module._logps_no_grad(module.policy, rollout)
+        base_logps, _ = module.logprobs.completion_logps(base, rollout)
+    reference_logps = module.logprobs.reference_logps(module.policy, module.ref_model, rollout)
+    policy_logps = module.logprobs.logps_no_grad(module.policy, rollout)
     mask = rollout.completion_mask.bool()
     torch.testing.assert_close(reference_logps[mask], base_logps[mask], atol=1e-5, rtol=0)
     assert (policy_logps[mask] - base_logps[mask]).abs().max() > 1e-4

@@ -9,14 +9,12 @@ import string
 import warnings
 
 import lightning.pytorch as pl
-
 import pytest
+import test_module
 import torch
 
 from lit_grpo.data import GRPODataModule, PromptBatch
 from lit_grpo.module import GRPOModule
-
-import test_module
 
 LOWERCASE = [{"name": "char_fraction", "args": {"chars": string.ascii_lowercase}}]
 BATCH = PromptBatch(prompts=["Say a:", "Now say the letter b:"], columns={"target": ["a", "b"]})
@@ -35,7 +33,7 @@ def rollout_of(module, fast_trainer):
     """One scored generation batch of 8 completions, with real non-zero advantages."""
     module.configure_model()
     module.trainer = fast_trainer()
-    scored, _ = module._generate_and_score(BATCH)
+    scored, _ = module.generate_and_score(BATCH)
     scored.group.advantages = torch.linspace(-1.5, 1.5, scored.rollout.completion_ids.size(0))
     return scored
 
@@ -93,7 +91,7 @@ def micro_batch_gradient(module, scored, rows) -> tuple[torch.Tensor, int]:
     mlp = module.policy.get_decoder().layers[0].mlp
     handle = mlp.register_forward_pre_hook(lambda *args: mlp_calls.append(1))
     module.policy.zero_grad(set_to_none=True)
-    loss, *_ = module._micro_batch_loss(scored, rows)
+    loss, *_ = module.logprobs.micro_batch_loss(module.policy, scored, rows)
     loss.backward()
     handle.remove()
     gradient = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
@@ -166,12 +164,12 @@ def test_logprob_micro_batch_size_sets_rows_per_forward_not_values(
     torch.manual_seed(0)
     module = make_module(tiny_model_dir)
     scored = rollout_of(module, fast_trainer)
-    reference = module._logps_no_grad(module.policy, scored.rollout)  # [8, C] in one forward
+    reference = module.logprobs.logps_no_grad(module.policy, scored.rollout)  # [8, C] in one forward
 
     module.hparams.logprob_micro_batch_size = logprob_micro_batch_size
     module.hparams.micro_batch_size = micro_batch_size
     rows = count_policy_forwards(module)
-    logps = module._logps_no_grad(module.policy, scored.rollout)
+    logps = module.logprobs.logps_no_grad(module.policy, scored.rollout)
     assert rows == forward_rows
     mask = scored.rollout.completion_mask.bool()
     torch.testing.assert_close(logps[mask], reference[mask], atol=1e-5, rtol=0)
@@ -233,7 +231,7 @@ class SavedTensorBytes:
 
 
 def micro_batch_backward(module, scored, rows, budget, scale=0.5, loss_scale=1.0):
-    """``_micro_batch_backward`` under ``forward_token_budget=budget``: the gradient, the statistics,
+    """``LogProbEngine.micro_batch_backward`` under ``forward_token_budget=budget``: the gradient, the statistics,
     the order of the forwards with gradient and the backward passes, and the peak saved bytes.
     ``loss_scale``: ``manual_backward`` multiplies every loss by it, as under a ``16-mixed`` GradScaler."""
     module.hparams.forward_token_budget = budget
@@ -245,7 +243,7 @@ def micro_batch_backward(module, scored, rows, budget, scale=0.5, loss_scale=1.0
     module.manual_backward = lambda loss: (events.append("backward"), (loss * loss_scale).backward())
     saved = SavedTensorBytes()
     with saved.hooks():
-        stats, _ = module._micro_batch_backward(scored, rows, scale, sync=True)
+        stats, _ = module.logprobs.micro_batch_backward(module.policy, scored, rows, scale, sync=True)
     hook.remove()
     gradient = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
     return gradient, stats, events, saved.peak
@@ -267,17 +265,18 @@ def micro_batch_backward(module, scored, rows, budget, scale=0.5, loss_scale=1.0
 def test_token_budget_trains_in_chunks_with_the_micro_batch_gradient(
     tiny_model_dir, fast_trainer, monkeypatch, loss_type, beta, importance_sampling_level, off_policy, shared
 ):
+    import lit_grpo.logprobs
     import lit_grpo.module
 
     if shared:  # the test's short prompts are shared however few tokens that saves
-        monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)
+        monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 0)
     torch.manual_seed(0)
     module = make_module(
         tiny_model_dir, loss_type=loss_type, beta=beta, importance_sampling_level=importance_sampling_level,
         epsilon_high=5.0 if loss_type == "cispo" else None, share_prompt_forward=shared,
     )
     scored = rollout_of(module, fast_trainer)
-    current = module._logps_no_grad(module.policy, scored.rollout)  # [8, C]
+    current = module.logprobs.logps_no_grad(module.policy, scored.rollout)  # [8, C]
     mask = scored.rollout.completion_mask.bool()
     if off_policy:  # the sampling policy differs: ratios spread over and beyond the clip range
         scored.old_logps = (current + 0.3 * torch.randn(current.size(0), 1) + 0.3 * torch.randn_like(current)) * mask
@@ -337,9 +336,10 @@ def test_rows_without_gradient_skip_the_backward_and_change_nothing(
 ):
     """Rows of a group with equal rewards (advantage 0) and a row with no token that counts go forward
     without autograd; the gradient and every statistic equal those of training every row."""
+    import lit_grpo.logprobs
     import lit_grpo.module
 
-    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)  # the test's rows are short
+    monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 0)  # the test's rows are short
     torch.manual_seed(0)
     module = make_module(
         tiny_model_dir, loss_type=loss_type, beta=beta, importance_sampling_level=importance_sampling_level,
@@ -349,7 +349,7 @@ def test_rows_without_gradient_skip_the_backward_and_change_nothing(
     scored.group.advantages[:4] = 0.0  # the first prompt's group: equal rewards
     scored.loss_mask = scored.rollout.completion_mask.clone()
     scored.loss_mask[6] = 0  # as a truncated completion under mask_truncated_completions
-    current = module._logps_no_grad(module.policy, scored.rollout)  # [8, C]
+    current = module.logprobs.logps_no_grad(module.policy, scored.rollout)  # [8, C]
     mask = scored.rollout.completion_mask.bool()
     if off_policy:
         scored.old_logps = (current + 0.3 * torch.randn(current.size(0), 1) + 0.3 * torch.randn_like(current)) * mask
@@ -364,7 +364,7 @@ def test_rows_without_gradient_skip_the_backward_and_change_nothing(
     gradient, stats, events, _ = micro_batch_backward(module, scored, rows, budget)
 
     frozen = [4] if beta else [0, 2, 4, 5]  # positions in rows: rows 6 / 1, 0, 6, 2
-    assert module._rows_without_gradient(scored, rows).tolist() == frozen
+    assert module.logprobs.rows_without_gradient(module.policy, scored, rows).tolist() == frozen
     completions = sum(trained_rows[1:]) if shared else sum(trained_rows)  # (after the shared prompts' forward)
     assert completions == len(rows) - len(frozen)
     assert events[-1] == "backward"
@@ -378,9 +378,10 @@ def test_rows_without_gradient_skip_the_backward_and_change_nothing(
 def test_rows_without_gradient_keep_one_row_and_a_zero_gradient(tiny_model_dir, fast_trainer, monkeypatch):
     """Every row without gradient: one still goes backward, so every weight gets a zero gradient (not
     None) and AdamW's step moves the weights as it would after training every row."""
+    import lit_grpo.logprobs
     import lit_grpo.module
 
-    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)
+    monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 0)
     torch.manual_seed(0)
     module = make_module(tiny_model_dir)
     scored = rollout_of(module, fast_trainer)
@@ -393,11 +394,11 @@ def test_rows_without_gradient_keep_one_row_and_a_zero_gradient(tiny_model_dir, 
     assert gradient.abs().max() == 0 and stats["loss"] == 0 and stats["entropy"] > 0
 
     # not worth it: 7 short rows' backward costs less than one more forward
-    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 10_000)
-    assert module._rows_without_gradient(scored, rows) is None
-    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)
+    monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 10_000)
+    assert module.logprobs.rows_without_gradient(module.policy, scored, rows) is None
+    monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 0)
     module.hparams.top_entropy_quantile = 0.5  # the threshold is over every row's entropy in the loss
-    assert module._rows_without_gradient(scored, rows) is None
+    assert module.logprobs.rows_without_gradient(module.policy, scored, rows) is None
 
 
 def test_chunks_with_shared_prompts_under_a_grad_scaler_scale_the_gradient_once(tiny_model_dir, fast_trainer, monkeypatch):
@@ -405,9 +406,10 @@ def test_chunks_with_shared_prompts_under_a_grad_scaler_scale_the_gradient_once(
     GradScaler's factor: it must not be multiplied by it a second time."""
     import types
 
+    import lit_grpo.logprobs
     import lit_grpo.module
 
-    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)
+    monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 0)
     torch.manual_seed(0)
     module = make_module(tiny_model_dir, share_prompt_forward=True)
     scored = rollout_of(module, fast_trainer)
@@ -427,10 +429,10 @@ def test_token_budget_keeps_one_pass_where_the_loss_needs_every_row(tiny_model_d
     module = make_module(tiny_model_dir, forward_token_budget=8)  # far below one row
     scored = rollout_of(module, fast_trainer)
     micro = scored.rollout.select(torch.arange(8))
-    assert len(module._backward_chunks(micro, None)) == 8  # one row each
+    assert len(module.logprobs.backward_chunks(module.policy, micro, None)) == 8  # one row each
 
     module.hparams.top_entropy_quantile = 0.5  # the entropy threshold is over every row of the micro-batch
-    assert [chunk.tolist() for chunk in module._backward_chunks(micro, None)] == [list(range(8))]
+    assert [chunk.tolist() for chunk in module.logprobs.backward_chunks(module.policy, micro, None)] == [list(range(8))]
     module.hparams.top_entropy_quantile = 1.0
 
     # a registered loss type is trained in one pass unless it says its rows are independent
@@ -440,10 +442,10 @@ def test_token_budget_keeps_one_pass_where_the_loss_needs_every_row(tiny_model_d
 
     try:
         module.hparams.loss_type = "test_batch_max"
-        assert [chunk.tolist() for chunk in module._backward_chunks(micro, None)] == [list(range(8))]
+        assert [chunk.tolist() for chunk in module.logprobs.backward_chunks(module.policy, micro, None)] == [list(range(8))]
         module.hparams.group_by_length = False
         module.hparams.loss_type = "dapo"
-        assert [chunk.tolist() for chunk in module._backward_chunks(micro, None)] == [list(range(8))]
+        assert [chunk.tolist() for chunk in module.logprobs.backward_chunks(module.policy, micro, None)] == [list(range(8))]
     finally:
         del algorithm.LOSS_TYPES["test_batch_max"]
 
@@ -453,7 +455,7 @@ def test_micro_batches_within_the_budget_are_one_pass(tiny_model_dir, fast_train
     module = make_module(tiny_model_dir)  # the default budget, 1024 tokens
     assert module.hparams.forward_token_budget == 1024
     scored = rollout_of(module, fast_trainer)
-    assert [chunk.tolist() for chunk in module._backward_chunks(scored.rollout, None)] == [list(range(8))]
+    assert [chunk.tolist() for chunk in module.logprobs.backward_chunks(module.policy, scored.rollout, None)] == [list(range(8))]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -498,7 +500,7 @@ def test_gradients_are_freed_after_each_optimizer_step(tiny_model_dir, say_a_or_
 
 
 def test_cpu_bf16_support_read_from_cpuinfo(tmp_path):
-    from lit_grpo.models import cpu_multiplies_bf16
+    from lit_grpo.cpu import cpu_multiplies_bf16
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n")
@@ -512,9 +514,9 @@ def test_cpu_bf16_support_read_from_cpuinfo(tmp_path):
 
 @pytest.mark.parametrize("has_bf16_matmul, precision, warns", [(False, "bf16-mixed", True), (True, "bf16-mixed", False), (False, "32-true", False)])
 def test_bf16_on_a_cpu_that_emulates_it_warns(tiny_model_dir, say_a_or_b_file, fast_trainer, monkeypatch, has_bf16_matmul, precision, warns):
-    from lit_grpo import models
+    from lit_grpo import cpu
 
-    monkeypatch.setattr(models, "cpu_multiplies_bf16", lambda: has_bf16_matmul)
+    monkeypatch.setattr(cpu, "cpu_multiplies_bf16", lambda: has_bf16_matmul)
     module = make_module(tiny_model_dir)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -17,9 +17,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import lit_grpo.logprobs
 import lit_grpo.module
 from lit_grpo import algorithm
 from lit_grpo.data import GRPODataModule, PromptBatch
+from lit_grpo.logprobs import LogProbEngine
 from lit_grpo.module import GRPOModule, ignore_expected_lightning_warnings
 
 CHAR_FRACTION = [{"name": "char_fraction", "weight": 1.0}]
@@ -87,7 +89,7 @@ def record_generation_batches(module: GRPOModule, edit=None) -> list:
     """The ScoredRollout of every generation batch the module trains on, appended as they come
     (after ``edit(scored)``, which may change them, e.g. set advantages)."""
     batches = []
-    generate_and_score = module._generate_and_score
+    generate_and_score = module.generate_and_score
 
     def recording(batch, training=True):
         scored, completions = generate_and_score(batch, training)
@@ -96,7 +98,7 @@ def record_generation_batches(module: GRPOModule, edit=None) -> list:
         batches.append(scored)
         return scored, completions
 
-    module._generate_and_score = recording
+    module.generate_and_score = recording
     return batches
 
 
@@ -215,13 +217,13 @@ def test_second_optimizer_step_sees_moved_policy_and_clips(
 
 def count_completion_logps(monkeypatch):
     calls = []
-    original = GRPOModule.completion_logps
+    original = LogProbEngine.completion_logps
 
     def counting(self, model, rollout, with_entropy=False):
         calls.append({"rows": rollout.completion_ids.size(0), "with_grad": torch.is_grad_enabled()})
         return original(self, model, rollout, with_entropy=with_entropy)
 
-    monkeypatch.setattr(GRPOModule, "completion_logps", counting)
+    monkeypatch.setattr(LogProbEngine, "completion_logps", counting)
     return calls
 
 
@@ -269,7 +271,7 @@ def test_old_logps_equal_the_sampling_policys_log_probs(
     training, ``old_logps`` are the log-probs of the policy that sampled, computed afresh. The pass
     before training leaves out rows with advantage 0 (their old log-probs are multiplied by 0)."""
     pl.seed_everything(0)
-    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)  # short rows: leave them out all the same
+    monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 0)  # short rows: leave them out all the same
     module = make_module(
         tiny_model_dir,
         rewards=LOWERCASE,
@@ -280,7 +282,7 @@ def test_old_logps_equal_the_sampling_policys_log_probs(
         optimizer=adamw(0.05),
     )
     sampled = []  # (scored, the policy that sampled it)
-    generate_and_score = module._generate_and_score
+    generate_and_score = module.generate_and_score
 
     def recording(batch):
         scored, completions = generate_and_score(batch)
@@ -288,22 +290,22 @@ def test_old_logps_equal_the_sampling_policys_log_probs(
         sampled.append((scored, copy.deepcopy(module.policy)))
         return scored, completions
 
-    module._generate_and_score = recording
+    module.generate_and_score = recording
     later_rows_per_batch = []  # the rows trained after the policy's first move
-    sampling_policy_logps = module._sampling_policy_logps
+    sampling_policy_logps = module.logprobs.sampling_policy_logps
 
-    def recording_later_rows(scored, later_rows):
+    def recording_later_rows(policy, scored, later_rows):
         later_rows_per_batch.append(later_rows)
-        return sampling_policy_logps(scored, later_rows=later_rows)
+        return sampling_policy_logps(policy, scored, later_rows=later_rows)
 
-    module._sampling_policy_logps = recording_later_rows
+    module.logprobs.sampling_policy_logps = recording_later_rows
     trainer = fast_trainer(max_steps=2 * num_iterations * steps_per_generation)
     trainer.fit(module, make_data(say_a_or_b_file))
 
     assert len(sampled) == len(later_rows_per_batch) == 2
     for (scored, sampling_policy), later_rows in zip(sampled, later_rows_per_batch):
         with torch.no_grad():
-            expected, _ = module.completion_logps(sampling_policy, scored.rollout)
+            expected, _ = module.logprobs.completion_logps(sampling_policy, scored.rollout)
         mask = scored.rollout.completion_mask.bool()
         mask[:4] = False  # the zero-advantage group: checked below
         assert mask.sum() > 8
@@ -317,7 +319,7 @@ def test_old_logps_equal_the_sampling_policys_log_probs(
         assert (scored.old_logps[:4][later] == 0).all()
         # ... and the policy did move, so a stale value would show
         with torch.no_grad():
-            after, _ = module.completion_logps(module.policy, scored.rollout)
+            after, _ = module.logprobs.completion_logps(module.policy, scored.rollout)
         assert (after[mask] - expected[mask]).abs().max() > 1e-3
 
 
@@ -353,7 +355,7 @@ def test_old_logps_pass_leaves_out_zero_advantage_rows_and_changes_nothing(
     """With ``steps_per_generation`` 2, the pass before training computes old log-probs only for the
     second mini-batch's rows whose advantage is not 0; the update and every logged value equal those
     of computing them for every row (``skip_zero_gradient_rows`` off)."""
-    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)  # short rows: leave them out all the same
+    monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 0)  # short rows: leave them out all the same
     runs = {}
     for skip in (False, True):
         pl.seed_everything(0)
@@ -363,13 +365,13 @@ def test_old_logps_pass_leaves_out_zero_advantage_rows_and_changes_nothing(
         )
         record_generation_batches(module, edit=lambda scored: scored.group.advantages[:4].zero_())  # equal rewards
         rows_per_pass = []  # beta 0: the only no-gradient log-prob pass is the old log-probs'
-        logps_no_grad = module._logps_no_grad
+        logps_no_grad = module.logprobs.logps_no_grad
 
         def counting(model, rollout, logps_no_grad=logps_no_grad, rows_per_pass=rows_per_pass):
             rows_per_pass.append(rollout.completion_ids.size(0))
             return logps_no_grad(model, rollout)
 
-        module._logps_no_grad = counting
+        module.logprobs.logps_no_grad = counting
         steps = MetricRecorder()
         trainer = fast_trainer(max_steps=2, callbacks=[steps])  # one generation batch, two optimizer steps
         module.configure_model()  # idempotent: the trainer's own call keeps this policy
@@ -459,7 +461,7 @@ def test_completion_logps_match_generate_logits_with_left_padding(tiny_model_dir
     expected = generated_logps[:, :num_cols].gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
 
     with torch.no_grad():
-        logps, entropy = module.completion_logps(module.policy, rollout, with_entropy=True)
+        logps, entropy = module.logprobs.completion_logps(module.policy, rollout, with_entropy=True)
     mask = rollout.completion_mask.bool()
     assert logps.shape == rollout.completion_ids.shape
     assert mask.sum() > 10
@@ -470,7 +472,7 @@ def test_completion_logps_match_generate_logits_with_left_padding(tiny_model_dir
     for row in range(rollout.completion_ids.size(0)):
         single = rollout.select(torch.tensor([row]))
         with torch.no_grad():
-            row_logps, _ = module.completion_logps(module.policy, single)
+            row_logps, _ = module.logprobs.completion_logps(module.policy, single)
         width = row_logps.size(1)
         row_mask = mask[row, :width]
         torch.testing.assert_close(row_logps[0][row_mask], expected[row, :width][row_mask], atol=1e-4, rtol=0)
@@ -487,7 +489,7 @@ def accumulated_gradient(module, scored, micro_batch_size):
     num_completions = scored.rollout.completion_ids.size(0)
     micro_batches = num_completions // micro_batch_size
     for start in range(0, num_completions, micro_batch_size):
-        loss, *_ = module._micro_batch_loss(scored, torch.arange(start, start + micro_batch_size))
+        loss, *_ = module.logprobs.micro_batch_loss(module.policy, scored, torch.arange(start, start + micro_batch_size))
         if algorithm.LOSS_TYPES[module.hparams.loss_type].accumulates_by_mean:
             loss = loss / micro_batches
         loss.backward()
@@ -505,7 +507,7 @@ def test_micro_batching_does_not_change_the_gradient(tiny_model_dir, fast_traine
     # A likelier EOS gives completions of different lengths, which weigh differently per loss_type.
     module.generation_config.sequence_bias = {(module.tokenizer.eos_token_id,): 3.0}
     batch = PromptBatch(prompts=["Say a:", "Now say the letter b:"], columns={"target": ["a", "b"]})
-    scored, _ = module._generate_and_score(batch)
+    scored, _ = module.generate_and_score(batch)
     num_completions = scored.rollout.completion_ids.size(0)
     assert num_completions == 8
     # Completions of different lengths make the aggregations differ if done wrong.
@@ -560,7 +562,7 @@ def test_mask_truncated_completions_leaves_truncated_rows_out_of_the_loss(
     # Make EOS likely enough that a batch has both finished and truncated completions.
     module.generation_config.sequence_bias = {(module.tokenizer.eos_token_id,): 4.0}
     batch = PromptBatch(prompts=["Say a:", "Say b:"], columns={"target": ["a", "b"]})
-    scored, _ = module._generate_and_score(batch)
+    scored, _ = module.generate_and_score(batch)
 
     rollout = scored.rollout
     truncated = rollout.is_truncated
@@ -576,7 +578,7 @@ def test_mask_truncated_completions_leaves_truncated_rows_out_of_the_loss(
     row = int(truncated.nonzero()[0])
     scored.group.advantages = torch.ones_like(scored.group.advantages)
     module.zero_grad(set_to_none=True)
-    loss, *_ = module._micro_batch_loss(scored, torch.tensor([row]))
+    loss, *_ = module.logprobs.micro_batch_loss(module.policy, scored, torch.tensor([row]))
     loss.backward()
     grad_norm = torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None]).norm()
     assert (grad_norm == 0) if mask_truncated else (grad_norm > 0)
@@ -770,14 +772,14 @@ def test_top_entropy_quantile_trains_only_the_highest_entropy_tokens(tiny_model_
         make_module(tiny_model_dir, max_completion_length=8, top_entropy_quantile=0.25), fast_trainer
     )
     batch = PromptBatch(prompts=["Say a:", "Say b:"], columns={"target": ["a", "b"]})
-    scored, _ = module._generate_and_score(batch)
+    scored, _ = module.generate_and_score(batch)
     scored.group.advantages = torch.linspace(-1.5, 1.5, 8)
     rows = torch.arange(8)
-    loss, *_ = module._micro_batch_loss(scored, rows)
+    loss, *_ = module.logprobs.micro_batch_loss(module.policy, scored, rows)
 
     # by hand: at ratio 1 the dapo loss is -sum(A_i over kept tokens) / real tokens of the batch
     with torch.no_grad():
-        _, entropy = module.completion_logps(module.policy, scored.rollout.select(rows), with_entropy=True)
+        _, entropy = module.logprobs.completion_logps(module.policy, scored.rollout.select(rows), with_entropy=True)
     mask = scored.loss_mask[:, : entropy.size(1)].bool()
     threshold = torch.quantile(entropy[mask], 0.75)
     kept = mask & (entropy >= threshold)

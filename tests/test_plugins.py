@@ -19,6 +19,8 @@ import pytest
 
 import lit_grpo
 from lit_grpo import plugins
+from lit_grpo.cli import format_rewards_table, rewards_as_json
+from lit_grpo.scoring import build_reward
 from lit_grpo.plugins import (
     DuplicateRewardError,
     PluginError,
@@ -177,7 +179,7 @@ def test_loading_is_lazy_and_done_once(monkeypatch):
     assert calls == []  # nothing happens at import or reset time
     plugins.get_rewards()
     plugins.get_reward("shouts")
-    plugins.build_reward("shouts")
+    build_reward("shouts")
     assert calls == [{"group": "lit_grpo"}]
     plugins.reset_plugins()
     plugins.get_rewards()
@@ -418,7 +420,7 @@ def test_unknown_reward_with_nothing_installed(fake_entry_points, monkeypatch):
 def test_unknown_reward_mentions_plugin_restriction(monkeypatch):
     monkeypatch.setenv("LIT_GRPO_PLUGINS", "lit_grpo_test_plugin")
     with pytest.raises(UnknownRewardError) as excinfo:
-        plugins.build_reward("char_fraction")
+        build_reward("char_fraction")
     message = str(excinfo.value)
     assert "LIT_GRPO_PLUGINS='lit_grpo_test_plugin' restricts" in message
     assert "char_fraction (" not in message  # not loaded, so not listed
@@ -432,7 +434,7 @@ def test_unknown_reward_mentions_plugin_restriction(monkeypatch):
 def test_build_class_reward_with_constructor_args():
     import lit_grpo_test_plugin
 
-    reward = plugins.build_reward("contains_word", {"word": "cat"})
+    reward = build_reward("contains_word", {"word": "cat"})
     assert isinstance(reward, lit_grpo_test_plugin.ContainsWord)
     assert reward.word == "cat"
     assert reward(prompts=["p", "p"], completions=["a cat", "a dog"], completion_ids=[[], []]) == [1.0, 0.0]
@@ -441,8 +443,8 @@ def test_build_class_reward_with_constructor_args():
 def test_build_function_without_args_returns_the_function_itself():
     import lit_grpo_test_plugin
 
-    assert plugins.build_reward("shouts") is lit_grpo_test_plugin.shouts
-    assert plugins.build_reward("shouts", {}) is lit_grpo_test_plugin.shouts
+    assert build_reward("shouts") is lit_grpo_test_plugin.shouts
+    assert build_reward("shouts", {}) is lit_grpo_test_plugin.shouts
 
 
 def test_build_function_with_args_binds_them_and_keeps_its_name(fake_entry_points):
@@ -453,7 +455,7 @@ def test_build_function_with_args_binds_them_and_keeps_its_name(fake_entry_point
         return [scale * len(c) for c in completions]
 
     plugins.register_plugin(make_plugin("fn_rewards", scaled=scaled))
-    reward = plugins.build_reward("scaled", {"scale": 0.5})
+    reward = build_reward("scaled", {"scale": 0.5})
     assert isinstance(reward, functools.partial)
     assert reward.__name__ == "scaled"
     assert reward.__doc__ == "Scaled length."
@@ -470,7 +472,7 @@ def test_build_function_with_unknown_arg_names_reward_and_argument(fake_entry_po
 
     plugins.register_plugin(make_plugin("fn_rewards", strict_fn=strict_fn), version="9.9")
     with pytest.raises(RewardArgumentError) as excinfo:
-        plugins.build_reward("strict_fn", {"treshold": 0.1})
+        build_reward("strict_fn", {"treshold": 0.1})
     assert str(excinfo.value) == (
         "Reward 'strict_fn' (fn_rewards 9.9) got an unexpected argument 'treshold' in args "
         "(did you mean 'threshold'?); its function accepts: threshold"
@@ -485,34 +487,34 @@ def test_build_function_with_var_kwargs_warns_on_likely_typo(fake_entry_points):
 
     plugins.register_plugin(make_plugin("fn_rewards", loose=loose))
     with pytest.warns(UserWarning, match=r"'treshold' in args is not a named parameter.*did you mean 'threshold'"):
-        reward = plugins.build_reward("loose", {"treshold": 0.1})
+        reward = build_reward("loose", {"treshold": 0.1})
     assert reward.keywords == {"treshold": 0.1}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        plugins.build_reward("loose", {"anything_else": 1})  # not close to a parameter: accepted quietly
+        build_reward("loose", {"anything_else": 1})  # not close to a parameter: accepted quietly
 
 
 def test_build_rejects_args_that_the_trainer_supplies():
     with pytest.raises(RewardArgumentError, match="args may not set 'completions'"):
-        plugins.build_reward("shouts", {"completions": ["x"]})
+        build_reward("shouts", {"completions": ["x"]})
 
 
 def test_build_class_with_bad_args():
     with pytest.raises(RewardArgumentError, match=r"'contains_word' \(lit-grpo-test-plugin 0\.0\.1\) got an unexpected argument 'wrd' in args \(did you mean 'word'\?\); its constructor accepts: word"):
-        plugins.build_reward("contains_word", {"wrd": "cat"})
+        build_reward("contains_word", {"wrd": "cat"})
     with pytest.raises(RewardArgumentError, match=r"'contains_word'.*cannot be constructed with args \{\}: missing a required argument: 'word'"):
-        plugins.build_reward("contains_word")
+        build_reward("contains_word")
 
 
 def test_build_class_whose_constructor_raises_chains_the_cause():
     with pytest.raises(RewardArgumentError, match=r"constructing ContainsWord\(\*\*\{'word': ''\}\) raised ValueError: word must be a non-empty string") as excinfo:
-        plugins.build_reward("contains_word", {"word": ""})
+        build_reward("contains_word", {"word": ""})
     assert isinstance(excinfo.value.__cause__, ValueError)
 
 
 def test_build_rejects_non_mapping_args():
     with pytest.raises(RewardArgumentError, match="args must be a mapping.*got list"):
-        plugins.build_reward("contains_word", ["cat"])
+        build_reward("contains_word", ["cat"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -528,7 +530,7 @@ def _infos():
 
 
 def test_format_rewards_table_aligns_columns():
-    table = plugins.format_rewards_table(_infos())
+    table = format_rewards_table(_infos())
     lines = table.splitlines()
     assert lines == [
         "NAME      PACKAGE       VERSION  DESCRIPTION",
@@ -536,22 +538,22 @@ def test_format_rewards_table_aligns_columns():
         "len       x                      Length.",
     ]
     # a dict (as get_rewards returns) works too
-    assert plugins.format_rewards_table({i.name: i for i in _infos()}) == table
+    assert format_rewards_table({i.name: i for i in _infos()}) == table
 
 
 def test_format_rewards_table_of_installed_rewards():
-    table = plugins.format_rewards_table(plugins.get_rewards())
+    table = format_rewards_table(plugins.get_rewards())
     line = next(l for l in table.splitlines() if l.startswith("shouts "))
     assert line.split()[:3] == ["shouts", "lit-grpo-test-plugin", TEST_PLUGIN_VERSION]
     assert line.endswith("1.0 if the completion is all upper case, else 0.0.")
 
 
 def test_format_rewards_table_empty():
-    assert plugins.format_rewards_table([]).startswith("No rewards installed. Rewards come from plugin packages")
+    assert format_rewards_table([]).startswith("No rewards installed. Rewards come from plugin packages")
 
 
 def test_rewards_as_json():
-    data = json.loads(plugins.rewards_as_json(_infos()))
+    data = json.loads(rewards_as_json(_infos()))
     assert data[0] == {
         "name": "accuracy",
         "package": "acme-rewards",
@@ -561,11 +563,11 @@ def test_rewards_as_json():
         "object": f"{__name__}:reward_a",
     }
     assert [d["name"] for d in data] == ["accuracy", "len"]
-    installed = {d["name"]: d for d in json.loads(plugins.rewards_as_json(plugins.get_rewards()))}
+    installed = {d["name"]: d for d in json.loads(rewards_as_json(plugins.get_rewards()))}
     assert installed["contains_word"]["kind"] == "class"
     assert installed["contains_word"]["object"] == "lit_grpo_test_plugin:ContainsWord"
     assert installed["char_fraction"]["package"] == "lit-grpo-rewards"
-    assert json.loads(plugins.rewards_as_json([])) == []
+    assert json.loads(rewards_as_json([])) == []
 
 
 def test_doc_is_first_nonblank_docstring_line(fake_entry_points):

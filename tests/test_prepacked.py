@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+import lit_grpo.cpu as cpu
 import lit_grpo.generation as generation
-from lit_grpo.prepacked import prepack_dtype, prepacked_linear_weights
+from lit_grpo.cpu.prepacked import prepack_dtype, prepacked_linear_weights
 
 CPU = torch.device("cpu")
 needs_bf16_kernels = pytest.mark.skipif(
@@ -55,7 +56,7 @@ def test_bf16_sampling_draws_the_same_tokens_with_and_without_packed_weights(cha
         eos_token_id=tokenizer.eos_token_id,
     )
     entered = []
-    real = generation.prepacked_linear_weights
+    real = cpu.prepacked_linear_weights
 
     def recording(model, device):
         entered.append(device)
@@ -63,7 +64,7 @@ def test_bf16_sampling_draws_the_same_tokens_with_and_without_packed_weights(cha
 
     rollouts = []
     for prepack in (recording, lambda model, device: nullcontext(0)):
-        monkeypatch.setattr(generation, "prepacked_linear_weights", prepack)
+        monkeypatch.setattr(cpu, "prepacked_linear_weights", prepack)
         torch.manual_seed(0)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             rollouts.append(generation.generate_completions(model, tokenizer, PROMPTS, 4, generation_config))

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import GSM8K_ROWS
 
 import lit_grpo.module
 from lit_grpo import plugins
 from lit_grpo.cli import main, run_cli
 from lit_grpo.data import GRPODataModule, PromptFormat
-
-from conftest import GSM8K_ROWS
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN_SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"

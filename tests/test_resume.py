@@ -35,7 +35,6 @@ from lit_grpo.checkpointing import (
 )
 from lit_grpo.cli import run_cli
 from lit_grpo.data import GRPODataModule
-from lit_grpo.module import GRPOModule
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -9,14 +9,11 @@ import torch
 from conftest import logps_entropy_grads
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from lit_grpo.generation import (
-    PreallocatedKVLayer,
-    cache_argument,
-    generate_completions,
-    lit_sampler_unsupported,
-    length_chunks,
-)
+from lit_grpo.generation import generate_completions
+from lit_grpo.group_sampler import PreallocatedKVLayer, lit_sampler_unsupported
+from lit_grpo.models import cache_argument
 from lit_grpo.module import GRPOModule
+from lit_grpo.rollout import length_chunks
 
 PROMPTS = ["hello there", "a", "say something long please", "xyz", "12+7=", "q"]  # very different lengths
 
@@ -143,7 +140,11 @@ def test_the_kv_cache_goes_under_the_name_the_forward_declares(tiny_model_dir):
 def test_sampling_passes_the_cache_without_deprecation_warnings(chaotic_model):
     """``past_key_values`` is deprecated from transformers 5.24 (removed in 5.40): the sampler and
     the shared-prompt forwards use the name the model declares."""
-    from lit_grpo.shared_prompt import completion_logits, distinct_prompts, encode_prompts
+    from lit_grpo.shared_prompt import (
+        completion_logits,
+        distinct_prompts,
+        encode_prompts,
+    )
 
     model, tokenizer = chaotic_model
     with warnings.catch_warnings():
@@ -213,8 +214,8 @@ def test_bf16_sampler_grows_contiguous_caches_and_samples_the_tokens_of_the_pref
     several times) and attention only ever receives contiguous keys and values (no copy per step);
     greedy completions, with left padding and rows leaving the batch at different steps, are those
     of the layout that hands attention views of the filled positions."""
-    import lit_grpo.attention as attention
-    import lit_grpo.generation as generation
+    import lit_grpo.cpu
+    import lit_grpo.cpu.attention as attention
 
     model, tokenizer = chaotic_model
     eos = frequent_token(model, tokenizer)
@@ -225,7 +226,7 @@ def test_bf16_sampler_grows_contiguous_caches_and_samples_the_tokens_of_the_pref
         key_layouts.append((key.size(2), key.is_contiguous() and value.is_contiguous()))
         return attention.cpu_half_attention(module, query, key, value, *args, **kwargs)
 
-    monkeypatch.setattr(generation, "KV_CACHE_BLOCK", 4)
+    monkeypatch.setattr(lit_grpo.cpu, "KV_CACHE_BLOCK", 4)
     monkeypatch.setitem(attention.AttentionInterface._global_mapping, attention.NAME, recording_attention)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         grown = generate_completions(model, tokenizer, PROMPTS, 3, generation_config)
@@ -233,7 +234,7 @@ def test_bf16_sampler_grows_contiguous_caches_and_samples_the_tokens_of_the_pref
         assert key_layouts and all(contiguous for _, contiguous in key_layouts)
         assert all(length % 4 == 0 or length == capacity for length, _ in key_layouts)
         assert len({length for length, _ in key_layouts}) > 3  # grew several times
-        monkeypatch.setattr(generation, "cpu_half_precision", lambda model, device: False)
+        monkeypatch.setattr(lit_grpo.cpu, "kv_cache_block", lambda model, device: None)
         key_layouts.clear()
         viewed = generate_completions(model, tokenizer, PROMPTS, 3, generation_config)
         assert not all(contiguous for _, contiguous in key_layouts)  # the other layout: prefix views

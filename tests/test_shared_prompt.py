@@ -3,11 +3,12 @@ attending to its KV cache (lit_grpo.shared_prompt). The reference is one plain p
 
 import pytest
 import torch
-
-import lit_grpo.module
 from conftest import logps_entropy_grads
-from lit_grpo.generation import Rollout
+
+import lit_grpo.logprobs
+import lit_grpo.module
 from lit_grpo.module import GRPOModule
+from lit_grpo.rollout import Rollout
 from lit_grpo.shared_prompt import distinct_prompts, shared_prompt_unsupported
 
 REWARDS = [{"name": "char_fraction", "args": {"chars": "a"}}]
@@ -59,7 +60,7 @@ def test_shared_prompt_logps_and_gradients_equal_one_forward(module, monkeypatch
     """Prompts of three lengths, rows shuffled, completions of 1 to 9 tokens: log-probs, entropy and
     gradients equal one padded forward, while the model really ran the 3 prompts once and the
     completions without their prompts and last token."""
-    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)  # share even this small batch
+    monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 0)  # share even this small batch
     lengths = [9, 3, 5, 1, 2, 9, 6, 4, 3, 2, 7, 1]
     rollout = hand_made_rollout(module.tokenizer, lengths, order=[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2])
     P = rollout.prompt_mask.size(1)
@@ -81,7 +82,7 @@ def test_shared_prompt_logps_and_gradients_equal_one_forward(module, monkeypatch
 
 
 def test_single_token_completions_need_only_the_prompt_forward(module, monkeypatch):
-    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)
+    monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 0)
     rollout = hand_made_rollout(module.tokenizer, [1] * 6, order=[2, 2, 2, 0, 0, 0])
     reference = logps_entropy_grads(module, rollout, share_prompt_forward=False, group_by_length=False)
     shapes = input_shapes(module.policy)
@@ -94,23 +95,23 @@ def test_single_token_completions_need_only_the_prompt_forward(module, monkeypat
 def test_prompts_are_not_shared_where_that_saves_less_than_a_forward(module):
     """12 rows of 3 prompts save 9 x P prompt tokens, less than FORWARD_OVERHEAD_TOKENS (256): one forward."""
     rollout = hand_made_rollout(module.tokenizer, [4] * 12, order=[0, 1, 2] * 4)
-    assert 9 * rollout.trimmed().prompt_mask.size(1) <= lit_grpo.module.FORWARD_OVERHEAD_TOKENS
+    assert 9 * rollout.trimmed().prompt_mask.size(1) <= lit_grpo.logprobs.FORWARD_OVERHEAD_TOKENS
     shapes = input_shapes(module.policy)
     logps_entropy_grads(module, rollout, share_prompt_forward=True, group_by_length=True)
     assert shapes == [(12, rollout.trimmed().prompt_mask.size(1) + 4 - 1)]  # prompt + completion but its last token
 
 
 def test_gradient_checkpointing_turns_sharing_off_and_says_why(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)
+    monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 0)
     messages = []
-    monkeypatch.setattr(lit_grpo.module, "rank_zero_info", messages.append)
+    monkeypatch.setattr(lit_grpo.logprobs, "rank_zero_info", messages.append)
     module = GRPOModule(str(tiny_model_dir), rewards=REWARDS, num_generations=4, gradient_checkpointing=True)
     module.configure_model()
     assert shared_prompt_unsupported(module.policy) == "gradient checkpointing"
     rollout = hand_made_rollout(module.tokenizer, [3, 2, 5, 4] * 3, order=[0, 1, 2] * 4)
     shapes = input_shapes(module.policy)
     for _ in range(2):
-        logps, _ = module.completion_logps(module.policy, rollout)
+        logps, _ = module.logprobs.completion_logps(module.policy, rollout)
     assert all(rows == 12 for rows, _ in shapes)  # every row with its prompt
     assert logps.isfinite().all()
     assert messages == ["model.share_prompt_forward: prompts are encoded with every completion (gradient checkpointing)"]
@@ -132,15 +133,15 @@ def test_training_step_is_the_same_with_and_without_shared_prompts(tiny_model_di
 
     from lit_grpo.data import GRPODataModule
 
-    monkeypatch.setattr(lit_grpo.module, "FORWARD_OVERHEAD_TOKENS", 0)
+    monkeypatch.setattr(lit_grpo.logprobs, "FORWARD_OVERHEAD_TOKENS", 0)
     encoded = []  # (rows, distinct prompts) of every shared prompt forward
-    encode_prompts = lit_grpo.module.encode_prompts
+    encode_prompts = lit_grpo.logprobs.encode_prompts
 
     def counting_encode_prompts(model, prompt_ids, prompt_mask, groups):
         encoded.append((prompt_ids.size(0), groups.first_row.numel()))
         return encode_prompts(model, prompt_ids, prompt_mask, groups)
 
-    monkeypatch.setattr(lit_grpo.module, "encode_prompts", counting_encode_prompts)
+    monkeypatch.setattr(lit_grpo.logprobs, "encode_prompts", counting_encode_prompts)
 
     def train(share):
         pl.seed_everything(0, verbose=False)

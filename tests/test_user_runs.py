@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from conftest import GSM8K_ROWS
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lit_grpo import plugins
+from lit_grpo.scoring import build_reward
 from lit_grpo_rewards import answer_match
 from lit_grpo_rewards.answer import extract_answer, last_boxed
 
@@ -84,6 +85,6 @@ def test_bad_extract_mode():
 
 def test_built_from_yaml_args():
     plugins.reset_plugins()
-    reward = plugins.build_reward("answer_match", {"extract": "boxed", "case_sensitive": True})
+    reward = build_reward("answer_match", {"extract": "boxed", "case_sensitive": True})
     out = reward(prompts=["q"] * 2, completions=[r"\boxed{A}", r"\boxed{a}"], completion_ids=[[1], [2]], answer=["A", "A"])
     assert out == [1.0, 0.0]

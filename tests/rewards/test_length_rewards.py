@@ -7,6 +7,7 @@ import math
 import pytest
 
 from lit_grpo import plugins
+from lit_grpo.scoring import build_reward
 from lit_grpo_rewards import cosine_scaled_accuracy, soft_overlong_punishment
 
 
@@ -42,7 +43,7 @@ def test_soft_overlong_punishment_bad_args(args, message):
 
 def test_soft_overlong_punishment_from_yaml_args():
     plugins.reset_plugins()
-    reward = plugins.build_reward("soft_overlong_punishment", {"max_completion_len": 8, "soft_punish_cache": 2})
+    reward = build_reward("soft_overlong_punishment", {"max_completion_len": 8, "soft_punish_cache": 2})
     out = reward(prompts=["p"] * 3, completions=["a"] * 3, completion_ids=[ids(6), ids(7), ids(8)])
     assert out == [0.0, -0.5, -1.0]
 
@@ -91,6 +92,6 @@ def test_cosine_scaled_accuracy_none_and_errors():
 
 def test_cosine_scaled_accuracy_from_yaml_args_gsm8k():
     plugins.reset_plugins()
-    reward = plugins.build_reward("cosine_scaled_accuracy", {"max_len": 4, "answer_pattern": r"####\s*(.+)$"})
+    reward = build_reward("cosine_scaled_accuracy", {"max_len": 4, "answer_pattern": r"####\s*(.+)$"})
     out = reward(prompts=["q"] * 2, completions=["72", "7"], completion_ids=[[1], [2]], answer=["#### 72"] * 2)
     assert out == [pytest.approx(0.75), pytest.approx(-1.0 + 0.25 * (1 - math.cos(math.pi / 4)))]

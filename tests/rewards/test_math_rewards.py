@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from lit_grpo import plugins
+from lit_grpo.scoring import build_reward
 from lit_grpo_rewards import math_accuracy
 from lit_grpo_rewards.math_rewards import _timeout, parse_math_answer
 
@@ -67,7 +68,7 @@ def test_gold_numbers_from_json():
 
 def test_built_from_yaml_args():
     plugins.reset_plugins()
-    reward = plugins.build_reward("math_accuracy", {"answer_pattern": r"####\s*(.+)$", "timeout_seconds": 2})
+    reward = build_reward("math_accuracy", {"answer_pattern": r"####\s*(.+)$", "timeout_seconds": 2})
     out = reward(prompts=["q", "q"], completions=["72", "7"], completion_ids=[[1], [2]], answer=["#### 72"] * 2)
     assert out == [1.0, 0.0]
 

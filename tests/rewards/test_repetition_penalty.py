@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lit_grpo import plugins
+from lit_grpo.scoring import build_reward
 from lit_grpo_rewards import repetition_penalty
 
 
@@ -37,6 +38,6 @@ def test_bad_args(args, message):
     with pytest.raises(ValueError, match=message):
         repetition_penalty(["a b c"], **args)
     plugins.reset_plugins()
-    reward = plugins.build_reward("repetition_penalty", args)
+    reward = build_reward("repetition_penalty", args)
     with pytest.raises(ValueError, match=message):
         reward(prompts=["p"], completions=["a b c"], completion_ids=[[1]])

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
 from lit_grpo import plugins
+from lit_grpo.scoring import build_reward
 from lit_grpo.tiny import build_tiny_model
 from lit_grpo_rewards import RewardModel
 
@@ -76,7 +77,7 @@ def test_conversational_inputs_use_the_reward_models_chat_template(rm_dir, manua
 
 def test_lazy_loading_and_build_from_yaml_args(rm_dir):
     plugins.reset_plugins()
-    reward = plugins.build_reward("reward_model", {"model_name_or_path": str(rm_dir), "batch_size": 2, "device": "cpu"})
+    reward = build_reward("reward_model", {"model_name_or_path": str(rm_dir), "batch_size": 2, "device": "cpu"})
     assert isinstance(reward, RewardModel) and reward._model is None and reward.__name__ == "reward_model"
     out = reward(prompts=["p", "q"], completions=["a", "b"], completion_ids=[[1], [2]])
     assert len(out) == 2 and reward._model is not None and not reward._model.training
@@ -113,7 +114,7 @@ def test_missing_paths_are_named(tmp_path):
         RewardModel(str(missing))
     plugins.reset_plugins()
     with pytest.raises(plugins.RewardArgumentError, match="no-such-model' does not exist"):
-        plugins.build_reward("reward_model", {"model_name_or_path": str(missing)})
+        build_reward("reward_model", {"model_name_or_path": str(missing)})
     # a hub id cannot be checked up front; loading it offline fails with its name
     rm = RewardModel("no-such-org/no-such-reward-model")
     with pytest.raises(OSError, match="cannot load .* from 'no-such-org/no-such-reward-model'"):

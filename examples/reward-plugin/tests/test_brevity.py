@@ -1,4 +1,5 @@
 from lit_grpo import plugins
+from lit_grpo.scoring import build_reward
 from lit_grpo_brevity import brevity
 
 
@@ -15,4 +16,4 @@ def test_registered_through_the_entry_point():
     plugins.reset_plugins()
     info = plugins.get_reward("brevity")
     assert info.package == "lit-grpo-brevity"
-    assert plugins.build_reward("brevity", {"max_chars": 1})(prompts=["p"], completions=["ab"]) == [0.5]
+    assert build_reward("brevity", {"max_chars": 1})(prompts=["p"], completions=["ab"]) == [0.5]

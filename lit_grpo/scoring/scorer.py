@@ -75,105 +75,24 @@ import traceback
 import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lit_grpo import plugins
-from lit_grpo.config import AsWritten
-from lit_grpo._reward_pool import PoolCancelled, PoolInitError, WorkerPool
+from lit_grpo.scoring.arguments import build_reward
+from lit_grpo.scoring.pool import PoolCancelled, PoolInitError, WorkerPool
+from lit_grpo.scoring.specs import RewardError, RewardSpec, as_spec, check_spec, preview
 
 try:  # numpy comes with torch in practice, but the scorer does not require it
     import numpy as np
 except ImportError:  # pragma: no cover
     np = None
 
-__all__ = ["ON_ERROR", "RewardError", "RewardScorer", "RewardSpec"]
+__all__ = ["RewardScorer"]
 
 logger = logging.getLogger(__name__)
-
-_PREVIEW_CHARS = 200
-ON_ERROR = ("raise", "none", "zero")
-_SPEC_KEYS = ("name", "weight", "args", "on_error", "num_workers", "timeout")
-
-
-class RewardError(RuntimeError):
-    """A reward function raised, or returned something that is not one number-or-None per sample."""
-
-
-@dataclass
-class RewardSpec:
-    """One entry of ``model.rewards`` in YAML.
-
-    ``{name: ..., weight: 1.0, args: {...}, on_error: raise, num_workers: 0, timeout: null}``:
-
-    * ``on_error``: ``raise`` | ``none`` | ``zero``, what a sample the reward fails on (raises,
-      times out, kills its worker) scores: an error, ``None`` (NaN), or ``0.0``;
-    * ``num_workers``: 0 scores in the training process; N > 0 scores one sample per call in a
-      pool of N worker processes;
-    * ``timeout``: seconds per call of a pool or async reward; ``None`` waits forever.
-    """
-
-    name: str
-    weight: float = 1.0
-    args: dict[str, AsWritten] = field(default_factory=dict)  # as written in YAML (lit_grpo.config)
-    on_error: str = "raise"
-    num_workers: int = 0
-    timeout: float | None = None
-
-
-def _preview(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _PREVIEW_CHARS else text[: _PREVIEW_CHARS - 3] + "..."
-
-
-def _as_spec(spec: Any, index: int) -> RewardSpec:
-    if isinstance(spec, RewardSpec):
-        return spec
-    if isinstance(spec, Mapping):
-        unknown = [key for key in spec if key not in _SPEC_KEYS]
-        if unknown or "name" not in spec:
-            problem = f"unknown key {unknown[0]!r}" if unknown else "no 'name'"
-            raise ValueError(
-                f"model.rewards[{index}] must look like {{name: ..., weight: 1.0, args: {{...}}}} "
-                "(optional: on_error: raise|none|zero, num_workers: 0, timeout: null); "
-                f"got {dict(spec)!r} ({problem})"
-            )
-        return RewardSpec(
-            name=spec["name"],
-            weight=spec.get("weight", 1.0),
-            args=dict(spec.get("args") or {}),
-            on_error=spec.get("on_error", "raise"),
-            num_workers=spec.get("num_workers", 0),
-            timeout=spec.get("timeout"),
-        )
-    if isinstance(spec, str):
-        return RewardSpec(name=spec)
-    raise ValueError(f"model.rewards[{index}] must be a mapping with a 'name', got {spec!r}")
-
-
-def _check_spec(i: int, spec: RewardSpec) -> None:
-    """Raise ValueError for an ``on_error``, ``num_workers`` or ``timeout`` the scorer cannot use."""
-    where = f"model.rewards[{i}]"
-    if not isinstance(spec.on_error, str) or spec.on_error not in ON_ERROR:
-        hint = " (YAML null is not the string 'none': write on_error: none)" if spec.on_error is None else ""
-        raise ValueError(
-            f"{where}.on_error ({spec.name!r}) must be one of {', '.join(ON_ERROR)}, got {spec.on_error!r}{hint}"
-        )
-    workers = spec.num_workers
-    if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 0:
-        raise ValueError(
-            f"{where}.num_workers ({spec.name!r}) must be a whole number >= 0 (0 scores in the training "
-            f"process), got {workers!r}"
-        )
-    timeout = spec.timeout
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) or timeout <= 0
-    ):
-        raise ValueError(
-            f"{where}.timeout ({spec.name!r}) must be a number of seconds > 0, or null for no limit; got {timeout!r}"
-        )
 
 
 def _is_async(reward: Any) -> bool:
@@ -332,7 +251,7 @@ class RewardScorer:
     def __init__(self, specs: Sequence[RewardSpec | Mapping[str, Any]]):
         self._pools: dict[int, WorkerPool] = {}
         self._loop: _EventLoopThread | None = None
-        specs = [_as_spec(spec, i) for i, spec in enumerate(specs or [])]
+        specs = [as_spec(spec, i) for i, spec in enumerate(specs or [])]
         if not specs:
             raise ValueError(
                 "model.rewards is empty: configure at least one reward, e.g. "
@@ -354,11 +273,11 @@ class RewardScorer:
                 raise ValueError(
                     f"model.rewards[{i}] ({spec.name!r}): weight must be a finite number, got {spec.weight!r}"
                 )
-            _check_spec(i, spec)
+            check_spec(i, spec)
         self.specs: list[RewardSpec] = specs
         self.names: list[str] = [spec.name for spec in specs]
         self.infos: list[plugins.RewardInfo] = [plugins.get_reward(spec.name) for spec in specs]
-        self.rewards: list[Any] = [plugins.build_reward(spec.name, spec.args) for spec in specs]
+        self.rewards: list[Any] = [build_reward(spec.name, spec.args) for spec in specs]
         self.weights: torch.Tensor = torch.tensor([float(spec.weight) for spec in specs], dtype=torch.float32)  # [K]
         # How each reward runs: "pool" (num_workers > 0), "async" (awaited) or "local" (called here).
         self.modes: list[str] = []
@@ -654,8 +573,8 @@ class RewardScorer:
         return RewardError(
             f"{self._who(k)} {what}\n"
             f"  while scoring {len(completions)} completions; the first was\n"
-            f"  prompt:     {_preview(prompts[0])}\n"
-            f"  completion: {_preview(completions[0])}"
+            f"  prompt:     {preview(prompts[0])}\n"
+            f"  completion: {preview(completions[0])}"
         )
 
     def _sample_error(self, k: int, error: _SampleError, kwargs: dict[str, Any]) -> RewardError:
@@ -672,8 +591,8 @@ class RewardScorer:
             head,
             f"  while scoring sample {error.index} of {len(kwargs['completions'])} in a worker process "
             f"(num_workers={spec.num_workers})",
-            f"  prompt:     {_preview(kwargs['prompts'][error.index])}",
-            f"  completion: {_preview(kwargs['completions'][error.index])}",
+            f"  prompt:     {preview(kwargs['prompts'][error.index])}",
+            f"  completion: {preview(kwargs['completions'][error.index])}",
         ]
         if error.traceback:
             lines += ["  worker traceback:", _indent(error.traceback)]
@@ -693,8 +612,8 @@ class RewardScorer:
             f"{self._who(k)} failed on {len(errors)} of {len(kwargs['completions'])} samples "
             f"({', '.join(f'{count} {name}' for name, count in kinds.most_common())}); they score {fill} "
             f"(on_error: {spec.on_error}). First, sample {first.index}: {first.summary}\n"
-            f"  prompt:     {_preview(kwargs['prompts'][first.index])}\n"
-            f"  completion: {_preview(kwargs['completions'][first.index])}"
+            f"  prompt:     {preview(kwargs['prompts'][first.index])}\n"
+            f"  completion: {preview(kwargs['completions'][first.index])}"
         )
         key = (k, first.type_name)
         if first.traceback and key not in self._tracebacks_shown:
@@ -728,7 +647,7 @@ class RewardScorer:
             values = raw
         else:
             raise RewardError(
-                f"{who} returned {type(raw).__name__} ({_preview(raw)}){alone}; expected a list of {n} "
+                f"{who} returned {type(raw).__name__} ({preview(raw)}){alone}; expected a list of {n} "
                 "floats or None, one per completion"
             )
         if len(values) != n:
@@ -748,8 +667,8 @@ class RewardScorer:
             return float(value)
         if not isinstance(value, numbers.Real):
             raise RewardError(
-                f"{who} returned {type(value).__name__} {_preview(value)} for sample {i} "
-                f"(completion {_preview(completion)}); rewards must be numbers (float, int, bool) "
+                f"{who} returned {type(value).__name__} {preview(value)} for sample {i} "
+                f"(completion {preview(completion)}); rewards must be numbers (float, int, bool) "
                 "or None"
             )
         number = float(value)
@@ -759,7 +678,7 @@ class RewardScorer:
             )
         if math.isinf(number):
             raise RewardError(
-                f"{who} returned {number} for sample {i} (completion {_preview(completion)}); "
+                f"{who} returned {number} for sample {i} (completion {preview(completion)}); "
                 "rewards must be finite"
             )
         return number

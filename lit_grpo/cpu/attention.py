@@ -31,6 +31,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from lit_grpo.models import text_config
+
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 MAX_SCORES = 2**24  # attention scores [n, heads, q, S] of one call: 32 MiB in half precision
 NAME = "lit_cpu_half"
@@ -96,12 +98,6 @@ def cpu_compute_dtype(model: torch.nn.Module) -> torch.dtype:
     if torch.is_autocast_enabled("cpu"):
         return torch.get_autocast_dtype("cpu")
     return next(model.parameters()).dtype
-
-
-def text_config(model: torch.nn.Module):
-    """The configuration that holds the attention settings (the text part of a multimodal model)."""
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from lit_grpo.attention import cpu_compute_dtype
+from lit_grpo.cpu.attention import cpu_compute_dtype
 
 
 def prepack_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype | None:

@@ -1,0 +1,32 @@
+"""The hooks a lit-grpo plugin may implement (pluggy project ``lit_grpo``).
+
+A plugin module implements them with the ``lit_grpo.hookimpl`` marker and is found through the
+``lit_grpo`` entry-point group (:mod:`lit_grpo.plugins`)::
+
+    @lit_grpo.hookimpl
+    def register_rewards(register):
+        register(my_reward)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lit_grpo import hookspec
+
+__all__ = ["Hookspecs"]
+
+
+class Hookspecs:
+    """The hooks a lit-grpo plugin may implement."""
+
+    @hookspec
+    def register_rewards(self, register: Callable[..., None]) -> None:
+        """Register reward functions or classes.
+
+        Call ``register(obj, name=None)`` once per reward. ``obj`` is a function called as
+        ``obj(prompts=..., completions=..., completion_ids=..., **columns)`` returning one
+        ``float | None`` per completion, or a class whose constructor takes the reward's YAML
+        ``args`` and whose instances are such callables. ``name`` (the name used in YAML)
+        defaults to ``obj.__name__``.
+        """

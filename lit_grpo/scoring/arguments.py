@@ -1,0 +1,131 @@
+"""Binding a reward's YAML ``args``: the callable a registered reward becomes for a run.
+
+A function's ``args`` become bound keyword arguments (which win over a dataset column of the same
+name); a class is instantiated with them. Arguments the reward cannot take, or that the trainer
+supplies itself (``prompts``, ``completions``, ``completion_ids``), are errors naming the reward.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from lit_grpo.plugins import RESERVED_ARGS, RewardArgumentError, RewardInfo, get_reward
+
+__all__ = ["build_reward"]
+
+
+class _BoundReward(functools.partial):
+    """``functools.partial`` whose bound keywords win over call keywords.
+
+    The trainer passes every dataset column as a keyword argument; a column that happens to share
+    its name with a YAML ``args`` entry must not silently override the configured value.
+    """
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        return self.func(*args, **{**kwargs, **self.keywords})
+
+
+def _signature(obj: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(obj)
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
+
+
+def _check_args(info: RewardInfo, args: dict[str, Any], sig: inspect.Signature | None, what: str) -> None:
+    """Raise :class:`RewardArgumentError` for args the signature cannot take."""
+    reserved = [a for a in args if a in RESERVED_ARGS]
+    if reserved:
+        raise RewardArgumentError(
+            f"Reward '{info.name}' ({info.label}): args may not set {reserved[0]!r}; "
+            f"{', '.join(RESERVED_ARGS)} are supplied by the trainer on every call"
+        )
+    if sig is None:
+        return
+    params = sig.parameters.values()
+    named = [
+        p.name
+        for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in RESERVED_ARGS
+    ]
+    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    for arg in args:
+        if arg in named:
+            continue
+        close = difflib.get_close_matches(arg, named, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        if not has_var_kw:
+            raise RewardArgumentError(
+                f"Reward '{info.name}' ({info.label}) got an unexpected argument {arg!r} in args"
+                f"{hint}; its {what} accepts: {', '.join(named) or 'no arguments'}"
+            )
+        if close:
+            warnings.warn(
+                f"Reward '{info.name}' ({info.label}): argument {arg!r} in args is not a named "
+                f"parameter of its {what}; it goes to **kwargs{hint}",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+def build_reward(name: str, args: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+    """Resolve reward ``name`` and configure it with ``args`` (the YAML ``args`` mapping).
+
+    * a class is instantiated with ``**args`` (constructor arguments);
+    * a function with non-empty ``args`` is bound with a ``functools.partial`` (keeping the
+      function's ``__name__`` and ``__doc__``); configured ``args`` take precedence over dataset
+      columns of the same name;
+    * a function with no ``args`` is returned as is.
+
+    Raises :class:`UnknownRewardError` for an unknown name and :class:`RewardArgumentError` for
+    ``args`` the reward cannot take (or a constructor that raises).
+    """
+    info = get_reward(name)
+    if args is None:
+        args = {}
+    if not isinstance(args, Mapping):
+        raise RewardArgumentError(
+            f"Reward '{name}' ({info.label}): args must be a mapping of keyword arguments, "
+            f"got {type(args).__name__}: {args!r}"
+        )
+    args = dict(args)
+    bad_keys = [k for k in args if not isinstance(k, str)]
+    if bad_keys:
+        raise RewardArgumentError(f"Reward '{name}' ({info.label}): argument names must be strings, got {bad_keys[0]!r}")
+    obj = info.obj
+    if inspect.isclass(obj):
+        sig = _signature(obj)
+        _check_args(info, args, sig, "constructor")
+        if sig is not None:
+            try:
+                sig.bind(**args)
+            except TypeError as exc:
+                raise RewardArgumentError(
+                    f"Reward '{name}' ({info.label}) cannot be constructed with args {args!r}: {exc}"
+                ) from None
+        try:
+            return obj(**args)
+        except Exception as exc:
+            raise RewardArgumentError(
+                f"Reward '{name}' ({info.label}): constructing {obj.__qualname__}(**{args!r}) raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+    if not args:
+        return obj
+    _check_args(info, args, _signature(obj), "function")
+    bound = _BoundReward(obj, **args)
+    bound.__name__ = getattr(obj, "__name__", name)
+    bound.__qualname__ = getattr(obj, "__qualname__", name)
+    bound.__doc__ = getattr(obj, "__doc__", None)
+    bound.__module__ = getattr(obj, "__module__", None)
+    return bound
+
+
+# --------------------------------------------------------------------------------------------------
+# Listing (``lit-grpo rewards [--json]``)
+# --------------------------------------------------------------------------------------------------

@@ -1,0 +1,95 @@
+"""One entry of ``model.rewards``: its keys, their checks, and the error a reward's failure raises."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lit_grpo.config import AsWritten
+
+__all__ = ["ON_ERROR", "RewardError", "RewardSpec", "as_spec", "check_spec", "preview"]
+
+_PREVIEW_CHARS = 200
+ON_ERROR = ("raise", "none", "zero")
+_SPEC_KEYS = ("name", "weight", "args", "on_error", "num_workers", "timeout")
+
+
+class RewardError(RuntimeError):
+    """A reward function raised, or returned something that is not one number-or-None per sample."""
+
+
+@dataclass
+class RewardSpec:
+    """One entry of ``model.rewards`` in YAML.
+
+    ``{name: ..., weight: 1.0, args: {...}, on_error: raise, num_workers: 0, timeout: null}``:
+
+    * ``on_error``: ``raise`` | ``none`` | ``zero``, what a sample the reward fails on (raises,
+      times out, kills its worker) scores: an error, ``None`` (NaN), or ``0.0``;
+    * ``num_workers``: 0 scores in the training process; N > 0 scores one sample per call in a
+      pool of N worker processes;
+    * ``timeout``: seconds per call of a pool or async reward; ``None`` waits forever.
+    """
+
+    name: str
+    weight: float = 1.0
+    args: dict[str, AsWritten] = field(default_factory=dict)  # as written in YAML (lit_grpo.config)
+    on_error: str = "raise"
+    num_workers: int = 0
+    timeout: float | None = None
+
+
+def preview(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _PREVIEW_CHARS else text[: _PREVIEW_CHARS - 3] + "..."
+
+
+def as_spec(spec: Any, index: int) -> RewardSpec:
+    if isinstance(spec, RewardSpec):
+        return spec
+    if isinstance(spec, Mapping):
+        unknown = [key for key in spec if key not in _SPEC_KEYS]
+        if unknown or "name" not in spec:
+            problem = f"unknown key {unknown[0]!r}" if unknown else "no 'name'"
+            raise ValueError(
+                f"model.rewards[{index}] must look like {{name: ..., weight: 1.0, args: {{...}}}} "
+                "(optional: on_error: raise|none|zero, num_workers: 0, timeout: null); "
+                f"got {dict(spec)!r} ({problem})"
+            )
+        return RewardSpec(
+            name=spec["name"],
+            weight=spec.get("weight", 1.0),
+            args=dict(spec.get("args") or {}),
+            on_error=spec.get("on_error", "raise"),
+            num_workers=spec.get("num_workers", 0),
+            timeout=spec.get("timeout"),
+        )
+    if isinstance(spec, str):
+        return RewardSpec(name=spec)
+    raise ValueError(f"model.rewards[{index}] must be a mapping with a 'name', got {spec!r}")
+
+
+def check_spec(i: int, spec: RewardSpec) -> None:
+    """Raise ValueError for an ``on_error``, ``num_workers`` or ``timeout`` the scorer cannot use."""
+    where = f"model.rewards[{i}]"
+    if not isinstance(spec.on_error, str) or spec.on_error not in ON_ERROR:
+        hint = " (YAML null is not the string 'none': write on_error: none)" if spec.on_error is None else ""
+        raise ValueError(
+            f"{where}.on_error ({spec.name!r}) must be one of {', '.join(ON_ERROR)}, got {spec.on_error!r}{hint}"
+        )
+    workers = spec.num_workers
+    if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 0:
+        raise ValueError(
+            f"{where}.num_workers ({spec.name!r}) must be a whole number >= 0 (0 scores in the training "
+            f"process), got {workers!r}"
+        )
+    timeout = spec.timeout
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) or timeout <= 0
+    ):
+        raise ValueError(
+            f"{where}.timeout ({spec.name!r}) must be a number of seconds > 0, or null for no limit; got {timeout!r}"
+        )

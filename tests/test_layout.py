@@ -1,0 +1,107 @@
+"""The shape of the code: modules of a readable size, imports that only go down the layers, and a
+README Layout section that names every module."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "lit_grpo"
+MAX_LINES = 700
+
+# Lowest first: a module may import from its own layer and the layers below, never from above.
+LAYERS = [
+    # pure functions, records and settings
+    ["lit_grpo", "lit_grpo.algorithm", "lit_grpo.config", "lit_grpo.evaluation", "lit_grpo.completions",
+     "lit_grpo.hookspecs", "lit_grpo.tiny"],
+    # loading models, checkpoints, the plugin registry
+    ["lit_grpo.models", "lit_grpo.checkpointing", "lit_grpo.plugins"],
+    # several processes; CPU-only tuning; a reward's settings, arguments and worker processes
+    ["lit_grpo.distributed", "lit_grpo.cpu.allocator", "lit_grpo.cpu.attention", "lit_grpo.cpu.prepacked",
+     "lit_grpo.scoring.specs", "lit_grpo.scoring.arguments", "lit_grpo.scoring.pool"],
+    ["lit_grpo.cpu", "lit_grpo.rollout", "lit_grpo.reference", "lit_grpo.scoring.scorer"],
+    # what a step is built from
+    ["lit_grpo.shared_prompt", "lit_grpo.group_sampler", "lit_grpo.scoring", "lit_grpo.data", "lit_grpo.callbacks"],
+    ["lit_grpo.generation", "lit_grpo.logprobs"],
+    # the Lightning module, what is built on it, and the command
+    ["lit_grpo.module"],
+    ["lit_grpo.export"],
+    ["lit_grpo.cli"],
+]
+LAYER_OF = {name: index for index, names in enumerate(LAYERS) for name in names}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every ``lit_grpo``/``bench`` module imported anywhere in the file (functions included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            # ``from lit_grpo import algorithm`` imports the module lit_grpo.algorithm
+            found.update(f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in MODULES)
+    return {name for name in found if name.split(".")[0] in ("lit_grpo", "bench")}
+
+
+GRAPH = {name: imported_modules(path) - {name} for name, path in MODULES.items()}
+
+
+def test_every_module_has_a_layer():
+    assert sorted(set(MODULES) - set(LAYER_OF)) == [], "add the new module to LAYERS"
+    assert sorted(set(LAYER_OF) - set(MODULES)) == [], "a module of LAYERS no longer exists"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_is_of_a_readable_size(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_go_down_the_layers_and_never_to_bench(name):
+    for imported in GRAPH[name]:
+        assert not imported.startswith("bench"), f"{name} imports {imported}"
+        assert LAYER_OF[imported] <= LAYER_OF[name], (
+            f"{name} (layer {LAYER_OF[name]}) imports {imported} (layer {LAYER_OF[imported]})"
+        )
+
+
+def test_import_graph_has_no_cycles():
+    visiting, done = set(), set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in done:
+            return
+        assert name not in visiting, "import cycle: " + " -> ".join(path + [name])
+        visiting.add(name)
+        for imported in sorted(GRAPH[name]):
+            # a package's __init__ importing its own submodules is how packages work
+            if not imported.startswith(name + "."):
+                visit(imported, path + [name])
+        visiting.discard(name)
+        done.add(name)
+
+    for name in sorted(MODULES):
+        visit(name, [])
+
+
+def test_readme_layout_names_every_module():
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Layout", 1)[1]
+    listed = set(re.findall(r"lit_grpo/[\w/]+\.py", section))
+    files = {str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py")}
+    assert sorted(files - listed) == [], "add these to the README's Layout section"
+    assert sorted(listed - files) == [], "the README's Layout section names modules that do not exist"
