@@ -8,8 +8,9 @@
   the compute floor of ``bench/flops.py``;
 * machine facts (CPU, cores, load) and Markdown helpers.
 
-Run the drivers (``compare_trl.py``, ``scaling.py``, ``learning.py``) with the benchmark venv:
-``pip install -e ".[bench]" -e ./rewards`` (TRL is only a benchmark extra).
+Run the drivers from the repository root (``python -m bench.compare_trl``, ``python -m bench.scaling``,
+``python -m bench.learning``, ...) with the benchmark extra installed: ``pip install -e ".[bench]"
+-e ./rewards`` (TRL is only a benchmark extra).
 """
 
 from __future__ import annotations
