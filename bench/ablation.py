@@ -25,11 +25,11 @@ imported from that commit (the drivers in ``bench/`` stay the working tree's). `
 sets a ``GRPOModule`` argument in every variant (a YAML value: ``num_iterations=2``); steps count
 generation batches either way.
 
-    python bench/ablation.py --threads 1                      # 4M, L = 128, beta 0, fp32
-    python bench/ablation.py --threads 1 --size 30M --length 32 --precision bf16
-    python bench/ablation.py --threads 1 --prompt-chars 120     # prompts 120 tokens longer
-    python bench/ablation.py --threads 1 --variants default "token budget 4096"   # a subset
-    python bench/ablation.py --threads 1 --set num_iterations=2 --variants default --against-commit 50c4a49
+    python -m bench.ablation --threads 1                      # 4M, L = 128, beta 0, fp32
+    python -m bench.ablation --threads 1 --size 30M --length 32 --precision bf16
+    python -m bench.ablation --threads 1 --prompt-chars 120     # prompts 120 tokens longer
+    python -m bench.ablation --threads 1 --variants default "token budget 4096"   # a subset
+    python -m bench.ablation --threads 1 --set num_iterations=2 --variants default --against-commit 50c4a49
 
 Writes ``bench/results/ablation.md`` and ``.json`` (``--name`` changes the file name).
 """
@@ -46,8 +46,7 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (  # noqa: E402
+from bench.harness import (
     add_contention_options,
     add_work_options,
     build_models,
@@ -129,7 +128,7 @@ def export_commit(rev: str, directory: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    command = command_line("ablation.py", argv)
+    command = command_line("ablation", argv)
     machine_before = machine_description()
     start = time.perf_counter()
     variants = {variant: {**VARIANTS[variant], **args.settings} for variant in args.variants}

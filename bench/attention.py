@@ -1,6 +1,6 @@
 """What ``lit_grpo.attention`` and the sampler's cast-once weights buy under bf16 autocast on the CPU.
 
-    python bench/attention.py --threads 1
+    python -m bench.attention --threads 1
 
 1. One decode step's attention (one query token) at the 4M model's shapes (64 rows, 4 query heads
    on 2 key/value heads, head_dim 64) for several cache lengths: PyTorch's SDPA against
@@ -23,20 +23,11 @@ import argparse
 import contextlib
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (  # noqa: E402
-    QUICKSTART_DATA,
-    build_models,
-    command_line,
-    machine_description,
-    markdown_table,
-    write_outputs,
-)
+from bench.harness import QUICKSTART_DATA, build_models, command_line, machine_description, markdown_table, write_outputs
 
 
 def median_seconds(function, repeats: int) -> float:
@@ -168,7 +159,7 @@ def main() -> None:
         training = training_rows(max(args.repeats, 10))
         sampler = [row for size in args.sizes for row in sampler_rows(size, models[size].path, args.length, args.repeats)]
     machine = machine_description()
-    command = command_line("attention.py", None)
+    command = command_line("attention", None)
     markdown = "\n\n".join([
         "# Attention on the CPU in bf16: PyTorch's SDPA against grouped matrix products", f"`{command}`",
         f"Machine: {machine['cpu']}, {torch.get_num_threads()} torch threads. 4M model shapes: 4 query heads on 2 key/value heads, head_dim 64.",

@@ -4,7 +4,7 @@ The mix: correct and wrong solutions (fast), slow-ish ones (a Python loop of rou
 and two that loop forever and are killed at the 1 s timeout. Every configuration must give the
 same scores. Prints a Markdown table.
 
-    /work/venv/bin/python bench/code_execution_parallel.py [--workers 1 2 4] [--timeout 1.0]
+    python -m bench.code_execution_parallel [--workers 1 2 4] [--timeout 1.0]
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ The first pair of each configuration also runs one extra, untimed step under a m
 (``bench/trainer_runs.py``): the FLOPs each trainer really executes, by dtype, which shows whether
 bf16 really multiplies in bf16.
 
-    python bench/compare_trl.py                       # the full matrix (about 30-40 min on 2 idle cores)
-    python bench/compare_trl.py --sizes 4M --lengths 32 --betas 0 --precisions fp32 bf16 \\
+    python -m bench.compare_trl                       # the full matrix (about 30-40 min on 2 idle cores)
+    python -m bench.compare_trl --sizes 4M --lengths 32 --betas 0 --precisions fp32 bf16 \\
         --fixed-length-at --steps 4                   # a quick check (a few minutes)
 
 Writes ``bench/results/compare_trl.md`` and ``.json`` (``--name`` changes the file name), after every
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -46,14 +45,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (  # noqa: E402
+from bench.harness import (
     add_contention_options,
     RESULTS_DIR,
     QUICKSTART_DATA,
     RunSpec,
     build_models,
     check_num_iterations,
+    command_arguments,
     command_line,
     long_prompt_data,
     fmt,
@@ -373,7 +372,7 @@ def rerender(json_path: Path) -> None:
     """Write the Markdown (and the compacted JSON) again from a previous run's JSON, e.g. after a
     change of the report's format."""
     data = json.loads(json_path.read_text())
-    args = parse_args(shlex.split(data["command"])[2:])
+    args = parse_args(command_arguments(data["command"]))
     num_parameters = {n: m["num_parameters"] for n, m in data["models"].items()}
     markdown = markdown_report(
         args, data["machine_before"], data["machine_after"], num_parameters,
@@ -389,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_json is not None:
         rerender(args.from_json)
         return
-    command = command_line("compare_trl.py", argv)
+    command = command_line("compare_trl", argv)
     machine_before = machine_description()
     print(f"{load_line(machine_before)}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="lit-grpo-bench-") as tmp:

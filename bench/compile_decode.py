@@ -1,6 +1,6 @@
 """Would ``torch.compile`` of the decode steps pay off? The group sampler eager against compiled.
 
-    python bench/compile_decode.py --threads 1 --sizes 4M 30M
+    python -m bench.compile_decode --threads 1 --sizes 4M 30M
 
 For each model (``--sizes``) and mode, a fresh process (and an empty inductor cache, so the first
 batch pays the whole compile) samples ``--batches`` generation batches with the group sampler
@@ -30,8 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import QUICKSTART_DATA, build_models, command_line, machine_description, markdown_table, write_outputs  # noqa: E402
+from bench.harness import QUICKSTART_DATA, REPO_DIR, build_models, command_line, machine_description, markdown_table, module_env, write_outputs
 
 MODES = ("eager", "compiled")
 
@@ -84,12 +83,12 @@ def sample_batches(model_dir: str, mode: str, length: int, batches: int, precisi
 
 def run_worker(model_dir: str, mode: str, args) -> dict:
     with tempfile.TemporaryDirectory() as cache_dir:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}  # a cold compile, as a user's first run
+        env = module_env({**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir})  # a cold compile, as a user's first run
         command = [
-            sys.executable, __file__, "--worker", mode, "--model-dir", model_dir, "--length", str(args.length),
+            sys.executable, "-m", "bench.compile_decode", "--worker", mode, "--model-dir", model_dir, "--length", str(args.length),
             "--batches", str(args.batches), "--precision", args.precision,
         ] + (["--threads", str(args.threads)] if args.threads is not None else [])
-        output = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+        output = subprocess.run(command, env=env, cwd=REPO_DIR, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
 
@@ -136,7 +135,7 @@ def main() -> None:
                     "seconds": run["seconds"], "tokens": run["tokens"],
                 })
     machine = machine_description()
-    command = command_line("compile_decode.py", None)
+    command = command_line("compile_decode", None)
 
     def fmt_break_even(row):
         if row["mode"] == "eager":

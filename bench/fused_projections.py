@@ -1,6 +1,6 @@
 """Would fusing a decoder layer's projections pay off? Separate matrix products against one fused one.
 
-    python bench/fused_projections.py --threads 1
+    python -m bench.fused_projections --threads 1
 
 A Llama layer multiplies the same input by three weights for the query, key and value projections,
 and by two for the MLP's gate and up projections. Fused, each group is one product with the weights
@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flops import calls_lasting, seconds_per_call  # noqa: E402
-from harness import MODEL_SIZES, command_line, machine_description, markdown_table, write_outputs  # noqa: E402
+from bench.flops import calls_lasting, seconds_per_call
+from bench.harness import MODEL_SIZES, command_line, machine_description, markdown_table, write_outputs
 
 
 def projection_groups(size: str) -> dict[str, list[int]]:
@@ -96,7 +93,7 @@ def main() -> None:
         for result in measure(size, dtype_name, rows, args.repeats, args.min_seconds)
     ]
     machine = machine_description()
-    command = command_line("fused_projections.py", None)
+    command = command_line("fused_projections", None)
     markdown = "\n\n".join([
         "# Separate against fused projections", f"`{command}`",
         f"Machine: {machine['cpu']}, {torch.get_num_threads()} torch threads, oneDNN bf16 kernels: "

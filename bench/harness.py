@@ -2,14 +2,15 @@
 
 * :data:`MODEL_SIZES` and :func:`build_models`: the tiny Llama-architecture models (random weights,
   character tokenizer, built offline by ``lit_grpo.tiny.build_tiny_model``);
-* :func:`run_in_subprocess`: one trainer run (``bench/trainer_runs.py``) in its own process, so
+* :func:`run_in_subprocess`: one trainer run (``python -m bench.trainer_runs``) in its own process, so
   its peak RSS is its own;
 * :func:`summarize_run`: median seconds per step, completion tokens per second, the phase split and
   the compute floor of ``bench/flops.py``;
 * machine facts (CPU, cores, load) and Markdown helpers.
 
-Run the drivers (``compare_trl.py``, ``scaling.py``, ``learning.py``) with the benchmark venv:
-``pip install -e ".[bench]" -e ./rewards`` (TRL is only a benchmark extra).
+Run the drivers from the repository root (``python -m bench.compare_trl``, ``python -m bench.scaling``,
+``python -m bench.learning``, ...) with the benchmark extra installed: ``pip install -e ".[bench]"
+-e ./rewards`` (TRL is only a benchmark extra).
 """
 
 from __future__ import annotations
@@ -27,14 +28,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.flops import ModelShape, grpo_step_flops, matmul_shapes_for, measure_matmul_rate
+from bench.trainer_runs import RunSpec
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 QUICKSTART_DATA = REPO_DIR / "configs" / "data" / "quickstart.jsonl"
-
-sys.path.insert(0, str(BENCH_DIR))
-from flops import ModelShape, grpo_step_flops, matmul_shapes_for, measure_matmul_rate  # noqa: E402
-from trainer_runs import RunSpec  # noqa: E402
 
 TRAINERS = ("lit-grpo", "trl")
 
@@ -162,23 +162,30 @@ def work_spec(args, trainer: str, model_dir: str, directory: Path, steps: int, *
     )
 
 
-def run_in_subprocess(spec: RunSpec, python: str = sys.executable, timeout: float | None = None) -> dict:
-    """Run ``bench/trainer_runs.py`` on ``spec`` in a fresh process and return its result dict.
+def module_env(env: dict[str, str], *first: str) -> dict[str, str]:
+    """``env`` with ``first`` and then the repository root at the head of ``PYTHONPATH``, so that a child
+    started as ``python -m bench.<name>`` finds the ``bench`` package whatever its working directory."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [*first, str(REPO_DIR), env.get("PYTHONPATH")]))}
 
-    The child's stderr is kept in the error message when it fails."""
+
+def run_in_subprocess(spec: RunSpec, python: str = sys.executable, timeout: float | None = None) -> dict:
+    """Run ``python -m bench.trainer_runs`` on ``spec`` in a fresh process and return its result dict.
+
+    The child's stderr is kept in the error message when it fails. It runs in a temporary directory:
+    ``python -m`` puts the working directory first on ``sys.path``, where the repository root would
+    shadow ``spec.lit_code_dir``'s ``lit_grpo``, which must come before the working tree's."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
         env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
-        if spec.lit_code_dir is not None:  # its lit_grpo comes before the installed one
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [spec.lit_code_dir, env.get("PYTHONPATH")]))
+        env = module_env(env, *([spec.lit_code_dir] if spec.lit_code_dir is not None else []))
         start = time.perf_counter()
         proc = subprocess.run(
-            [python, str(BENCH_DIR / "trainer_runs.py"), str(spec_path), str(result_path)],
+            [python, "-m", "bench.trainer_runs", str(spec_path), str(result_path)],
             capture_output=True,
             text=True,
             env=env,
-            cwd=REPO_DIR,
+            cwd=tmp,
             timeout=timeout,
         )
         if proc.returncode != 0:
@@ -375,9 +382,17 @@ def load_line(machine: dict) -> str:
     return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min)"
 
 
-def command_line(script: str, argv: list[str] | None) -> str:
-    """The command that reproduces a run of ``bench/<script>``, quoted so that it can be pasted into a shell."""
-    return shlex.join(["python", f"bench/{script}", *(sys.argv[1:] if argv is None else argv)])
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command that reproduces a run of ``bench.<module>`` from the repository root, quoted so that it
+    can be pasted into a shell."""
+    return shlex.join(["python", "-m", f"bench.{module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def command_arguments(command: str) -> list[str]:
+    """The arguments of a command written by :func:`command_line` (``python -m bench.<module> ...``), or
+    by earlier versions of it (``python bench/<script>.py ...``), as results files record them."""
+    words = shlex.split(command)
+    return words[3:] if words[1:2] == ["-m"] else words[2:]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

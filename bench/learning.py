@@ -17,8 +17,8 @@ lit-grpo's curve stays within TRL's seed-to-seed spread: for each block of ``--b
 block's mean reward averaged over lit-grpo's seeds against the lowest and highest block mean among
 TRL's seeds.
 
-    python bench/learning.py                      # 3 seeds x 300 steps x 2 trainers (~10 min on 2 cores)
-    python bench/learning.py --seeds 0 --steps 30 # a quick check
+    python -m bench.learning                      # 3 seeds x 300 steps x 2 trainers (~10 min on 2 cores)
+    python -m bench.learning --seeds 0 --steps 30 # a quick check
 
 Writes ``bench/results/learning.md`` and ``.json`` (with every curve).
 """
@@ -33,8 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (  # noqa: E402
+from bench.harness import (
     TRAINERS,
     QUICKSTART_DATA,
     RunSpec,
@@ -117,7 +116,7 @@ def compare_curves(curves: dict[str, dict[int, list[float]]], block: int) -> dic
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    command = command_line("learning.py", argv)
+    command = command_line("learning", argv)
     machine_before = machine_description()
     curves: dict[str, dict[int, list[float]]] = {t: {} for t in TRAINERS}
     wall: dict[str, dict[int, float]] = {t: {} for t in TRAINERS}

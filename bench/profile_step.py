@@ -26,8 +26,8 @@ split says where a step's time goes, the timed steps how long it takes. Minor pa
 memory touched for the first time) are counted in both: the operators that touch fresh pages
 (allocations, mostly copies) pay for them.
 
-    python bench/profile_step.py --threads 1 --size 30M --length 32 --precision bf16
-    python bench/profile_step.py --threads 1 --size 4M --length 128 --fixed-length --trainers lit-grpo
+    python -m bench.profile_step --threads 1 --size 30M --length 32 --precision bf16
+    python -m bench.profile_step --threads 1 --size 4M --length 128 --fixed-length --trainers lit-grpo
 
 Writes ``bench/results/profile_step.md`` and ``.json`` (``--name`` changes the file name).
 """
@@ -41,8 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (  # noqa: E402
+from bench.harness import (
     TRAINERS,
     add_contention_options,
     add_work_options,
@@ -60,7 +59,7 @@ from harness import (  # noqa: E402
     work_spec,
     write_outputs,
 )
-from trainer_runs import OP_CATEGORIES  # noqa: E402
+from bench.trainer_runs import OP_CATEGORIES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,7 +109,7 @@ def top_ops_table(profile: dict, top: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    command = command_line("profile_step.py", argv)
+    command = command_line("profile_step", argv)
     machine_before = machine_description()
     runs, summaries, profiles, floors = {}, {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="lit-grpo-bench-") as tmp:

@@ -11,9 +11,9 @@ By default one axis varies at a time around 4M parameters, G = 8, L = 128:
 G in (4, 8, 16); L in (32, 128, 512); model 4M and 30M. ``--full`` runs the whole grid
 (every size x G x L, 18 configurations: much longer, mainly because of 30M at L = 512).
 
-    python bench/scaling.py                        # the one-axis-at-a-time subset
-    python bench/scaling.py --full --precision bf16
-    python bench/scaling.py --sizes 4M --generations 4 8 --lengths 32 --steps 1   # a quick check
+    python -m bench.scaling                        # the one-axis-at-a-time subset
+    python -m bench.scaling --full --precision bf16
+    python -m bench.scaling --sizes 4M --generations 4 8 --lengths 32 --steps 1   # a quick check
 
 Writes ``bench/results/scaling.md`` and ``.json`` (``--name`` changes the file name).
 """
@@ -29,8 +29,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (  # noqa: E402
+from bench.harness import (
     add_contention_options,
     QUICKSTART_DATA,
     RunSpec,
@@ -86,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    command = command_line("scaling.py", argv)
+    command = command_line("scaling", argv)
     machine_before = machine_description()
     axes = {"size": args.sizes, "num_generations": args.generations, "max_completion_length": args.lengths}
     points = grid(axes, args.full)

@@ -1,6 +1,6 @@
 """One benchmark run of lit-grpo or TRL's ``GRPOTrainer``, meant to run in its own process.
 
-    python bench/trainer_runs.py SPEC.json RESULT.json
+    python -m bench.trainer_runs SPEC.json RESULT.json
 
 ``SPEC.json`` is a :class:`RunSpec` as JSON. The run trains ``spec.steps`` optimizer steps (one per
 generation batch on both trainers) and writes a :class:`RunResult` as JSON: per step the wall time,

@@ -20,8 +20,8 @@ computes the sampling policy's log-probs of the rows trained after the policy fi
 ``(S - 1) / S`` of the rows in a random order): with ``skip_zero_gradient_rows`` it leaves out the
 rows of the zero-advantage groups, whose old log-probs multiply into nothing.
 
-    python bench/zero_gradient_rows.py --threads 1 --sizes 4M 30M --lengths 32 128
-    python bench/zero_gradient_rows.py --threads 1 --sizes 4M 30M --lengths 32 128 --phases old_logps --name zero_gradient_rows_old_logps
+    python -m bench.zero_gradient_rows --threads 1 --sizes 4M 30M --lengths 32 128
+    python -m bench.zero_gradient_rows --threads 1 --sizes 4M 30M --lengths 32 128 --phases old_logps --name zero_gradient_rows_old_logps
 
 Writes ``bench/results/zero_gradient_rows.md`` and ``.json`` (``--name`` changes the file name).
 """
@@ -31,13 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import QUICKSTART_DATA, build_models, command_line, fmt, load_line, machine_description, markdown_table, steps_per_generation_problem, write_outputs  # noqa: E402
+from bench.harness import QUICKSTART_DATA, build_models, command_line, fmt, load_line, machine_description, markdown_table, steps_per_generation_problem, write_outputs
 
 G = 8
 PROMPTS = 8
@@ -156,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     machine = machine_description()
     tables = {phase: [] for phase in args.phases}
-    data = {"command": command_line("zero_gradient_rows.py", argv), "machine": machine, "args": vars(args), "results": []}
+    data = {"command": command_line("zero_gradient_rows", argv), "machine": machine, "args": vars(args), "results": []}
     with tempfile.TemporaryDirectory() as directory:
         models = build_models(args.sizes, Path(directory))
         for size in args.sizes:

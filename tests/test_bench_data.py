@@ -2,13 +2,11 @@
 bench/ablation.py's choice of variants."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from harness import QUICKSTART_DATA, long_prompt_data  # noqa: E402
+from bench.harness import QUICKSTART_DATA, long_prompt_data
 
 
 def test_long_prompts_put_an_instruction_of_the_given_length_before_every_prompt(tmp_path):
@@ -24,7 +22,7 @@ def test_long_prompts_put_an_instruction_of_the_given_length_before_every_prompt
 
 
 def test_ablation_runs_the_default_first_and_only_the_variants_asked_for():
-    import ablation  # bench/, on the path above
+    from bench import ablation
 
     assert ablation.parse_args([]).variants == list(ablation.VARIANTS)
     args = ablation.parse_args(["--variants", "token budget 4096"])
@@ -35,7 +33,7 @@ def test_ablation_runs_the_default_first_and_only_the_variants_asked_for():
 
 
 def test_ablation_settings_apply_to_every_variant_and_bad_ones_name_themselves():
-    import ablation
+    from bench import ablation
 
     args = ablation.parse_args(["--set", "num_iterations=2", "max_grad_norm=null", "--variants", "none"])
     assert args.settings == {"num_iterations": 2, "max_grad_norm": None}
@@ -48,7 +46,7 @@ def test_ablation_settings_apply_to_every_variant_and_bad_ones_name_themselves()
 def test_ablation_against_commit_exports_that_commits_lit_grpo(tmp_path):
     import subprocess
 
-    import ablation
+    from bench import ablation
 
     repo = Path(ablation.REPO_DIR)
     if not (repo / ".git").exists():
@@ -64,8 +62,8 @@ def test_ablation_against_commit_exports_that_commits_lit_grpo(tmp_path):
 
 
 def test_a_runs_floor_counts_its_passes_over_the_generation_batch():
-    from flops import ModelShape, grpo_step_flops
-    from harness import step_flops
+    from bench.flops import ModelShape, grpo_step_flops
+    from bench.harness import step_flops
 
     shape = ModelShape(hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=10)
     step = {"prompt_lengths": [2, 2, 3, 3], "completion_lengths": [3, 1, 2, 4]}
@@ -78,7 +76,7 @@ def test_a_runs_floor_counts_its_passes_over_the_generation_batch():
 
 
 def test_the_floor_share_2x_would_need_follows_from_both_trainers_rates():
-    import compare_trl  # bench/, on the path above
+    from bench import compare_trl
 
     # lit-grpo: 1000 tok/s at 40 % of its floor (0.4 ms of matmuls per token); TRL: 600 tok/s.
     # 2x TRL = 1200 tok/s = 0.833 ms per token, of which the 0.4 ms floor is 48 %.
@@ -95,8 +93,8 @@ def test_the_floor_share_2x_would_need_follows_from_both_trainers_rates():
 
 
 def test_a_runs_num_iterations_sets_the_floors_training_passes_for_both_trainers():
-    from flops import ModelShape, grpo_step_flops
-    from harness import step_flops
+    from bench.flops import ModelShape, grpo_step_flops
+    from bench.harness import step_flops
 
     shape = ModelShape(hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=10)
     step = {"prompt_lengths": [2, 2, 3, 3], "completion_lengths": [3, 1, 2, 4]}
@@ -110,7 +108,7 @@ def test_a_runs_num_iterations_sets_the_floors_training_passes_for_both_trainers
 
 
 def test_compare_trl_runs_every_configuration_at_each_num_iterations():
-    import compare_trl
+    from bench import compare_trl
 
     args = compare_trl.parse_args(["--sizes", "4M", "--lengths", "32", "--betas", "0", "--precisions", "bf16", "--num-iterations", "1", "2"])
     labels = [config.label for config in compare_trl.configs_from(args)]
@@ -125,7 +123,7 @@ def test_compare_trl_runs_every_configuration_at_each_num_iterations():
 
 
 def test_learning_runs_both_trainers_at_the_asked_num_iterations():
-    import learning
+    from bench import learning
 
     args = learning.parse_args(["--num-iterations", "2", "--steps", "50"])
     specs = [learning.run_spec(args, trainer, "model", seed=3) for trainer in learning.TRAINERS]
@@ -138,7 +136,7 @@ def test_learning_runs_both_trainers_at_the_asked_num_iterations():
 
 @pytest.mark.parametrize("value", ["1", "3"])
 def test_zero_gradient_rows_refuses_steps_per_generation_that_leave_no_later_rows_or_do_not_divide(value, capsys):
-    import zero_gradient_rows  # bench/, on the path above
+    from bench import zero_gradient_rows
 
     with pytest.raises(SystemExit):
         zero_gradient_rows.main(["--phases", "old_logps", "--steps-per-generation", value])
@@ -146,9 +144,9 @@ def test_zero_gradient_rows_refuses_steps_per_generation_that_leave_no_later_row
 
 
 def test_learning_runs_both_trainers_at_the_asked_steps_per_generation():
-    import learning
-    from flops import ModelShape, grpo_step_flops
-    from harness import step_flops
+    from bench import learning
+    from bench.flops import ModelShape, grpo_step_flops
+    from bench.harness import step_flops
 
     args = learning.parse_args(["--steps-per-generation", "2", "--num-iterations", "2"])
     specs = [learning.run_spec(args, trainer, "model", seed=0) for trainer in learning.TRAINERS]
@@ -169,8 +167,8 @@ def test_learning_runs_both_trainers_at_the_asked_steps_per_generation():
 def test_fused_projections_stack_exactly_the_weights_a_bench_models_layer_has(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    import fused_projections  # bench/, on the path above
-    from harness import build_models
+    from bench import fused_projections
+    from bench.harness import build_models
 
     for size, built in build_models(["4M", "30M"], tmp_path).items():
         layer = AutoModelForCausalLM.from_pretrained(built.path).model.layers[0]

@@ -4,14 +4,9 @@ The toy model: hidden 4, MLP 8, one layer, 2 query heads and 1 key/value head of
 10. Its projections hold q 4x4 + o 4x4 + k 4x2 + v 4x2 = 48 and MLP 3 x 4x8 = 96 weights: 144.
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-from flops import ModelShape, forward_flops, generation_flops, grpo_step_flops  # noqa: E402
+from bench.flops import ModelShape, forward_flops, generation_flops, grpo_step_flops
 
 TOY = ModelShape(
     hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=10

@@ -2,14 +2,11 @@
 (bench/profile_step.py), and how a profiled step's time is split."""
 
 import mmap
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from trainer_runs import RECORDER, RecordingCallback, RunSpec, split_step_time  # noqa: E402
+from bench.trainer_runs import RECORDER, RecordingCallback, RunSpec, split_step_time
 
 
 def test_a_timed_step_is_split_into_matmuls_copies_other_operators_the_rest_and_the_timers_cost():
@@ -33,7 +30,7 @@ def test_a_timed_step_is_split_into_matmuls_copies_other_operators_the_rest_and_
 
 
 def test_the_operator_timer_sees_the_kernels_below_autocast_and_in_the_backward_pass():
-    from trainer_runs import OpTimer
+    from bench.trainer_runs import OpTimer
 
     weight = torch.randn(16, 8, requires_grad=True)
     x = torch.randn(4, 8)
@@ -126,7 +123,7 @@ def test_with_num_iterations_a_trl_record_spans_the_sampling_step_and_the_traini
 
 
 def test_trl_phases_of_a_generation_batch_sum_its_trainer_steps():
-    from trainer_runs import TRLPhaseTimer
+    from bench.trainer_runs import TRLPhaseTimer
 
     timer = object.__new__(TRLPhaseTimer)  # without patching TRL (not installed for the tests)
     timer.spans = [
