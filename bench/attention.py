@@ -1,4 +1,4 @@
-"""What ``lit_grpo.attention`` and the sampler's cast-once weights buy under bf16 autocast on the CPU.
+"""What ``lit_grpo.cpu.attention`` and the sampler's cast-once weights buy under bf16 autocast on the CPU.
 
     python -m bench.attention --threads 1
 

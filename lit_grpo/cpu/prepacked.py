@@ -7,7 +7,7 @@ sampled the weights do not change, so :func:`prepacked_linear_weights` reorders 
 packing ``torch.compile``'s CPU backend uses for frozen weights) and runs the layer as
 ``torch.ops.mkldnn._linear_pointwise`` on it. The outputs are the same bf16 values bit for bit:
 the same kernels multiply the same operands, only the weight's reorder is hoisted out of the
-decode loop. What it buys is in the README (Performance), measured with ``bench/ablation.py
+decode loop. What it buys is in the README (Performance), measured with ``python -m bench.ablation
 --against-commit``.
 
 Taken only where it is exact and safe: on the CPU, without autograd, when the layer computes in
