@@ -490,17 +490,25 @@ def dr_grpo_aggregation(per_token_loss, completion_mask, max_completion_length, 
     return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
 
 
+def dapo_normaliser(real_tokens: float, world_size: int, steps_per_generation: int) -> float:
+    """``num_items_in_batch`` of the dapo/cispo aggregation, as TRL 1.16 computes it: the real
+    completion tokens of the generation batch over all ranks, clamped to at least 1, divided by the
+    world size (each rank's gradient is averaged) and by the optimizer steps that share the batch."""
+    return max(float(real_tokens), 1.0) / max(world_size, 1) / steps_per_generation
+
+
 @register_loss_type("dapo", accumulates_by_mean=False, rows_independent=True)
 def dapo_aggregation(per_token_loss, completion_mask, max_completion_length, num_items_in_batch):
     """DAPO (Yu et al. 2025, arXiv:2503.14476): token-level sum / real tokens of the generation batch.
 
     The normaliser counts every real completion token of the whole generation batch (all
     micro-batches, all ranks), so splitting the batch into micro-batches or ranks does not change
-    the summed gradient. When S optimizer steps share the batch, the caller passes 1/S of the count
-    (TRL 1.16), so each step's gradient is about the token mean over its own rows.
+    the summed gradient. As in TRL 1.16 the caller passes ``max(count, 1) / (world size x S)`` when
+    S optimizer steps share the batch (each rank's gradient is averaged, and each step's gradient
+    is then about the token mean over its own rows).
     """
     mask = completion_mask.to(per_token_loss.dtype)
-    return (per_token_loss * mask).sum() / max(float(num_items_in_batch), 1.0)
+    return (per_token_loss * mask).sum() / (float(num_items_in_batch) or 1.0)
 
 
 # CISPO aggregates like DAPO (token sum over the generation batch's tokens), SAPO like GRPO
@@ -556,7 +564,7 @@ def aggregate_loss(
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
     if num_items_in_batch is None:
-        num_items_in_batch = float(completion_mask.sum())
+        num_items_in_batch = max(float(completion_mask.sum()), 1.0)
     per_token_loss = per_token_loss.expand(completion_mask.shape)
     return LOSS_TYPES[loss_type].aggregate(per_token_loss, completion_mask, max_completion_length, num_items_in_batch)
 
@@ -591,6 +599,7 @@ def grpo_loss(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     kl_estimator: str = "k3",
+    use_bias_correction_kl: bool = True,
     policy_mask: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """GRPO loss of one micro-batch.
@@ -607,6 +616,11 @@ def grpo_loss(
         ref_logps: ``[n, T]`` reference-model log-probs, required when ``beta > 0``.
         policy_mask: ``[n, T]`` tokens whose policy term is trained (e.g. :func:`high_entropy_mask`);
             the KL term and the normalisers still cover every real token. None trains all.
+        use_bias_correction_kl: multiply the per-token KL by the (unclipped, differentiable)
+            importance ratio ``rho`` (DeepSeek-V3.2, arXiv:2512.02556; TRL 1.16's default), which makes
+            its gradient the unbiased reverse-KL gradient; on-policy (``rho = 1``) the k3 term's
+            gradient becomes ``beta * (logp - ref)``. With ``importance_sampling_level: sequence``
+            the sequence's ratio multiplies each of its tokens' KL, as in TRL.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
@@ -620,6 +634,8 @@ def grpo_loss(
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps")
         per_token_kl = kl_estimate(logps, ref_logps, kl_estimator)  # [n, T]
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * ratio  # [n, T] (a sequence ratio [n, 1] broadcasts)
         per_token_loss = per_token_loss + beta * per_token_kl
         kl = masked_mean(per_token_kl.detach(), completion_mask)
     loss = aggregate_loss(

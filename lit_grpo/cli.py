@@ -224,7 +224,7 @@ def prompts_main(argv: list[str]) -> None:
     for index in range(min(options.num, dataset.num_rows)):
         prompt = data.prompt_format(dataset[index])
         text = render_prompts(cli.tokenizer, [prompt], data.chat_template_kwargs)[0]
-        prompt_ids, prompt_mask = tokenize_prompts(cli.tokenizer, [text], cli.max_prompt_length, "cpu")
+        prompt_ids, prompt_mask, _ = tokenize_prompts(cli.tokenizer, [text], cli.max_prompt_length, "cpu")
         ids = prompt_ids[0][prompt_mask[0].bool()].tolist()
         full = len(cli.tokenizer(text, add_special_tokens=False).input_ids)
         cut = f", the last {len(ids)} of {full} kept (model.max_prompt_length)" if full > len(ids) else ""

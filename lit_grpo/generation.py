@@ -73,16 +73,19 @@ def render_prompts(
 
 def tokenize_prompts(
     tokenizer: PreTrainedTokenizerBase, texts: list[str], max_prompt_length: int | None, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and mask ``[B, P]``; prompts longer than ``max_prompt_length`` keep
-    their last tokens (the end of a prompt is what the completion continues)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and mask ``[B, P]``, and which prompts ``[B]`` were cut: prompts longer
+    than ``max_prompt_length`` keep their last tokens (the end of a prompt is what the completion
+    continues)."""
     encoded = tokenizer(
         texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
     )
     prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]
+    truncated = torch.zeros(prompt_ids.size(0), dtype=torch.bool)  # [B]
     if max_prompt_length is not None and prompt_ids.size(1) > max_prompt_length:
+        truncated = prompt_mask.sum(dim=1) > max_prompt_length
         prompt_ids, prompt_mask = prompt_ids[:, -max_prompt_length:], prompt_mask[:, -max_prompt_length:]
-    return prompt_ids.to(device), prompt_mask.to(device)
+    return prompt_ids.to(device), prompt_mask.to(device), truncated.to(device)
 
 
 def sample_with_generate(
@@ -157,7 +160,7 @@ def generate_completions(
     if backend not in SAMPLERS:
         raise ValueError(f"generation_backend must be one of {GENERATION_BACKENDS}, got {backend!r}")
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)  # [B, P]
+    prompt_ids, prompt_mask, prompt_truncated = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)  # [B, P]
     # Sample in eval mode: no dropout, and gradient checkpointing (active in training mode only)
     # would turn the KV cache off.
     was_training = model.training
@@ -169,9 +172,11 @@ def generate_completions(
         model.train(was_training)
     completion_mask, is_truncated = completion_mask_from_ids(completion_ids, generation_config.eos_token_id)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
-    repeated_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
-    repeated_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
-    return Rollout(repeated_ids, repeated_mask, completion_ids, completion_mask, is_truncated).trimmed()
+    repeated_ids, repeated_mask, repeated_truncated = (
+        tensor.repeat_interleave(num_generations, dim=0) for tensor in (prompt_ids, prompt_mask, prompt_truncated)
+    )  # [N, P], [N, P], [N]
+    rollout = Rollout(repeated_ids, repeated_mask, completion_ids, completion_mask, is_truncated, repeated_truncated)
+    return rollout.trimmed()
 
 
 @contextmanager

@@ -258,6 +258,7 @@ class LogProbEngine:
             sapo_temperature_pos=hp.sapo_temperature_pos,
             sapo_temperature_neg=hp.sapo_temperature_neg,
             kl_estimator=hp.kl_estimator,
+            use_bias_correction_kl=hp.use_bias_correction_kl,
             policy_mask=policy_mask,
         )
         if entropy is None:

@@ -132,6 +132,7 @@ class GRPOModule(pl.LightningModule):
         sapo_temperature_pos: SAPO's gate temperature for positive advantages (``loss_type: sapo``).
         sapo_temperature_neg: SAPO's gate temperature for negative advantages.
         kl_estimator: ``k1`` | ``k2`` | ``k3`` estimator of the KL penalty.
+        use_bias_correction_kl: multiply the KL term by the importance ratio (TRL 1.16's default).
         top_entropy_quantile: train the policy term only on this fraction of highest-entropy tokens.
         num_generations_eval: completions per validation prompt (k); None uses ``num_generations``.
         temperature_eval: validation's temperature (0 decodes greedily); None uses ``temperature``.
@@ -190,6 +191,7 @@ class GRPOModule(pl.LightningModule):
         sapo_temperature_pos: float = 1.0,
         sapo_temperature_neg: float = 1.05,
         kl_estimator: str = "k3",
+        use_bias_correction_kl: bool = True,
         top_entropy_quantile: float = 1.0,
         num_generations_eval: int | None = None,
         temperature_eval: float | None = None,
@@ -241,6 +243,7 @@ class GRPOModule(pl.LightningModule):
         # every forward and backward after sampling (lit_grpo.logprobs), configured by these hparams
         self.logprobs = LogProbEngine(self.hparams, self.all_gather, self._backward, self._grad_scaler_scale)
         self.run_log_dir: Path | None = None  # the logger's directory of this run, set in setup
+        self._warned_prompt_truncation = False
 
     # ------------------------------------------------------------------------------------------
     # Setup
@@ -468,10 +471,8 @@ class GRPOModule(pl.LightningModule):
         # generation batch over all ranks, / world size (each rank's gradient is averaged), / the
         # steps_per_generation optimizer steps that share it, so each step takes about a token mean
         # of its own rows (not half of one with two steps per pass)
-        local_tokens = loss_mask.sum().float()
-        num_items_in_batch = float(self.trainer.strategy.reduce(local_tokens, reduce_op="sum")) / max(
-            self.trainer.world_size, 1
-        ) / hp.steps_per_generation
+        all_tokens = float(self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum"))
+        num_items_in_batch = algorithm.dapo_normaliser(all_tokens, self.trainer.world_size, hp.steps_per_generation)
 
         # 4. Log-probs of the reference model (only with a KL penalty); those of the policy that
         #    sampled, where the update needs them, come in ``training_step``.
@@ -641,6 +642,13 @@ class GRPOModule(pl.LightningModule):
         """Statistics of the generation batch over all ranks (identical on every rank), with how
         many samples each reward failed on (``rewards/<name>/errors``)."""
         metrics = rollout_statistics(scored, self.scorer.names, self.all_gather)
+        if metrics["prompts/truncated_frac"] > 0 and not self._warned_prompt_truncation:
+            self._warned_prompt_truncation = True
+            rank_zero_warn(
+                f"model.max_prompt_length={self.hparams.max_prompt_length} cut {float(metrics['prompts/truncated_frac']):.0%} "
+                "of this step's prompts to their last tokens (logged as prompts/truncated_frac; said once): raise it, or "
+                "shorten the prompts"
+            )
         for name in self.scorer.names:
             errors = torch.tensor(float(self.scorer.last_error_counts.get(name, 0)), device=self.device)
             metrics[f"rewards/{name}/errors"] = self.trainer.strategy.reduce(errors, reduce_op="sum")

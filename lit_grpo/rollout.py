@@ -46,6 +46,7 @@ class Rollout:
     completion_ids: torch.Tensor  # [N, C] sampled tokens, padding after EOS
     completion_mask: torch.Tensor  # [N, C] 1 on real completion tokens (up to and including EOS)
     is_truncated: torch.Tensor  # [N] bool, True when the completion hit max_completion_length
+    prompt_truncated: torch.Tensor | None = None  # [N] bool, True where max_prompt_length cut the prompt
 
     @property
     def completion_lengths(self) -> torch.Tensor:  # [N]
@@ -59,6 +60,7 @@ class Rollout:
             completion_ids=self.completion_ids[rows],
             completion_mask=self.completion_mask[rows],
             is_truncated=self.is_truncated[rows],
+            prompt_truncated=None if self.prompt_truncated is None else self.prompt_truncated[rows],
         )
 
     def trimmed(self, prompts: bool = True) -> "Rollout":
@@ -73,6 +75,7 @@ class Rollout:
             completion_ids=self.completion_ids[:, :completion_cols],
             completion_mask=self.completion_mask[:, :completion_cols],
             is_truncated=self.is_truncated,
+            prompt_truncated=self.prompt_truncated,
         )
 
 
@@ -91,6 +94,9 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         completion_ids=torch.cat([pad(r.completion_ids, completion_width, pad_token_id, False) for r in rollouts]),
         completion_mask=torch.cat([pad(r.completion_mask, completion_width, 0, False) for r in rollouts]),
         is_truncated=torch.cat([r.is_truncated for r in rollouts]),
+        prompt_truncated=(
+            None if any(r.prompt_truncated is None for r in rollouts) else torch.cat([r.prompt_truncated for r in rollouts])
+        ),
     )
 
 
@@ -257,18 +263,22 @@ def split_chunks(chunks: list[torch.Tensor], count: int) -> list[torch.Tensor]:
 
 def rollout_statistics(scored: ScoredRollout, reward_names: list[str], all_gather) -> dict[str, torch.Tensor]:
     """TRL's metrics of a generation batch over all ranks (``all_gather``: ``LightningModule.all_gather``):
-    ``reward``, ``reward_std``, ``frac_reward_zero_std``, ``completions/*`` and ``rewards/<name>/mean|std``."""
+    ``reward``, ``reward_std``, ``frac_reward_zero_std``, ``completions/*`` and ``rewards/<name>/mean|std``;
+    and ``prompts/truncated_frac``, the fraction of prompts ``max_prompt_length`` cut."""
+    rollout = scored.rollout
+    prompt_truncated = rollout.prompt_truncated if rollout.prompt_truncated is not None else torch.zeros_like(rollout.is_truncated)
     per_completion = torch.stack(
         [
             scored.rewards,
             scored.group.group_std,
             scored.group.zero_std.float(),
-            scored.rollout.completion_lengths.float(),
-            scored.rollout.is_truncated.float(),
+            rollout.completion_lengths.float(),
+            rollout.is_truncated.float(),
+            prompt_truncated.float(),
         ],
         dim=1,
-    )  # [N, 5]
-    rewards, group_std, zero_std, lengths, is_truncated = gather_rows(per_completion, all_gather).unbind(1)
+    )  # [N, 6]
+    rewards, group_std, zero_std, lengths, is_truncated, prompt_cut = gather_rows(per_completion, all_gather).unbind(1)
     rewards_per_func = gather_rows(scored.rewards_per_func, all_gather)  # [world * N, K]
     metrics = {
         "reward": rewards.nanmean(),
@@ -278,6 +288,8 @@ def rollout_statistics(scored: ScoredRollout, reward_names: list[str], all_gathe
         "completions/min_length": lengths.min(),
         "completions/max_length": lengths.max(),
         "completions/clipped_ratio": is_truncated.mean(),
+        # every prompt repeats for its G completions, so the mean over rows is the mean over prompts
+        "prompts/truncated_frac": prompt_cut.mean(),
     }
     for k, name in enumerate(reward_names):
         values = rewards_per_func[:, k]

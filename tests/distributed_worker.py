@@ -32,7 +32,7 @@ def fixed_generate_completions(model, tokenizer, prompt_texts, num_generations, 
     from lit_grpo.rollout import Rollout
 
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)
+    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)
     max_new = generation_config.max_new_tokens
     vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
     rows = []

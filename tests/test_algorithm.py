@@ -522,7 +522,9 @@ def test_grpo_loss_ratio_one_grpo_type_and_num_items():
 
 def test_grpo_loss_with_kl():
     logps = LOGPS.clone().requires_grad_(True)
-    out = grpo_loss(logps, logps.detach(), ADV, GMASK, beta=0.1, ref_logps=REF, max_completion_length=3)
+    out = grpo_loss(
+        logps, logps.detach(), ADV, GMASK, beta=0.1, ref_logps=REF, max_completion_length=3, use_bias_correction_kl=False
+    )
     # delta = ref - logp: row 0: log2, -log2, (pad); row 1: 0, log2, -log2
     # k3(log2) = 1 - log2 = .306853, k3(-log2) = log2 - .5 = .193147; they sum to .5
     # masked mean kl = (.5 + 0 + .5) / 5 = .2
@@ -535,6 +537,63 @@ def test_grpo_loss_with_kl():
     #   row 0: (-1.5 - .1)/5 = -.32, (-1.5 + .05)/5 = -.29, 0
     #   row 1: (.5 + 0)/5 = .1, (.5 - .1)/5 = .08, (.5 + .05)/5 = .11
     close(logps.grad, [[-0.32, -0.29, 0.0], [0.1, 0.08, 0.11]])
+
+
+def test_bias_corrected_kl_on_policy_keeps_the_value_and_changes_the_gradient():
+    """TRL 1.16's default (DeepSeek-V3.2): the per-token KL times the ratio, which is 1 on-policy but
+    differentiable: the KL's gradient becomes beta * (logp - ref) instead of beta * (1 - exp(ref - logp))."""
+    logps = LOGPS.clone().requires_grad_(True)
+    out = grpo_loss(logps, logps.detach(), ADV, GMASK, beta=0.1, ref_logps=REF, max_completion_length=3)
+    close(out.kl, 0.2)  # as without the correction (test_grpo_loss_with_kl)
+    close(out.loss, -0.28)
+    out.loss.backward()
+    # logp - ref: row 0: -log2, log2; row 1: 0, -log2, log2; grad = (-A + .1 * (logp - ref)) * m / 5
+    log2 = math.log(2)
+    close(logps.grad, [[(-1.5 - 0.1 * log2) / 5, (-1.5 + 0.1 * log2) / 5, 0.0], [0.1, (0.5 - 0.1 * log2) / 5, (0.5 + 0.1 * log2) / 5]])
+
+
+def test_bias_corrected_kl_off_policy_weighs_each_token_by_its_ratio():
+    logps = LOGPS.clone().requires_grad_(True)
+    old_logps = LOGPS + torch.tensor([[math.log(2), 0.0, 0.0], [0.0, -math.log(2), 0.0]])  # ratios 1/2 and 2 there
+    out = grpo_loss(logps, old_logps, ADV, GMASK, beta=0.1, ref_logps=REF, max_completion_length=3)
+    ratio = torch.exp(LOGPS - old_logps)
+    k3 = torch.exp(REF - LOGPS) - (REF - LOGPS) - 1
+    # k3 per token: row 0: 1 - log2, log2 - .5; row 1: 0, 1 - log2, log2 - .5; weighted by .5, 1 / 1, 2, 1
+    expected_kl = (0.5 * (1 - math.log(2)) + (math.log(2) - 0.5) + 2 * (1 - math.log(2)) + (math.log(2) - 0.5)) / 5
+    close(out.kl, expected_kl)
+    close(out.kl, (ratio * k3 * GMASK).sum() / 5)
+    out.loss.backward()
+    # d(rho * k3)/dlogp = rho * k3 + rho * (1 - exp(ref - logp)); the policy term's gradient as without KL
+    plain = LOGPS.clone().requires_grad_(True)
+    grpo_loss(plain, old_logps, ADV, GMASK, max_completion_length=3).loss.backward()
+    kl_grad = 0.1 * (ratio * k3 + ratio * (1 - torch.exp(REF - LOGPS))) * GMASK / 5
+    close(logps.grad, plain.grad + kl_grad)
+
+
+def test_bias_corrected_kl_at_sequence_level_uses_the_sequence_ratio():
+    """GSPO: one ratio per completion, exp(mean log-ratio), multiplies each of its tokens' KL (TRL)."""
+    logps = LOGPS.clone().requires_grad_(True)
+    old_logps = LOGPS + torch.tensor([[math.log(2), math.log(2), 0.0], [0.0, 0.0, 0.0]])  # row 0: ratio 1/2
+    out = grpo_loss(
+        logps, old_logps, ADV, GMASK, beta=0.1, ref_logps=REF, max_completion_length=3, importance_sampling_level="sequence"
+    )
+    # KL: row 0's two tokens sum to .5, times 1/2; row 1's to .5, times 1 -> .75 / 5 = .15
+    close(out.kl, 0.15)
+    # policy: row 0 (A = 1.5) min(.5 * 1.5, clip(.5) = .8 * 1.5) = .75 per token, 2 tokens: -1.5;
+    # row 1 (A = -.5) ratio 1: +.5 per token, 3 tokens: 1.5; sum 0. loss = (0 + .1 * .75) / 5
+    close(out.loss, 0.015)
+
+
+def test_dapo_normaliser_clamps_the_token_count_before_dividing():
+    from lit_grpo.algorithm import dapo_normaliser
+
+    assert dapo_normaliser(100, world_size=2, steps_per_generation=2) == 25.0
+    # fewer real tokens than world size x steps: TRL clamps the count, not the quotient
+    assert dapo_normaliser(1, world_size=2, steps_per_generation=2) == 0.25
+    assert dapo_normaliser(0, world_size=2, steps_per_generation=1) == 0.5
+    per_token_loss, mask = torch.ones(1, 2), torch.tensor([[1, 0]])
+    loss = aggregate_loss(per_token_loss, mask, "dapo", max_completion_length=2, num_items_in_batch=0.25)
+    close(loss, 4.0)  # 1 real token / .25
 
 
 def test_grpo_loss_beta_without_ref_raises():

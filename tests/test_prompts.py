@@ -169,3 +169,26 @@ def test_completions_table_shows_the_system_prompt():
     conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}]
     assert as_text(conversation) == "system: Be brief.\nuser: 2 + 2?"
     assert as_text([{"role": "assistant", "content": "4"}]) == "4"
+
+
+def test_prompt_truncation_is_counted_and_warned_once(tiny_model_dir, say_a_or_b_file, fast_trainer):
+    """``prompts/truncated_frac``: the fraction of prompts ``max_prompt_length`` cut; the first step
+    that cuts one warns, once."""
+    import warnings
+
+    from test_module import MetricRecorder, make_data, make_module
+
+    def run(**settings):
+        recorder = MetricRecorder()
+        module = make_module(tiny_model_dir, **settings)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fast_trainer(max_steps=2, callbacks=[recorder]).fit(module, make_data(say_a_or_b_file))
+        said = [w for w in caught if "model.max_prompt_length=4 cut" in str(w.message)]
+        return [step["prompts/truncated_frac"] for step in recorder.steps], said
+
+    fractions, said = run(max_prompt_length=4)  # "Say a:" has 6 tokens
+    assert fractions == [1.0, 1.0] and len(said) == 1
+    assert "cut 100% of this step's prompts" in str(said[0].message)
+    fractions, said = run(max_prompt_length=6)
+    assert fractions == [0.0, 0.0] and said == []
