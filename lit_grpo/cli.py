@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 from jsonargparse import Namespace
@@ -68,6 +69,11 @@ class GRPOCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         if config.trainer.get("logger") in (None, True):  # no logger given: ours, not Lightning's
             config.trainer.logger = default_logger(config.trainer.get("default_root_dir"))
+        config_dirs = [Path(str(path.absolute)).parent for path in config.get("config") or []]
+        for key in ("rewards", "eval_rewards"):
+            for spec in config.model.get(key) or []:
+                if isinstance(spec, Namespace | dict):
+                    spec["name"] = reward_file_beside_config(spec["name"], config_dirs)
         if self.subcommand in (None, "fit"):
             configure_checkpointing(config.trainer)
         use_atomic_model_parallel_checkpoints(config.trainer)
@@ -83,6 +89,18 @@ class GRPOCLI(LightningCLI):
         config.model.max_grad_norm = float(clip_value)
         config.trainer.gradient_clip_val = None
         config.trainer.gradient_clip_algorithm = None
+
+
+def reward_file_beside_config(name: str, config_dirs: list[Path]) -> str:
+    """A reward named ``relative/file.py:function`` whose file is not in the working directory but
+    beside a config file: that file, by its absolute path (so the saved config still finds it)."""
+    where, colon, function = name.rpartition(":")
+    if not colon or not where.endswith(".py") or Path(where).is_absolute() or Path(where).exists():
+        return name
+    for directory in config_dirs:
+        if (directory / where).is_file():
+            return f"{directory / where}:{function}"
+    return name
 
 
 LIGHTNING_MODEL_PARALLEL = {

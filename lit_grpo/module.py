@@ -233,8 +233,10 @@ class GRPOModule(pl.LightningModule):
             self.strict_loading = False
 
         # Rewards are resolved now, so a misspelt name fails before any model is loaded.
-        self.scorer = RewardScorer(rewards)
-        self.eval_scorer = RewardScorer(eval_rewards) if eval_rewards else self.scorer
+        # what the run knows that a reward may ask for by name (DAPO's soft_overlong_punishment)
+        run_settings = {"max_completion_len": max_completion_length}
+        self.scorer = RewardScorer(rewards, run_settings)
+        self.eval_scorer = RewardScorer(eval_rewards, run_settings) if eval_rewards else self.scorer
         # validation metrics, reduced over every rank's prompts at the end of the validation epoch
         self.val_metrics = ValidationMetrics(sorted(set(eval_pass_k or [1, num_generations_eval or num_generations])))
         self.tokenizer = models.load_tokenizer(model_name_or_path)

@@ -39,14 +39,17 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib
 import inspect
 import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
+from importlib import util as importlib_util
 from typing import Any
 
 import pluggy
@@ -209,6 +212,7 @@ def reset_plugins() -> None:
     global _registry
     with _lock:
         _registry = None
+        _FUNCTION_REWARDS.clear()
 
 
 def _get_registry() -> _Registry:
@@ -529,12 +533,67 @@ def _unknown_reward_message(name: str, rewards: Mapping[str, RewardInfo]) -> str
 
 
 def get_reward(name: str) -> RewardInfo:
-    """The installed reward called ``name``; :class:`UnknownRewardError` lists the installed ones."""
+    """The installed reward called ``name``; :class:`UnknownRewardError` lists the installed ones.
+
+    A name with a colon is a plain function instead (TRL users' habit, no plugin package needed):
+    ``package.module:function`` imports it, ``path/to/file.py:function`` loads it from that file
+    (relative to the working directory; ``lit-grpo fit`` also looks beside the config file).
+    """
+    if isinstance(name, str) and ":" in name:
+        return _function_reward(name)
     rewards = get_rewards()
     try:
         return rewards[name]
     except (KeyError, TypeError):
         raise UnknownRewardError(_unknown_reward_message(str(name), rewards)) from None
+
+
+_FUNCTION_REWARDS: dict[str, RewardInfo] = {}  # ``module:function`` / ``file.py:function`` -> loaded once
+
+
+def _function_reward(name: str) -> RewardInfo:
+    """A reward named by where its function is: ``package.module:function`` or ``file.py:function``."""
+    if name in _FUNCTION_REWARDS:
+        return _FUNCTION_REWARDS[name]
+    where, _, function = name.rpartition(":")
+    if not where or not function.isidentifier():
+        raise UnknownRewardError(
+            f"reward {name!r} names a function as 'package.module:function' or 'path/to/file.py:function'; "
+            f"{function!r} is not a function name"
+        )
+    is_file = where.endswith(".py") or os.sep in where or "/" in where
+    if is_file:
+        path = os.path.abspath(os.path.expanduser(where))
+        if not os.path.isfile(path):
+            raise UnknownRewardError(f"reward {name!r}: no file {where!r} (looked for {path})")
+        module_name = "lit_grpo_reward_file_" + re.sub(r"\W", "_", path)
+        spec = importlib_util.spec_from_file_location(module_name, path)
+        module = importlib_util.module_from_spec(spec)
+        sys.modules[module_name] = module  # so its functions pickle by reference in this process
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[module_name]
+            raise UnknownRewardError(f"reward {name!r}: running {path} raised {type(exc).__name__}: {exc}") from exc
+        package = path
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise UnknownRewardError(f"reward {name!r}: cannot import module {where!r} ({exc})") from None
+        package = where
+    obj = getattr(module, function, None)
+    if obj is None or not callable(obj):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__)
+        close = difflib.get_close_matches(function, public, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        what = "no function" if obj is None else "an attribute that is not callable:"
+        raise UnknownRewardError(
+            f"reward {name!r}: {where} has {what} {function!r}; {hint}its functions: {', '.join(public) or 'none'}"
+        )
+    info = RewardInfo(name=name, obj=obj, package=package, version="", doc=_first_doc_line(obj))
+    _FUNCTION_REWARDS[name] = info
+    return info
 
 
 # --------------------------------------------------------------------------------------------------

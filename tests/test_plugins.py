@@ -479,19 +479,24 @@ def test_build_function_with_unknown_arg_names_reward_and_argument(fake_entry_po
     )
 
 
-def test_build_function_with_var_kwargs_warns_on_likely_typo(fake_entry_points):
+def test_build_function_with_var_kwargs_refuses_a_likely_typo(fake_entry_points):
+    """**kwargs would swallow a misspelt argument (and the reward would ignore it): an error with the
+    closest parameter; a name unlike any parameter still goes to **kwargs."""
     fake_entry_points()
 
     def loose(completions, threshold=0.5, **kwargs):
         return [0.0] * len(completions)
 
     plugins.register_plugin(make_plugin("fn_rewards", loose=loose))
-    with pytest.warns(UserWarning, match=r"'treshold' in args is not a named parameter.*did you mean 'threshold'"):
-        reward = build_reward("loose", {"treshold": 0.1})
-    assert reward.keywords == {"treshold": 0.1}
+    with pytest.raises(RewardArgumentError) as excinfo:
+        build_reward("loose", {"treshold": 0.1})
+    assert str(excinfo.value) == (
+        "Reward 'loose' (fn_rewards) got an unexpected argument 'treshold' in args "
+        "(did you mean 'threshold'?); its function accepts: threshold"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        build_reward("loose", {"anything_else": 1})  # not close to a parameter: accepted quietly
+        assert build_reward("loose", {"anything_else": 1}).keywords == {"anything_else": 1}  # for rewards that read it
 
 
 def test_build_rejects_args_that_the_trainer_supplies():

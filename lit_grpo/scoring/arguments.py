@@ -10,7 +10,6 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -59,22 +58,22 @@ def _check_args(info: RewardInfo, args: dict[str, Any], sig: inspect.Signature |
             continue
         close = difflib.get_close_matches(arg, named, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        if not has_var_kw:
+        # A name close to one of the parameters is a misspelling even where **kwargs would take it
+        # (it would be ignored there); a name unlike any goes to **kwargs, for rewards that read it.
+        if not has_var_kw or close:
             raise RewardArgumentError(
                 f"Reward '{info.name}' ({info.label}) got an unexpected argument {arg!r} in args"
                 f"{hint}; its {what} accepts: {', '.join(named) or 'no arguments'}"
             )
-        if close:
-            warnings.warn(
-                f"Reward '{info.name}' ({info.label}): argument {arg!r} in args is not a named "
-                f"parameter of its {what}; it goes to **kwargs{hint}",
-                UserWarning,
-                stacklevel=3,
-            )
 
 
-def build_reward(name: str, args: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+def build_reward(
+    name: str, args: Mapping[str, Any] | None = None, run_settings: Mapping[str, Any] | None = None
+) -> Callable[..., Any]:
     """Resolve reward ``name`` and configure it with ``args`` (the YAML ``args`` mapping).
+
+    ``run_settings`` are values the run knows (``max_completion_len``: ``model.max_completion_length``)
+    that a reward gets for a parameter of that name which ``args`` does not give.
 
     * a class is instantiated with ``**args`` (constructor arguments);
     * a function with non-empty ``args`` is bound with a ``functools.partial`` (keeping the
@@ -98,6 +97,10 @@ def build_reward(name: str, args: Mapping[str, Any] | None = None) -> Callable[.
     if bad_keys:
         raise RewardArgumentError(f"Reward '{name}' ({info.label}): argument names must be strings, got {bad_keys[0]!r}")
     obj = info.obj
+    parameters = getattr(_signature(obj), "parameters", {})
+    for key, value in (run_settings or {}).items():
+        if key in parameters and key not in args:
+            args[key] = value
     if inspect.isclass(obj):
         sig = _signature(obj)
         _check_args(info, args, sig, "constructor")

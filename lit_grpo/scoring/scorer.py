@@ -245,10 +245,11 @@ class RewardScorer:
     A scorer with ``num_workers > 0`` rewards owns worker processes, and one with async rewards an
     event-loop thread; both start on first use and stop with :meth:`close` (also called when the
     scorer is garbage-collected and at interpreter exit). Pickling or deep-copying a scorer leaves
-    them behind: the copy starts its own.
+    them behind: the copy starts its own. ``run_settings`` (e.g. ``{"max_completion_len": 256}``) fill
+    parameters of those names that a reward's ``args`` leave out.
     """
 
-    def __init__(self, specs: Sequence[RewardSpec | Mapping[str, Any]]):
+    def __init__(self, specs: Sequence[RewardSpec | Mapping[str, Any]], run_settings: Mapping[str, Any] | None = None):
         self._pools: dict[int, WorkerPool] = {}
         self._loop: _EventLoopThread | None = None
         specs = [as_spec(spec, i) for i, spec in enumerate(specs or [])]
@@ -277,7 +278,7 @@ class RewardScorer:
         self.specs: list[RewardSpec] = specs
         self.names: list[str] = [spec.name for spec in specs]
         self.infos: list[plugins.RewardInfo] = [plugins.get_reward(spec.name) for spec in specs]
-        self.rewards: list[Any] = [build_reward(spec.name, spec.args) for spec in specs]
+        self.rewards: list[Any] = [build_reward(spec.name, spec.args, run_settings) for spec in specs]
         self.weights: torch.Tensor = torch.tensor([float(spec.weight) for spec in specs], dtype=torch.float32)  # [K]
         # How each reward runs: "pool" (num_workers > 0), "async" (awaited) or "local" (called here).
         self.modes: list[str] = []

@@ -42,7 +42,7 @@ def soft_overlong_punishment(
     last ``soft_punish_cache`` tokens (DAPO: 20480 and 4096).
 
     args:
-        max_completion_len (int): ``L_max`` in tokens (required).
+        max_completion_len (int): ``L_max`` in tokens (default in a run: ``model.max_completion_length``).
         soft_punish_cache (int): ``L_cache`` in tokens, ``0 <= L_cache <= L_max`` (required; 0
             gives a hard -1 beyond ``L_max`` only).
 
