@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_warn
 
-__all__ = ["ValidateBeforeTraining"]
+__all__ = ["StepProgressBar", "ValidateBeforeTraining"]
 
 
 class ValidateBeforeTraining(pl.Callback):
@@ -28,3 +29,33 @@ class ValidateBeforeTraining(pl.Callback):
         val_loop.run()
         trainer.training = True
         trainer._logger_connector._first_loop_iter = first_loop_iter
+
+
+class StepProgressBar(TQDMProgressBar):
+    """The training bar counts optimizer steps out of ``trainer.max_steps`` (what a GRPO run is
+    measured in; an epoch of prompts means little here) and shows the reward, without Lightning's
+    ``Epoch N/-2`` and ``v_num``. ``lit-grpo fit`` uses it unless the config names a progress bar."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.train_progress_bar.reset(total=trainer.max_steps if trainer.max_steps > 0 else None)
+        self.train_progress_bar.n = trainer.global_step  # a resumed run starts where it stopped
+        self.train_progress_bar.set_description("steps")
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *_) -> None:
+        """One bar for the whole run: nothing to reset when the prompts start over."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        bar = self.train_progress_bar
+        if bar is not None and not bar.disable:
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=True)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.train_progress_bar.disable:
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics

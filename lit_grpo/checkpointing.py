@@ -42,6 +42,8 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from lit_grpo.errors import ConfigError
+
 __all__ = [
     "DEFAULT_CHECKPOINT_EVERY_N_TRAIN_STEPS",
     "AtomicCheckpointIO",
@@ -50,6 +52,7 @@ __all__ = [
     "capture_rng_states",
     "check_no_weight_left_behind",
     "configure_checkpointing",
+    "is_class_config",
     "restore_rng_states",
 ]
 
@@ -311,7 +314,7 @@ def check_no_weight_left_behind(saved_keys: list[str], state_dict: dict) -> None
     this module has no place for (a resume with other ``model.lora`` target modules would drop them)."""
     left_behind = sorted(set(saved_keys) - set(state_dict))
     if left_behind:
-        raise ValueError(
+        raise ConfigError(
             f"The sharded checkpoint holds {len(left_behind)} weights this module does not have "
             f"({', '.join(left_behind[:3])}{' ...' if len(left_behind) > 3 else ''}): was it saved "
             "with the same model.model_name_or_path and model.lora settings?"
@@ -339,7 +342,7 @@ def configure_checkpointing(trainer_config) -> None:
         return
     directory = str(run_checkpoint_dir(trainer_config))
     callbacks = _as_list(trainer_config.get("callbacks"))
-    checkpoints = [c for c in callbacks if _is_class_config(c, ModelCheckpoint)]
+    checkpoints = [c for c in callbacks if is_class_config(c, ModelCheckpoint)]
     for checkpoint in checkpoints:
         if checkpoint.init_args.get("dirpath") is None:
             checkpoint.init_args.dirpath = directory
@@ -358,7 +361,7 @@ def configure_checkpointing(trainer_config) -> None:
     trainer_config.callbacks = callbacks
 
     plugins = _as_list(trainer_config.get("plugins"))
-    if not any(_is_class_config(p, CheckpointIO) or isinstance(p, CheckpointIO) for p in plugins):
+    if not any(is_class_config(p, CheckpointIO) or isinstance(p, CheckpointIO) for p in plugins):
         plugins.append(Namespace(class_path=f"{__name__}.AtomicCheckpointIO"))
         trainer_config.plugins = plugins
 
@@ -386,7 +389,7 @@ def _as_list(value) -> list:
     return list(value) if isinstance(value, list) else [value]
 
 
-def _is_class_config(value, base: type) -> bool:
+def is_class_config(value, base: type) -> bool:
     """Whether ``value`` is a ``{class_path, init_args}`` config of a subclass of ``base``."""
     class_path = value.get("class_path") if hasattr(value, "get") else None
     if not isinstance(class_path, str) or "." not in class_path:

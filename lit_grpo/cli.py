@@ -5,7 +5,8 @@
 - ``lit-grpo rewards [--json]``: every installed reward with its package and version.
 - ``lit-grpo init-tiny DIR``: a tiny random Llama model and character tokenizer for offline runs.
 - ``lit-grpo export CKPT DIR [--no-merge-lora] [--overwrite]``: a checkpoint's policy as a Hugging Face
-  ``save_pretrained`` directory (LoRA merged, or as a peft adapter), with its tokenizer.
+  ``save_pretrained`` directory (LoRA merged, or as a peft adapter), with its tokenizer; given a peft
+  adapter directory, the adapter merged into its base model.
 - ``lit-grpo completions RUN_DIR [--step N]``: the completions a run logged at a step, as a table.
 - ``lit-grpo prompts --config FILE [-n N]``: the first prompts exactly as the model sees them.
 """
@@ -13,17 +14,22 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import os
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
 
 from lit_grpo import plugins
-from lit_grpo.checkpointing import configure_checkpointing
+from lit_grpo.checkpointing import configure_checkpointing, is_class_config
+from lit_grpo.errors import ConfigError, UserError
 from lit_grpo.plugins import RewardInfo
 
 # Where a run without a logger of its own logs: ``<trainer.default_root_dir or runs>/lit-grpo/version_N``.
@@ -57,6 +63,24 @@ class GRPOCLI(LightningCLI):
     whose sharded checkpoints are replaced atomically too.
     """
 
+    def __init__(self, *args, parser_kwargs: dict | None = None, **kwargs) -> None:
+        # parse errors raise (main prints them in one line) and an abbreviated option is refused
+        # (``--model.max_compl 4`` would silently set max_completion_length)
+        strict = {"exit_on_error": False, "allow_abbrev": False}
+        parser_kwargs = {**strict, "fit": strict, "validate": strict, **(parser_kwargs or {})}
+        super().__init__(*args, parser_kwargs=parser_kwargs, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` and ``validate``: GRPO has nothing to ``test`` or ``predict``."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
+    def parse_arguments(self, parser, args) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as error:
+            raise ConfigError(explain_parse_error(str(error), parser, args)) from error
+
     def add_arguments_to_parser(self, parser) -> None:
         # The top-level optimizer:/lr_scheduler: blocks are handed to the module as factories, so
         # the optimizer is created in configure_optimizers, after the policy has been loaded.
@@ -76,13 +100,14 @@ class GRPOCLI(LightningCLI):
                     spec["name"] = reward_file_beside_config(spec["name"], config_dirs)
         if self.subcommand in (None, "fit"):
             configure_checkpointing(config.trainer)
+            use_step_progress_bar(config.trainer)
         use_atomic_model_parallel_checkpoints(config.trainer)
         clip_value = config.trainer.get("gradient_clip_val")
         if clip_value is None:
             return
         algorithm = config.trainer.get("gradient_clip_algorithm") or "norm"
         if algorithm != "norm":
-            raise ValueError(
+            raise ConfigError(
                 f"trainer.gradient_clip_algorithm={algorithm!r} is not supported; GRPO clips the gradient norm "
                 "(use gradient_clip_algorithm: norm or model.max_grad_norm)"
             )
@@ -101,6 +126,70 @@ def reward_file_beside_config(name: str, config_dirs: list[Path]) -> str:
         if (directory / where).is_file():
             return f"{directory / where}:{function}"
     return name
+
+
+def use_step_progress_bar(trainer_config) -> None:
+    """Show :class:`lit_grpo.callbacks.StepProgressBar` (optimizer steps out of ``max_steps``, the
+    reward) unless the progress bar is off or the config names one of its own."""
+    callbacks = list(trainer_config.get("callbacks") or [])
+    if trainer_config.get("enable_progress_bar") is False or any(is_class_config(c, ProgressBar) for c in callbacks):
+        return
+    trainer_config.callbacks = [*callbacks, Namespace(class_path="lit_grpo.callbacks.StepProgressBar")]
+
+
+def explain_parse_error(message: str, parser, args: list[str] | None) -> str:
+    """A parse error as one line that names the key, and for an unknown key the closest real one."""
+    subcommand = next((word for word in (args or sys.argv[1:]) if word in ("fit", "validate")), None)
+    action = getattr(parser, "_subcommands_action", None)
+    keys_parser = action._name_parser_map.get(subcommand, parser) if action is not None and subcommand else parser
+    keys = [a.dest for a in keys_parser._actions if not a.dest.endswith(".help") and "." in a.dest]
+    unknown = re.match(r"Subcommand '\w+' does not accept option '([^']+)'", message)  # a key in a config file
+    if unknown:
+        key = unknown.group(1)
+        where = config_file_with_key(key, args) or "a config file"
+        return f"unknown key {key}{closest(key, keys)} ({where})"
+    unknown = re.match(r"unrecognized arguments: (--\S+)", message)  # an option on the command line
+    if unknown:
+        key = unknown.group(1).removeprefix("--").split("=", 1)[0]
+        return f"unknown option --{key}{closest(key, keys, prefix='--')} (command line; options are never abbreviated)"
+    keyed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.DOTALL)
+    if keyed:
+        return f"{' '.join(keyed.group(2).split())} ({keyed.group(1)})"
+    return " ".join(message.split())
+
+
+def closest(key: str, keys: list[str], prefix: str = "") -> str:
+    """``"; did you mean X?"`` for the real key ``key`` abbreviates or is closest to (same section
+    first), else ``""``."""
+    section = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    candidates = [k for k in keys if k.startswith(section)] or keys
+    abbreviated = [k for k in candidates if k.startswith(key)]
+    match = abbreviated[:1] if len(abbreviated) == 1 else difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{match[0]}?" if match else ""
+
+
+def config_file_with_key(key: str, args: list[str] | None) -> str | None:
+    """``file:line`` of the dotted ``key`` in the ``--config`` files of ``args``."""
+    import yaml
+
+    words = list(args or sys.argv[1:])
+    files = [words[i + 1] for i, word in enumerate(words[:-1]) if word in ("--config", "-c")]
+    files += [word.split("=", 1)[1] for word in words if word.startswith("--config=")]
+    for file in reversed(files):  # the last file that sets it is the one that counts
+        try:
+            node = yaml.compose(Path(file).read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        line = None
+        for part in key.split("."):
+            entries = node.value if isinstance(node, yaml.MappingNode) else []
+            match = next(((k, v) for k, v in entries if getattr(k, "value", None) == part), None)
+            if match is None:
+                break
+            line, node = match[0].start_mark.line + 1, match[1]
+        else:
+            return f"{file}:{line}"
+    return None
 
 
 LIGHTNING_MODEL_PARALLEL = {
@@ -126,10 +215,18 @@ def run_cli(args: list[str] | None = None, run: bool = True) -> GRPOCLI:
     return GRPOCLI(GRPOModule, GRPODataModule, save_config_kwargs={"overwrite": True}, args=args, run=run)
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The parser of a ``lit-grpo`` command other than fit/validate: a usage mistake is a
+    :class:`~lit_grpo.errors.ConfigError` that :func:`main` prints in one line, not a usage dump."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} ({self.prog}; `{self.prog} --help` describes it)")
+
+
 def init_tiny_main(argv: list[str]) -> None:
     from lit_grpo.tiny import ARCHITECTURES, build_tiny_model
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lit-grpo init-tiny",
         description="Write a tiny random-weight Llama model and a character-level tokenizer to DIR "
         "(loadable with AutoModelForCausalLM/AutoTokenizer.from_pretrained), for offline runs and tests.",
@@ -196,7 +293,7 @@ def rewards_as_json(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> s
 
 
 def rewards_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="lit-grpo rewards", description="List the installed reward functions.")
+    parser = CommandParser(prog="lit-grpo rewards", description="List the installed reward functions.")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     options = parser.parse_args(argv)
     infos = list(plugins.get_rewards().values())
@@ -217,7 +314,7 @@ class PromptsCLI(GRPOCLI):
 
 
 def prompts_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lit-grpo prompts",
         description="Print the first prompts of a run's data exactly as the model sees them: the prompt "
         "template, system prompt and chat template applied, special tokens included, cut to "
@@ -252,12 +349,14 @@ def prompts_main(argv: list[str]) -> None:
 
 
 def export_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lit-grpo export",
         description="Write the policy of a lit-grpo checkpoint as a Hugging Face save_pretrained directory "
         "(model and tokenizer), loadable with AutoModelForCausalLM.from_pretrained.",
     )
-    parser.add_argument("ckpt", help="a Lightning checkpoint (.ckpt) written by `lit-grpo fit`")
+    parser.add_argument(
+        "ckpt", help="a checkpoint written by `lit-grpo fit` (a .ckpt file or a sharded directory), or a peft adapter directory"
+    )
     parser.add_argument("dir", help="output directory (must be missing or empty unless --overwrite)")
     parser.add_argument(
         "--merge-lora",
@@ -271,17 +370,24 @@ def export_main(argv: list[str]) -> None:
 
     from lit_grpo.export import export_checkpoint
 
-    try:
-        path = export_checkpoint(options.ckpt, options.dir, merge_lora=options.merge_lora, overwrite=options.overwrite)
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:
-        parser.error(str(exc))
+    path = export_checkpoint(options.ckpt, options.dir, merge_lora=options.merge_lora, overwrite=options.overwrite)
     print(f"Exported the policy of {options.ckpt} to {path}")
 
 
 def completions_main(argv: list[str]) -> None:
-    from lit_grpo.completions import completions_main as show
+    from lit_grpo.completions import show_step
 
-    show(argv)
+    parser = CommandParser(
+        prog="lit-grpo completions",
+        description="Show the completions a run logged at one step (from its completions.jsonl).",
+    )
+    parser.add_argument("path", help="a run's log directory (e.g. runs/quickstart), or a completions.jsonl")
+    parser.add_argument("--step", type=int, default=None, help="training step to show (default: the last logged)")
+    parser.add_argument("--limit", type=int, default=16, help="rows to show (default 16; 0 shows all)")
+    parser.add_argument("--width", type=int, default=40, help="characters per text cell")
+    parser.add_argument("--json", action="store_true", help="print the step's records as JSON lines")
+    options = parser.parse_args(argv)
+    print(show_step(Path(options.path), options.step, options.limit, options.width, options.json), flush=True)
 
 
 SUBCOMMANDS = {
@@ -293,15 +399,45 @@ SUBCOMMANDS = {
 }
 
 
+HELP = """usage: lit-grpo COMMAND [...]
+
+GRPO (Group Relative Policy Optimization) for causal language models on PyTorch Lightning.
+
+commands:
+  fit          train: lit-grpo fit --config configs/quickstart.yaml [--key value ...]
+  validate     sample and score the validation split: val/reward, val/pass@k, ...
+  rewards      list the installed reward functions with their packages
+  prompts      print the first prompts of a config exactly as the model sees them
+  completions  show the completions a run logged at a step
+  export       write a checkpoint's policy as a Hugging Face save_pretrained directory
+  init-tiny    write a tiny random model and tokenizer for offline runs
+
+`lit-grpo COMMAND --help` describes a command; `lit-grpo fit --help` lists every config key.
+Errors in the input end with one line `error: ...`; LIT_GRPO_TRACEBACK=1 shows the traceback."""
+
+TRACEBACK_ENV = "LIT_GRPO_TRACEBACK"
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``lit-grpo`` command; ``argv`` defaults to the command line."""
+    """Entry point of the ``lit-grpo`` command; ``argv`` defaults to the command line.
+
+    A mistake in the input (:class:`lit_grpo.errors.UserError`, a parse error) ends the command
+    with one line ``error: ...`` on stderr and exit status 2; ``LIT_GRPO_TRACEBACK=1`` raises it
+    with its traceback instead. Anything else is a bug and shows its traceback.
+    """
     words = sys.argv[1:] if argv is None else argv
-    if words and words[0] in SUBCOMMANDS:
-        SUBCOMMANDS[words[0]](words[1:])
-        return
-    if not words or words[0] in ("-h", "--help"):
-        print(__doc__.strip() + "\n")
-    run_cli(argv)  # None: LightningCLI reads sys.argv itself
+    try:
+        if words and words[0] in SUBCOMMANDS:
+            SUBCOMMANDS[words[0]](words[1:])
+        elif not words or words[0] in ("-h", "--help"):
+            print(HELP)
+        else:
+            run_cli(argv)  # None: LightningCLI reads sys.argv itself
+    except (UserError, argparse.ArgumentError) as error:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

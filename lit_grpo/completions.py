@@ -13,14 +13,14 @@ run's log directory (``runs/<name>/version_N/`` with the TensorBoard logger)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COMPLETIONS_FILE", "append_records", "as_text", "completion_records", "completions_main", "format_table", "read_records"]
+from lit_grpo.errors import DataError, MissingFileError
+
+__all__ = ["COMPLETIONS_FILE", "append_records", "as_text", "completion_records", "format_table", "read_records", "show_step"]
 
 COMPLETIONS_FILE = "completions.jsonl"
 
@@ -82,7 +82,7 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number} is not a JSON object: {exc}") from exc
+                raise DataError(f"{path}:{number} is not a JSON object: {exc}") from exc
     return records
 
 
@@ -119,46 +119,32 @@ def find_completions_file(path: Path) -> Path:
     if path.is_file():
         return path
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
+        raise MissingFileError(f"{path} does not exist")
     candidates = sorted(path.rglob(COMPLETIONS_FILE), key=lambda candidate: candidate.stat().st_mtime)
     if not candidates:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"no {COMPLETIONS_FILE} under {path}: a run writes it in its log directory "
             "(model.save_completions, every trainer.log_every_n_steps steps)"
         )
     return candidates[-1]
 
 
-def completions_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
-        prog="lit-grpo completions",
-        description="Show the completions a run logged at one step (from its completions.jsonl).",
-    )
-    parser.add_argument("path", help="a run's log directory (e.g. runs/quickstart), or a completions.jsonl")
-    parser.add_argument("--step", type=int, default=None, help="training step to show (default: the last logged)")
-    parser.add_argument("--limit", type=int, default=16, help="rows to show (default 16; 0 shows all)")
-    parser.add_argument("--width", type=int, default=40, help="characters per text cell")
-    parser.add_argument("--json", action="store_true", help="print the step's records as JSON lines")
-    args = parser.parse_args(argv)
-    try:
-        path = find_completions_file(Path(args.path))
-        records = read_records(path)
-    except (FileNotFoundError, ValueError) as exc:
-        parser.exit(2, f"lit-grpo completions: {exc}\n")
+def show_step(path: Path, step: int | None = None, limit: int = 16, width: int = 40, as_json: bool = False) -> str:
+    """What ``lit-grpo completions PATH`` prints: the records of one logged ``step`` (the last by
+    default) of the ``completions.jsonl`` at or below ``path``, as a table or as JSON lines."""
+    path = find_completions_file(Path(path))
+    records = read_records(path)
     steps = sorted({record["step"] for record in records})
     if not steps:
-        parser.exit(2, f"lit-grpo completions: {path} holds no completions\n")
-    step = steps[-1] if args.step is None else args.step
+        raise DataError(f"{path} holds no completions")
+    step = steps[-1] if step is None else step
     if step not in steps:
         shown = ", ".join(map(str, steps[:20])) + (" ..." if len(steps) > 20 else "")
-        parser.exit(2, f"lit-grpo completions: step {step} is not in {path}; logged steps: {shown}\n")
+        raise DataError(f"step {step} was not logged; logged steps: {shown} ({path})")
     selected = [record for record in records if record["step"] == step]
-    if args.limit:
-        selected = selected[: args.limit]
-    if args.json:
-        for record in selected:
-            print(json.dumps(record, ensure_ascii=False))
-        return
-    print(f"{path}, step {step} ({len(selected)} of {sum(r['step'] == step for r in records)} completions)")
-    print(format_table(selected, width=args.width))
-    sys.stdout.flush()
+    if limit:
+        selected = selected[:limit]
+    if as_json:
+        return "\n".join(json.dumps(record, ensure_ascii=False) for record in selected)
+    header = f"{path}, step {step} ({len(selected)} of {sum(r['step'] == step for r in records)} completions)"
+    return header + "\n" + format_table(selected, width=width)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from jsonargparse.typing import register_type
 
 from lit_grpo import algorithm
+from lit_grpo.errors import ConfigError
 
 __all__ = ["AsWritten", "check_batch_sizes", "check_reference_sync", "check_settings"]
 
@@ -40,74 +41,74 @@ register_type(AsWritten, serializer=_unchanged, deserializer=_unchanged)
 def check_reference_sync(sync_steps: int, alpha: float) -> None:
     """``model.ref_model_sync_steps`` and ``model.ref_model_mixup_alpha`` (``lit_grpo.reference``)."""
     if sync_steps < 1:
-        raise ValueError(f"model.ref_model_sync_steps must be at least 1, got {sync_steps}")
+        raise ConfigError(f"model.ref_model_sync_steps must be at least 1, got {sync_steps}")
     if not 0.0 < alpha <= 1.0:
-        raise ValueError(f"model.ref_model_mixup_alpha must be in (0, 1], got {alpha}")
+        raise ConfigError(f"model.ref_model_mixup_alpha must be in (0, 1], got {alpha}")
 
 
 def check_settings(hp, generation_backends: tuple[str, ...]) -> None:
     """Reject settings that cannot work, naming the config key, before anything is loaded
     (``generation_backends``: the names ``model.generation_backend`` may take)."""
     if hp.num_generations < 2:
-        raise ValueError(
+        raise ConfigError(
             f"model.num_generations must be at least 2 (got {hp.num_generations}): GRPO's advantage "
             "is a completion's reward relative to the other completions of its group"
         )
     positive = ["max_completion_length", "num_iterations", "steps_per_generation", "max_generation_rounds"]
     for key in positive:
         if hp[key] < 1:
-            raise ValueError(f"model.{key} must be at least 1, got {hp[key]}")
+            raise ConfigError(f"model.{key} must be at least 1, got {hp[key]}")
     for key in ("micro_batch_size", "logprob_micro_batch_size", "forward_token_budget"):
         if hp[key] is not None and hp[key] < 1:
-            raise ValueError(f"model.{key} must be at least 1 or null, got {hp[key]}")
+            raise ConfigError(f"model.{key} must be at least 1 or null, got {hp[key]}")
     if hp.generation_backend not in generation_backends:
-        raise ValueError(f"model.generation_backend must be one of {generation_backends}, got {hp.generation_backend!r}")
+        raise ConfigError(f"model.generation_backend must be one of {generation_backends}, got {hp.generation_backend!r}")
     if hp.loss_type not in algorithm.LOSS_TYPES:
-        raise ValueError(f"model.loss_type must be one of {sorted(algorithm.LOSS_TYPES)}, got {hp.loss_type!r}")
+        raise ConfigError(f"model.loss_type must be one of {sorted(algorithm.LOSS_TYPES)}, got {hp.loss_type!r}")
     if hp.kl_estimator not in algorithm.KL_ESTIMATORS:
-        raise ValueError(f"model.kl_estimator must be one of {algorithm.KL_ESTIMATORS}, got {hp.kl_estimator!r}")
+        raise ConfigError(f"model.kl_estimator must be one of {algorithm.KL_ESTIMATORS}, got {hp.kl_estimator!r}")
     if not 0.0 < hp.top_entropy_quantile <= 1.0:
-        raise ValueError(f"model.top_entropy_quantile must be in (0, 1], got {hp.top_entropy_quantile}")
+        raise ConfigError(f"model.top_entropy_quantile must be in (0, 1], got {hp.top_entropy_quantile}")
     epsilon_high = hp.epsilon if hp.epsilon_high is None else hp.epsilon_high
     if hp.delta is not None and hp.delta <= 1 + epsilon_high:
-        raise ValueError(f"model.delta must be above 1 + epsilon_high = {1 + epsilon_high}, got {hp.delta}")
+        raise ConfigError(f"model.delta must be above 1 + epsilon_high = {1 + epsilon_high}, got {hp.delta}")
     if hp.sync_ref_model:
         check_reference_sync(hp.ref_model_sync_steps, hp.ref_model_mixup_alpha)
     if hp.sync_ref_model and (hp.beta == 0 or hp.lora is not None):
-        raise ValueError(
+        raise ConfigError(
             "model.sync_ref_model needs a separate reference model: model.beta > 0 and no model.lora "
             f"(got beta={hp.beta}, lora={hp.lora}); with LoRA the reference is the base model itself"
         )
     if hp.loss_type == "cispo" and epsilon_high < 1.0:
-        raise ValueError(
+        raise ConfigError(
             f"model.loss_type cispo uses model.epsilon_high as the upper bound of the importance weight "
             f"(e.g. 5.0, as in TRL), not as 1 + epsilon_high; got {epsilon_high}, which would scale every "
             "update down"
         )
     if hp.sapo_temperature_pos <= 0 or hp.sapo_temperature_neg <= 0:
-        raise ValueError(
+        raise ConfigError(
             "model.sapo_temperature_pos and model.sapo_temperature_neg must be > 0, got "
             f"{hp.sapo_temperature_pos} and {hp.sapo_temperature_neg}"
         )
     if hp.scale_rewards not in algorithm.SCALE_REWARDS:
-        raise ValueError(f"model.scale_rewards must be one of {algorithm.SCALE_REWARDS}, got {hp.scale_rewards!r}")
+        raise ConfigError(f"model.scale_rewards must be one of {algorithm.SCALE_REWARDS}, got {hp.scale_rewards!r}")
     if hp.importance_sampling_level not in algorithm.IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
+        raise ConfigError(
             f"model.importance_sampling_level must be one of {algorithm.IMPORTANCE_SAMPLING_LEVELS}, "
             f"got {hp.importance_sampling_level!r}"
         )
     if hp.temperature_eval is not None and hp.temperature_eval < 0:
-        raise ValueError(f"model.temperature_eval must be >= 0 (0 = greedy) or null, got {hp.temperature_eval}")
+        raise ConfigError(f"model.temperature_eval must be >= 0 (0 = greedy) or null, got {hp.temperature_eval}")
     n_eval = hp.num_generations_eval or hp.num_generations
     if hp.num_generations_eval is not None and hp.num_generations_eval < 1:
-        raise ValueError(f"model.num_generations_eval must be at least 1, got {hp.num_generations_eval}")
+        raise ConfigError(f"model.num_generations_eval must be at least 1, got {hp.num_generations_eval}")
     for pass_k in hp.eval_pass_k or []:
         if not 1 <= pass_k <= n_eval:
-            raise ValueError(f"model.eval_pass_k value {pass_k} must be between 1 and num_generations_eval = {n_eval}")
+            raise ConfigError(f"model.eval_pass_k value {pass_k} must be between 1 and num_generations_eval = {n_eval}")
     if hp.temperature <= 0:
-        raise ValueError(f"model.temperature must be > 0 (sampling), got {hp.temperature}")
+        raise ConfigError(f"model.temperature must be > 0 (sampling), got {hp.temperature}")
     if hp.beta < 0:
-        raise ValueError(f"model.beta must be >= 0, got {hp.beta}")
+        raise ConfigError(f"model.beta must be >= 0, got {hp.beta}")
 
 
 def check_batch_sizes(
@@ -116,13 +117,13 @@ def check_batch_sizes(
     """The generation batch must split evenly into optimizer steps and micro-batches."""
     num_completions = num_prompts * num_generations
     if num_completions % steps_per_generation:
-        raise ValueError(
+        raise ConfigError(
             f"data.batch_size * model.num_generations = {num_prompts} * {num_generations} = {num_completions} "
             f"completions do not split into model.steps_per_generation = {steps_per_generation} equal mini-batches"
         )
     mini_batch = num_completions // steps_per_generation
     if micro_batch_size is not None and mini_batch % micro_batch_size:
-        raise ValueError(
+        raise ConfigError(
             f"a mini-batch of {mini_batch} completions (data.batch_size * model.num_generations / "
             f"model.steps_per_generation) does not split into model.micro_batch_size = {micro_batch_size}"
         )

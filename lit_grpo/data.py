@@ -13,6 +13,7 @@ first training step, and reported as a ``ValueError`` that names the offending c
 from __future__ import annotations
 
 import functools
+import json
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_grpo.checkpointing import ResumableDataLoader
 from lit_grpo.config import AsWritten
+from lit_grpo.errors import DataError
 
 __all__ = ["RESERVED_COLUMNS", "GRPODataModule", "PromptBatch", "PromptFormat", "PromptSampler", "collate_prompt_batch"]
 
@@ -81,10 +83,10 @@ class PromptFormat:
         try:
             fields = [field for _, field, _, _ in string.Formatter().parse(self.prompt_template) if field is not None]
         except ValueError as exc:
-            raise ValueError(f"data.prompt_template {self.prompt_template!r} is not a valid template: {exc}") from None
+            raise DataError(f"data.prompt_template {self.prompt_template!r} is not a valid template: {exc}") from None
         for field in fields:
             if not field.isidentifier():
-                raise ValueError(
+                raise DataError(
                     f"data.prompt_template field {{{field}}} must be a plain column name (write {{{{ and }}}} for literal braces)"
                 )
         return list(dict.fromkeys(fields))
@@ -105,7 +107,7 @@ class PromptFormat:
         """Raise ``ValueError`` naming the setting and the column when a row cannot become a prompt."""
         missing = [column for column in self.template_columns() if column not in dataset.column_names]
         if missing:
-            raise ValueError(
+            raise DataError(
                 f"data.prompt_template names column {missing[0]!r}, which the {source} does not have; "
                 f"its columns are {dataset.column_names}"
             )
@@ -141,7 +143,7 @@ class PromptSampler(DistributedSampler):
         global_batch = batch_size * num_replicas
         self.num_batches = dataset_size // global_batch
         if self.num_batches == 0:
-            raise ValueError(
+            raise DataError(
                 f"the training split has {dataset_size} prompts, fewer than one global batch of "
                 f"data.batch_size * processes = {batch_size} * {num_replicas} = {global_batch}"
             )
@@ -232,9 +234,9 @@ class GRPODataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+            raise DataError(f"batch_size must be at least 1, got {batch_size}")
         if val_data_files is not None and val_split is None:
-            raise ValueError(
+            raise DataError(
                 f"val_data_files={val_data_files!r} is set but val_split is not; set val_split to "
                 "the split to validate on ('train' for files given without a split name)"
             )
@@ -273,7 +275,7 @@ class GRPODataModule(pl.LightningDataModule):
             source = _describe_source(self.path, self.name, self.data_files, self.split)
             _check_dataset(dataset, self.prompt_format, source=source)
             if dataset.num_rows < self.batch_size:
-                raise ValueError(
+                raise DataError(
                     f"the {source} has {dataset.num_rows} rows, fewer than batch_size={self.batch_size}, "
                     "so not one complete training batch can be formed"
                 )
@@ -355,18 +357,48 @@ def _load_split(
     builder = BUILDER_BY_EXTENSION.get(Path(path).suffix.lower())
     if builder is not None:
         if data_files is not None:
-            raise ValueError(
+            raise DataError(
                 f"path={path!r} is a data file, so data_files={data_files!r} must be unset; to use "
                 f"data_files, set path to a builder name such as {builder!r}"
             )
         path, data_files = builder, path
     for data_file in _local_files(data_files):
         if data_file.stat().st_size == 0:
-            raise ValueError(f"data file {str(data_file)!r} of the {source} is empty")
+            raise DataError(f"data file {str(data_file)!r} of the {source} is empty")
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are reported below, once
     try:
         return datasets.load_dataset(path, name=name, data_files=data_files, split=split)
     except Exception as error:  # datasets raises many types, even a bare StopIteration
-        raise ValueError(f"could not load the {source}: {type(error).__name__}: {error}") from error
+        if path == "json":  # say which row of which file it could not read
+            for data_file in _local_files(data_files):
+                problem = _json_problem(data_file)
+                if problem is not None:
+                    raise DataError(problem) from error
+        raise DataError(f"could not load the {source}: {type(error).__name__}: {error}") from error
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def _json_problem(path: Path) -> str | None:
+    """What makes a local JSON / JSON Lines file unreadable as rows, with ``file:line``; None if
+    nothing does (a whole-file JSON document, or one JSON object per line)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        json.loads(text)
+        return None  # one JSON document: a list of rows or an object of columns
+    except json.JSONDecodeError:
+        pass
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            return f"line {number} is not valid JSON: {exc.msg} at column {exc.colno} ({path}:{number})"
+        if not isinstance(row, dict):
+            return f"line {number} is a JSON {type(row).__name__}, not an object of columns ({path}:{number})"
+    return None
 
 
 def _local_files(data_files: DataFiles | None) -> list[Path]:
@@ -387,13 +419,13 @@ def _local_files(data_files: DataFiles | None) -> list[Path]:
 def _check_dataset(dataset: datasets.Dataset, prompt_format: PromptFormat, *, source: str) -> None:
     """Raise ``ValueError`` naming the problem if ``dataset`` cannot feed GRPO training."""
     if dataset.num_rows == 0:
-        raise ValueError(f"the {source} has no rows")
+        raise DataError(f"the {source} has no rows")
     prompt_column = prompt_format.prompt_column if prompt_format.prompt_template is None else None
     reserved = [
         column for column in dataset.column_names if column in RESERVED_COLUMNS and column != prompt_column
     ]
     if reserved:
-        raise ValueError(
+        raise DataError(
             f"the {source} has column(s) {reserved} whose names are reserved: every column other than "
             f"the prompt column is passed to reward functions as a keyword argument, next to "
             f"{list(RESERVED_COLUMNS)}; rename the column(s) in the data"
@@ -404,7 +436,7 @@ def _check_dataset(dataset: datasets.Dataset, prompt_format: PromptFormat, *, so
 def _check_prompts(dataset: datasets.Dataset, prompt_column: str, source: str) -> None:
     """Every row of ``prompt_column`` must be a non-empty string or a list of chat messages."""
     if prompt_column not in dataset.column_names:
-        raise ValueError(
+        raise DataError(
             f"prompt_column={prompt_column!r} is not a column of the {source}; "
             f"its columns are {dataset.column_names}"
         )
@@ -413,7 +445,7 @@ def _check_prompts(dataset: datasets.Dataset, prompt_column: str, source: str) -
             shown = repr(prompt)
             if len(shown) > 200:
                 shown = shown[:200] + "..."
-            raise ValueError(
+            raise DataError(
                 f"row {row_index} of the {source}: column {prompt_column!r} must hold a non-empty "
                 f"string or a non-empty list of chat messages {{'role': str, 'content': str}}, got {shown}"
             )

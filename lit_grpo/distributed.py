@@ -33,6 +33,7 @@ from lightning.pytorch.strategies import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from lit_grpo.checkpointing import fsync_directory
+from lit_grpo.errors import ConfigError
 
 __all__ = [
     "ModelParallelStrategy",
@@ -58,7 +59,7 @@ def data_parallel_mesh(device_mesh: DeviceMesh) -> DeviceMesh:
     tensor_parallel = device_mesh["tensor_parallel"].size()
     if tensor_parallel != 1:
         data_parallel = device_mesh["data_parallel"].size()
-        raise ValueError(
+        raise ConfigError(
             f"trainer.strategy ModelParallelStrategy has tensor_parallel_size={tensor_parallel}, but lit-grpo "
             "shards with FSDP2 only (no tensor parallelism). Set trainer.strategy.init_args.data_parallel_size "
             f"to the number of processes ({data_parallel * tensor_parallel}) and tensor_parallel_size to 1."
@@ -89,7 +90,7 @@ def decoder_layer_classes(model: torch.nn.Module) -> set[type]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     classes = {type(module) for module in model.modules() if type(module).__name__ in names}
     if not classes:
-        raise ValueError(
+        raise ConfigError(
             f"Cannot find the decoder layers of {type(model).__name__} to shard: it declares no "
             "_no_split_modules matching any of its modules"
         )

@@ -3,7 +3,8 @@
 Two ways in, one way out:
 
 - ``lit-grpo export CKPT DIR`` (:func:`export_checkpoint`) reads a Lightning checkpoint of
-  :class:`~lit_grpo.module.GRPOModule`, a file or FSDP2's directory of shards;
+  :class:`~lit_grpo.module.GRPOModule`, a file or FSDP2's directory of shards (or merges a peft
+  adapter directory into its base model, :func:`merge_adapter_directory`);
 - the :class:`ExportOnFitEnd` callback exports the policy in memory when ``trainer.fit`` ends.
 
 Both rebuild the policy from the module's hyperparameters exactly as training built it
@@ -31,8 +32,10 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
 )
+from transformers import AutoTokenizer
 
 from lit_grpo import models
+from lit_grpo.errors import ConfigError, FileInTheWayError, MissingFileError, ModelLoadError
 
 __all__ = ["ExportOnFitEnd", "export_checkpoint", "export_policy", "rebuild_policy"]
 
@@ -53,17 +56,28 @@ def export_checkpoint(
     """
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.exists():
-        raise FileNotFoundError(f"checkpoint {str(checkpoint_path)!r} does not exist")
+        raise MissingFileError(f"checkpoint {str(checkpoint_path)!r} does not exist")
     check_output_dir(output_dir, overwrite)
+    if (checkpoint_path / models.ADAPTER_CONFIG).is_file():
+        if not merge_lora:
+            raise ConfigError(f"{str(checkpoint_path)!r} is already a peft adapter: --no-merge-lora has nothing to do")
+        return merge_adapter_directory(checkpoint_path, output_dir, overwrite)
     if checkpoint_path.is_dir():
         checkpoint = load_sharded_policy_checkpoint(checkpoint_path)
     else:
-        # weights_only=False: the hyperparameters hold plain Python objects (reward specs); a checkpoint
-        # is trusted input, like the Lightning checkpoints `trainer.fit(ckpt_path=...)` resumes from.
-        checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-    hparams = checkpoint.get("hyper_parameters") or {}
+        try:
+            # weights_only=False: the hyperparameters hold plain Python objects (reward specs); a checkpoint
+            # is trusted input, like the Lightning checkpoints `trainer.fit(ckpt_path=...)` resumes from.
+            checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
+        except Exception as exc:  # pickle, zip and EOF errors alike: not a torch checkpoint
+            raise ModelLoadError(
+                f"{str(checkpoint_path)!r} is not a checkpoint: torch.load failed ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())[:120]}); export takes a .ckpt file written by lit-grpo fit, its "
+                "sharded checkpoint directory, or a peft adapter directory"
+            ) from None
+    hparams = checkpoint.get("hyper_parameters") or {} if isinstance(checkpoint, dict) else {}
     if "model_name_or_path" not in hparams or "state_dict" not in checkpoint:
-        raise ValueError(
+        raise ConfigError(
             f"{str(checkpoint_path)!r} is not a checkpoint of lit_grpo's GRPOModule "
             "(no model_name_or_path hyperparameter or no state_dict)"
         )
@@ -73,6 +87,17 @@ def export_checkpoint(
         if key.startswith(POLICY_PREFIX)
     }
     return export_policy(hparams, policy_state, output_dir, merge_lora=merge_lora, overwrite=overwrite)
+
+
+def merge_adapter_directory(adapter_dir: Path, output_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+    """A peft adapter directory (``lit-grpo export --no-merge-lora`` writes one) merged into its
+    base model (``base_model_name_or_path`` of its ``adapter_config.json``), with its tokenizer: a
+    model that training can start from."""
+    base = models.adapter_base_model(adapter_dir)
+    policy = models.load_causal_lm(base, models.model_init_kwargs(None))
+    merged = PeftModel.from_pretrained(policy, str(adapter_dir)).merge_and_unload()
+    tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
+    return _write_atomically(merged, AutoTokenizer.from_pretrained(str(tokenizer_dir)), Path(output_dir), overwrite)
 
 
 def load_sharded_policy_checkpoint(path: Path) -> dict[str, Any]:
@@ -86,7 +111,7 @@ def load_sharded_policy_checkpoint(path: Path) -> dict[str, Any]:
 
     meta_file = path / "meta.pt"
     if not meta_file.is_file() or not (path / ".metadata").is_file():
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint {str(path)!r} is a directory but not a sharded Lightning checkpoint "
             "(it needs the shards' .metadata and Lightning's meta.pt)"
         )
@@ -140,11 +165,16 @@ def export_policy(
         else:
             _point_adapter_at_base_model(policy, hparams["model_name_or_path"])
     elif not merge_lora:
-        raise ValueError(
+        raise ConfigError(
             "merge_lora=False (--no-merge-lora) keeps a LoRA adapter, but this policy has none (model.lora is null)"
         )
-    tokenizer = models.load_tokenizer(hparams["model_name_or_path"])
+    return _write_atomically(policy, models.load_tokenizer(hparams["model_name_or_path"]), output_dir, overwrite)
 
+
+def _write_atomically(policy, tokenizer, output_dir: Path, overwrite: bool) -> Path:
+    """``save_pretrained`` the model and tokenizer into a temporary directory beside ``output_dir``,
+    then rename it, so an interrupted export never leaves a half-written model there."""
+    check_output_dir(output_dir, overwrite)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:
@@ -163,9 +193,9 @@ def check_output_dir(output_dir: str | os.PathLike, overwrite: bool, name: str =
     """Refuse to write over a file, or over a non-empty directory unless ``overwrite``."""
     output_dir = Path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
-        raise FileExistsError(f"{name} {str(output_dir)!r} exists and is a file, not a directory")
+        raise FileInTheWayError(f"{name} {str(output_dir)!r} exists and is a file, not a directory")
     if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
-        raise FileExistsError(
+        raise FileInTheWayError(
             f"{name} {str(output_dir)!r} exists and is not empty; choose another directory or pass "
             "--overwrite (overwrite: true) to replace it"
         )
@@ -210,7 +240,7 @@ class ExportOnFitEnd(pl.Callback):
         if stage != "fit":
             return
         if not self.merge_lora and pl_module.hparams.get("lora") is None:
-            raise ValueError("ExportOnFitEnd.merge_lora=False keeps a LoRA adapter, but model.lora is null")
+            raise ConfigError("ExportOnFitEnd.merge_lora=False keeps a LoRA adapter, but model.lora is null")
         if trainer.is_global_zero:
             check_output_dir(self.dirpath, self.overwrite, name="ExportOnFitEnd.dirpath")
 

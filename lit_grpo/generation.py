@@ -29,6 +29,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from lit_grpo import cpu
 from lit_grpo.algorithm import completion_mask_from_ids
+from lit_grpo.errors import ConfigError
 from lit_grpo.group_sampler import lit_sampler_unsupported, sample_groups
 from lit_grpo.rollout import Rollout, is_conversational
 
@@ -60,7 +61,7 @@ def render_prompts(
     for prompt in prompts:
         if is_conversational(prompt):
             if tokenizer.chat_template is None:
-                raise ValueError(NO_CHAT_TEMPLATE.format(model=repr(tokenizer.name_or_path)))
+                raise ConfigError(NO_CHAT_TEMPLATE.format(model=repr(tokenizer.name_or_path)))
             texts.append(
                 tokenizer.apply_chat_template(
                     prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
@@ -158,7 +159,7 @@ def generate_completions(
 ) -> Rollout:
     """Sample ``num_generations`` completions for each prompt text with ``backend`` (see the module doc)."""
     if backend not in SAMPLERS:
-        raise ValueError(f"generation_backend must be one of {GENERATION_BACKENDS}, got {backend!r}")
+        raise ConfigError(f"generation_backend must be one of {GENERATION_BACKENDS}, got {backend!r}")
     device = next(model.parameters()).device
     prompt_ids, prompt_mask, prompt_truncated = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)  # [B, P]
     # Sample in eval mode: no dropout, and gradient checkpointing (active in training mode only)

@@ -23,15 +23,20 @@ import inspect
 import os
 import warnings
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from lit_grpo.errors import ConfigError, MissingFileError, ModelLoadError
+
 __all__ = [
     "HALF_DTYPES",
+    "ADAPTER_CONFIG",
     "LORA_DEFAULTS",
+    "adapter_base_model",
     "check_trainable_dtype",
     "compute_dtype",
     "half_precision_trainable_weights",
@@ -82,7 +87,7 @@ def model_init_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     elif isinstance(dtype, str) and dtype != "auto":
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
-            raise ValueError(f"model.model_init_kwargs.dtype {dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
+            raise ConfigError(f"model.model_init_kwargs.dtype {dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
         kwargs[key] = resolved
     return kwargs
 
@@ -146,7 +151,7 @@ def check_trainable_dtype(model: torch.nn.Module, optimizer: torch.optim.Optimiz
         f"{torch.finfo(dtype).eps * 0.02:.0e} apart; an update of lr 1e-6 vanishes). To fix: {fix}."
     )
     if type(optimizer).__module__.startswith("torch.optim"):
-        raise ValueError(message)
+        raise ConfigError(message)
     return message
 
 
@@ -197,7 +202,7 @@ def load_causal_lm(path: str, init_kwargs: dict[str, Any]) -> PreTrainedModel:
     try:
         return AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), **init_kwargs)
     except OSError as exc:
-        raise OSError(f"Could not load model.model_name_or_path {path!r}: {exc}") from exc
+        raise ModelLoadError(f"Could not load model.model_name_or_path {path!r}: {exc}") from exc
 
 
 def build_policy(
@@ -235,7 +240,7 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
     cache, which is why generation runs the policy in eval mode (see ``generate_completions``).
     """
     if not model.supports_gradient_checkpointing:
-        raise ValueError(
+        raise ConfigError(
             f"model.gradient_checkpointing: {type(model).__name__} does not support gradient checkpointing"
         )
     kwargs = {"use_reentrant": False}
@@ -258,19 +263,19 @@ def lora_config(settings: Mapping[str, Any]) -> LoraConfig:
     ``ValueError`` naming ``model.lora``.
     """
     if not isinstance(settings, Mapping):
-        raise ValueError(f"model.lora must be a mapping of peft LoraConfig arguments or null, got {settings!r}")
+        raise ConfigError(f"model.lora must be a mapping of peft LoraConfig arguments or null, got {settings!r}")
     fields = {field.name for field in dataclasses.fields(LoraConfig) if field.init}
     unknown = sorted(set(settings) - fields)
     if unknown:
         common = ["r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "use_rslora"]
-        raise ValueError(
+        raise ConfigError(
             f"model.lora.{unknown[0]} is not a peft LoraConfig argument (unknown: {unknown}); "
             f"common ones are {common}"
         )
     try:
         return LoraConfig(**{**LORA_DEFAULTS, **settings})
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"model.lora is not a valid peft LoraConfig: {exc}") from exc
+        raise ConfigError(f"model.lora is not a valid peft LoraConfig: {exc}") from exc
 
 
 def _add_lora_adapter(model: PreTrainedModel, settings: Mapping[str, Any], path: str) -> PeftModel:
@@ -284,11 +289,11 @@ def _add_lora_adapter(model: PreTrainedModel, settings: Mapping[str, Any], path:
         if "not found in the base model" in str(exc):
             target_modules = {**LORA_DEFAULTS, **settings}["target_modules"]
             linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-            raise ValueError(
+            raise ConfigError(
                 f"model.lora.target_modules {target_modules!r} matches no module of {path!r}; "
                 f"its linear layers are named {sorted(linear)}"
             ) from exc
-        raise ValueError(f"model.lora could not be applied to {path!r}: {exc}") from exc
+        raise ConfigError(f"model.lora could not be applied to {path!r}: {exc}") from exc
 
 
 @contextlib.contextmanager
@@ -343,7 +348,7 @@ def add_frozen_weights(state_dict: dict[str, Any], model: torch.nn.Module, prefi
     missing = sorted(_trainable_parameter_names(model, prefix) - saved)
     unexpected = sorted(saved - expected)
     if missing or unexpected:
-        raise ValueError(
+        raise ConfigError(
             "The checkpoint's weights do not fit the policy built from model.model_name_or_path and "
             f"model.lora: missing trainable weights {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
             f"unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. "
@@ -358,31 +363,70 @@ def add_frozen_weights(state_dict: dict[str, Any], model: torch.nn.Module, prefi
 # ----------------------------------------------------------------------------------------------
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # what marks a peft adapter directory
+
+
 def _looks_like_local_path(path: str) -> bool:
     """Hub ids are ``name`` or ``org/name``; anything else that does not exist is a missing directory."""
     return path.startswith((".", "/", "~")) or path.count("/") > 1 or (os.sep != "/" and os.sep in path)
 
 
+def adapter_base_model(adapter_dir: str | os.PathLike) -> str:
+    """``base_model_name_or_path`` of a peft adapter directory's ``adapter_config.json``."""
+    import json
+
+    config = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ModelLoadError(f"{ADAPTER_CONFIG} of {str(adapter_dir)!r} names no base_model_name_or_path")
+    return base
+
+
 def _check_model_path(path: str) -> None:
-    if not os.path.exists(os.path.expanduser(path)) and _looks_like_local_path(path):
-        raise FileNotFoundError(
-            f"model.model_name_or_path {path!r} does not exist. Give a local directory written by "
-            "save_pretrained (e.g. one made by `lit-grpo init-tiny DIR`) or a Hugging Face hub id."
+    """A local ``model.model_name_or_path`` must be a ``save_pretrained`` directory; say what is
+    missing, and for a peft adapter directory how to train from it."""
+    local = os.path.expanduser(path)
+    if not os.path.exists(local):
+        if _looks_like_local_path(path):
+            raise MissingFileError(
+                f"model.model_name_or_path {path!r} does not exist. Give a local directory written by "
+                "save_pretrained (e.g. one made by `lit-grpo init-tiny DIR`) or a Hugging Face hub id."
+            )
+        return
+    if not os.path.isdir(local):
+        raise ModelLoadError(f"model.model_name_or_path {path!r} is a file; it must be a save_pretrained directory")
+    if os.path.isfile(os.path.join(local, "config.json")):
+        return
+    if os.path.isfile(os.path.join(local, ADAPTER_CONFIG)):
+        raise ModelLoadError(
+            f"model.model_name_or_path {path!r} is a peft adapter ({ADAPTER_CONFIG}, no config.json), not a model: "
+            f"merge it into its base model with `lit-grpo export {path} MERGED_DIR` and train from MERGED_DIR "
+            "(model.lora trains a new adapter on it)"
         )
+    found = ", ".join(sorted(os.listdir(local))[:6]) or "nothing"
+    raise ModelLoadError(
+        f"model.model_name_or_path {path!r} is a directory without a model: no config.json (it holds {found}); "
+        "a save_pretrained directory has config.json, the weights and the tokenizer files"
+    )
 
 
 def load_tokenizer(path: str):
     """The tokenizer, with a pad token (EOS when it has none, with a warning)."""
     _check_model_path(path)
+    local = os.path.expanduser(path)
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if os.path.isdir(local) and not any(os.path.isfile(os.path.join(local, name)) for name in tokenizer_files):
+        raise ModelLoadError(
+            f"model.model_name_or_path {path!r} has no tokenizer (none of {', '.join(tokenizer_files)}): "
+            "save it beside the model with tokenizer.save_pretrained(DIR)"
+        )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(path))
-    except OSError as exc:
-        raise OSError(
-            f"Could not load the tokenizer of model.model_name_or_path {path!r}: {exc}"
-        ) from exc
+        tokenizer = AutoTokenizer.from_pretrained(local)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load the tokenizer of model.model_name_or_path {path!r}: {exc}") from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"The tokenizer of {path!r} has neither a pad token nor an EOS token")
+            raise ConfigError(f"The tokenizer of {path!r} has neither a pad token nor an EOS token")
         warnings.warn(
             f"The tokenizer of {path!r} has no pad token; using its EOS token {tokenizer.eos_token!r} for padding",
             stacklevel=2,

@@ -58,6 +58,7 @@ from lit_grpo.distributed import (
     mixed_precision_policy,
     shard_model,
 )
+from lit_grpo.errors import ConfigError
 from lit_grpo.evaluation import ValidationMetrics
 from lit_grpo.generation import (
     GENERATION_BACKENDS,
@@ -303,7 +304,7 @@ class GRPOModule(pl.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         prompt_format = getattr(datamodule, "prompt_format", None)
         if prompt_format is not None and prompt_format.makes_conversations and self.tokenizer.chat_template is None:
-            raise ValueError(NO_CHAT_TEMPLATE.format(model=f"model.model_name_or_path {self.hparams.model_name_or_path!r}"))
+            raise ConfigError(NO_CHAT_TEMPLATE.format(model=f"model.model_name_or_path {self.hparams.model_name_or_path!r}"))
         if stage == "fit" and datamodule is not None and hasattr(datamodule, "batch_size"):
             check_batch_sizes(
                 datamodule.batch_size,

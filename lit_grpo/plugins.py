@@ -54,6 +54,7 @@ from typing import Any
 
 import pluggy
 
+from lit_grpo.errors import UserError
 from lit_grpo.hookspecs import Hookspecs
 
 __all__ = [
@@ -94,7 +95,7 @@ INSTALL_HINT = (
 # --------------------------------------------------------------------------------------------------
 
 
-class PluginError(RuntimeError):
+class PluginError(UserError, RuntimeError):
     """A plugin package could not be loaded (strict mode) or registered something invalid."""
 
 
@@ -106,11 +107,11 @@ class PluginLoadWarning(UserWarning):
     """A plugin package failed to load and was skipped (see ``LIT_GRPO_STRICT_PLUGINS``)."""
 
 
-class UnknownRewardError(ValueError):
+class UnknownRewardError(UserError, ValueError):
     """No installed plugin registered a reward of this name."""
 
 
-class RewardArgumentError(ValueError):
+class RewardArgumentError(UserError, ValueError):
     """A reward's YAML ``args`` do not fit its constructor or function signature."""
 
 

@@ -70,7 +70,7 @@ def test_completions_command_errors_name_what_is_missing(logged_run, tmp_path, c
         main(["completions", log_dir, "--step", "7"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "step 7 is not in" in err and "logged steps: 0, 2" in err
+    assert "error: step 7 was not logged; logged steps: 0, 2" in err
     with pytest.raises(SystemExit):
         main(["completions", str(tmp_path / "empty")])
     assert "does not exist" in capsys.readouterr().err

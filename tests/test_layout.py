@@ -16,7 +16,7 @@ MAX_LINES = 700
 # Lowest first: a module may import from its own layer and the layers below, never from above.
 LAYERS = [
     # pure functions, records and settings
-    ["lit_grpo", "lit_grpo.algorithm", "lit_grpo.config", "lit_grpo.evaluation", "lit_grpo.completions",
+    ["lit_grpo", "lit_grpo.errors", "lit_grpo.algorithm", "lit_grpo.config", "lit_grpo.evaluation", "lit_grpo.completions",
      "lit_grpo.hookspecs", "lit_grpo.tiny"],
     # loading models, checkpoints, the plugin registry
     ["lit_grpo.models", "lit_grpo.checkpointing", "lit_grpo.plugins"],

@@ -81,6 +81,7 @@ from typing import Any
 import torch
 
 from lit_grpo import plugins
+from lit_grpo.errors import ConfigError
 from lit_grpo.scoring.arguments import build_reward
 from lit_grpo.scoring.pool import PoolCancelled, PoolInitError, WorkerPool
 from lit_grpo.scoring.specs import RewardError, RewardSpec, as_spec, check_spec, preview
@@ -254,7 +255,7 @@ class RewardScorer:
         self._loop: _EventLoopThread | None = None
         specs = [as_spec(spec, i) for i, spec in enumerate(specs or [])]
         if not specs:
-            raise ValueError(
+            raise ConfigError(
                 "model.rewards is empty: configure at least one reward, e.g. "
                 "`rewards: [{name: char_fraction, args: {chars: 'a'}}]`; "
                 "run `lit-grpo rewards` to list the installed ones"
@@ -262,23 +263,28 @@ class RewardScorer:
         first_index: dict[str, int] = {}
         for i, spec in enumerate(specs):
             if not isinstance(spec.name, str) or not spec.name:
-                raise ValueError(f"model.rewards[{i}].name must be a non-empty string, got {spec.name!r}")
+                raise ConfigError(f"model.rewards[{i}].name must be a non-empty string, got {spec.name!r}")
             if spec.name in first_index:
-                raise ValueError(
+                raise ConfigError(
                     f"reward {spec.name!r} is configured twice in model.rewards (entries "
                     f"{first_index[spec.name]} and {i}); each reward may appear once, since its "
                     "name keys its metrics (rewards/<name>/mean)"
                 )
             first_index[spec.name] = i
             if isinstance(spec.weight, bool) or not isinstance(spec.weight, numbers.Real) or not math.isfinite(spec.weight):
-                raise ValueError(
+                raise ConfigError(
                     f"model.rewards[{i}] ({spec.name!r}): weight must be a finite number, got {spec.weight!r}"
                 )
             check_spec(i, spec)
         self.specs: list[RewardSpec] = specs
         self.names: list[str] = [spec.name for spec in specs]
         self.infos: list[plugins.RewardInfo] = [plugins.get_reward(spec.name) for spec in specs]
-        self.rewards: list[Any] = [build_reward(spec.name, spec.args, run_settings) for spec in specs]
+        self.rewards: list[Any] = []
+        for i, spec in enumerate(specs):
+            try:
+                self.rewards.append(build_reward(spec.name, spec.args, run_settings))
+            except plugins.RewardArgumentError as error:
+                raise plugins.RewardArgumentError(f"{error} (model.rewards[{i}].args)") from None
         self.weights: torch.Tensor = torch.tensor([float(spec.weight) for spec in specs], dtype=torch.float32)  # [K]
         # How each reward runs: "pool" (num_workers > 0), "async" (awaited) or "local" (called here).
         self.modes: list[str] = []
@@ -289,7 +295,7 @@ class RewardScorer:
                 try:
                     self._payloads[k] = pickle.dumps(reward, protocol=pickle.HIGHEST_PROTOCOL)
                 except Exception as exc:
-                    raise ValueError(
+                    raise ConfigError(
                         f"model.rewards[{k}].num_workers ({spec.name!r}): {self._who(k)} cannot run in worker "
                         f"processes because it cannot be pickled ({type(exc).__name__}: {exc}). Functions and "
                         "classes defined at the top level of an importable module pickle; lambdas, closures and "
@@ -300,7 +306,7 @@ class RewardScorer:
             else:
                 self.modes.append("local")
                 if spec.timeout is not None:
-                    raise ValueError(
+                    raise ConfigError(
                         f"model.rewards[{k}].timeout ({spec.name!r}): a timeout needs num_workers > 0 (or an async "
                         "reward); a synchronous reward called in the training process cannot be interrupted. Set "
                         "num_workers: 1 or more, or remove timeout."
@@ -434,7 +440,7 @@ class RewardScorer:
             )
         for key, values in columns.items():
             if key in plugins.RESERVED_ARGS:
-                raise ValueError(
+                raise ConfigError(
                     f"dataset column {key!r} clashes with the reward argument of the same name; rename the column"
                 )
             if len(values) != n:

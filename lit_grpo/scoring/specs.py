@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lit_grpo.config import AsWritten
+from lit_grpo.errors import ConfigError, UserError
 
 __all__ = ["ON_ERROR", "RewardError", "RewardSpec", "as_spec", "check_spec", "preview"]
 
@@ -17,7 +18,7 @@ ON_ERROR = ("raise", "none", "zero")
 _SPEC_KEYS = ("name", "weight", "args", "on_error", "num_workers", "timeout")
 
 
-class RewardError(RuntimeError):
+class RewardError(UserError, RuntimeError):
     """A reward function raised, or returned something that is not one number-or-None per sample."""
 
 
@@ -54,7 +55,7 @@ def as_spec(spec: Any, index: int) -> RewardSpec:
         unknown = [key for key in spec if key not in _SPEC_KEYS]
         if unknown or "name" not in spec:
             problem = f"unknown key {unknown[0]!r}" if unknown else "no 'name'"
-            raise ValueError(
+            raise ConfigError(
                 f"model.rewards[{index}] must look like {{name: ..., weight: 1.0, args: {{...}}}} "
                 "(optional: on_error: raise|none|zero, num_workers: 0, timeout: null); "
                 f"got {dict(spec)!r} ({problem})"
@@ -69,7 +70,7 @@ def as_spec(spec: Any, index: int) -> RewardSpec:
         )
     if isinstance(spec, str):
         return RewardSpec(name=spec)
-    raise ValueError(f"model.rewards[{index}] must be a mapping with a 'name', got {spec!r}")
+    raise ConfigError(f"model.rewards[{index}] must be a mapping with a 'name', got {spec!r}")
 
 
 def check_spec(i: int, spec: RewardSpec) -> None:
@@ -77,12 +78,12 @@ def check_spec(i: int, spec: RewardSpec) -> None:
     where = f"model.rewards[{i}]"
     if not isinstance(spec.on_error, str) or spec.on_error not in ON_ERROR:
         hint = " (YAML null is not the string 'none': write on_error: none)" if spec.on_error is None else ""
-        raise ValueError(
+        raise ConfigError(
             f"{where}.on_error ({spec.name!r}) must be one of {', '.join(ON_ERROR)}, got {spec.on_error!r}{hint}"
         )
     workers = spec.num_workers
     if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 0:
-        raise ValueError(
+        raise ConfigError(
             f"{where}.num_workers ({spec.name!r}) must be a whole number >= 0 (0 scores in the training "
             f"process), got {workers!r}"
         )
@@ -90,6 +91,6 @@ def check_spec(i: int, spec: RewardSpec) -> None:
     if timeout is not None and (
         isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) or timeout <= 0
     ):
-        raise ValueError(
+        raise ConfigError(
             f"{where}.timeout ({spec.name!r}) must be a number of seconds > 0, or null for no limit; got {timeout!r}"
         )

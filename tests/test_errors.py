@@ -1,0 +1,197 @@
+"""Errors a person can read: a mistake in the input ends `lit-grpo` with one line `error: ...` on
+stderr naming the key, file:line or reward, and exit status 2, without a traceback or a usage dump
+(``LIT_GRPO_TRACEBACK=1`` shows the traceback); a bug still shows its traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lit_grpo import plugins
+from lit_grpo.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+LIT_GRPO = str(Path(sys.executable).with_name("lit-grpo"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lit-grpo"])
+    monkeypatch.delenv("LIT_GRPO_TRACEBACK", raising=False)
+    plugins.reset_plugins()
+    yield
+    plugins.reset_plugins()
+
+
+@pytest.fixture
+def config(tmp_path, tiny_model_dir):
+    """``config(**changes) -> path``: the quickstart with the tiny model, sections updated."""
+
+    def write(name="config.yaml", **sections):
+        quickstart = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
+        quickstart["model"]["model_name_or_path"] = str(tiny_model_dir)
+        quickstart["data"]["data_files"] = str(REPO / quickstart["data"]["data_files"])
+        quickstart["trainer"].update(max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+        for section, values in sections.items():
+            quickstart.setdefault(section, {}).update(values)
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(quickstart, sort_keys=False))
+        return path
+
+    return write
+
+
+def error_line(capsys, *args: str) -> str:
+    """Run ``lit-grpo ARGS`` in this process: it must exit with status 2, its stderr ending with
+    one ``error:`` line and holding no traceback or usage dump (progress bars may come before)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("error: ") and sum(line.startswith("error:") for line in lines) == 1, err
+    assert "Traceback" not in err and "usage:" not in err and "Logging error" not in err, err
+    return lines[-1].removeprefix("error: ")
+
+
+def test_a_user_error_is_one_line_and_status_2_and_a_traceback_on_request(config, tmp_path):
+    path = config(model={"num_generations": 1})
+    run = lambda **env: subprocess.run(  # noqa: E731
+        [LIT_GRPO, "fit", "--config", str(path)], capture_output=True, text=True, env={**os.environ, **env}, timeout=300
+    )
+    plain = run()
+    assert plain.returncode == 2
+    assert plain.stderr.splitlines()[-1] == (
+        "error: model.num_generations must be at least 2 (got 1): GRPO's advantage is a completion's reward "
+        "relative to the other completions of its group"
+    )
+    assert "Traceback" not in plain.stderr and "usage:" not in plain.stderr
+    shown = run(LIT_GRPO_TRACEBACK="1")
+    assert shown.returncode != 0 and "Traceback (most recent call last)" in shown.stderr
+    assert "lit_grpo.errors.ConfigError: model.num_generations must be at least 2" in shown.stderr
+
+
+def test_an_internal_bug_still_shows_its_traceback(monkeypatch, capsys):
+    def broken(argv):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setitem(__import__("lit_grpo.cli", fromlist=["SUBCOMMANDS"]).SUBCOMMANDS, "rewards", broken)
+    with pytest.raises(ZeroDivisionError):
+        main(["rewards"])
+
+
+def test_a_misspelt_key_in_yaml_names_the_file_line_and_the_closest_key(config, tmp_path, capsys):
+    base = config()
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("trainer:\n  max_steps: 2\nmodel:\n  beta: 0.0\n  num_generation: 4\n")
+    assert error_line(capsys, "fit", "--config", str(base), "--config", str(typo)) == (
+        f"unknown key model.num_generation; did you mean model.num_generations? ({typo}:5)"
+    )
+
+
+def test_a_misspelt_or_abbreviated_option_is_refused_with_the_closest_key(config, capsys):
+    base = str(config())
+    assert error_line(capsys, "fit", "--config", base, "--model.num_generation", "4") == (
+        "unknown option --model.num_generation; did you mean --model.num_generations? "
+        "(command line; options are never abbreviated)"
+    )
+    assert error_line(capsys, "fit", "--config", base, "--model.max_compl", "4").startswith(
+        "unknown option --model.max_compl; did you mean --model.max_completion_length?"
+    )
+    assert error_line(capsys, "fit", "--config", base, "--model.num_generations", "x") == (
+        "Expected a <class 'int'>. Got value: x (model.num_generations)"
+    )
+
+
+def test_a_malformed_json_row_names_the_file_and_line(config, tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "Say a:", "target": "a"}\n{"prompt": "Say b:" "target": "b"}\n')
+    path = config(data={"data_files": str(rows), "batch_size": 1})
+    assert error_line(capsys, "fit", "--config", str(path)) == (
+        f"line 2 is not valid JSON: Expecting ',' delimiter at column 21 ({rows}:2)"
+    )
+    rows.write_text('{"prompt": "Say a:"}\n["Say b:"]\n')
+    assert error_line(capsys, "fit", "--config", str(path)) == f"line 2 is a JSON list, not an object of columns ({rows}:2)"
+
+
+def test_a_model_directory_without_a_model_says_what_is_missing(config, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert error_line(capsys, "fit", "--config", str(config(model={"model_name_or_path": str(empty)}))) == (
+        f"model.model_name_or_path '{empty}' is a directory without a model: no config.json (it holds nothing); "
+        "a save_pretrained directory has config.json, the weights and the tokenizer files"
+    )
+
+
+def test_a_peft_adapter_directory_says_how_to_train_from_it(config, tmp_path, tiny_model_dir, capsys):
+    """``lit-grpo export --no-merge-lora`` writes an adapter; training from it says to merge it with
+    ``lit-grpo export ADAPTER DIR``, which works, and training from DIR then works."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = tmp_path / "adapter"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2, target_modules="all-linear"))
+    model.save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(adapter)
+    message = error_line(capsys, "fit", "--config", str(config(model={"model_name_or_path": str(adapter)})))
+    assert message == (
+        f"model.model_name_or_path '{adapter}' is a peft adapter (adapter_config.json, no config.json), not a model: "
+        f"merge it into its base model with `lit-grpo export {adapter} MERGED_DIR` and train from MERGED_DIR "
+        "(model.lora trains a new adapter on it)"
+    )
+    merged = tmp_path / "merged"
+    main(["export", str(adapter), str(merged)])
+    assert (merged / "config.json").is_file() and "Exported" in capsys.readouterr().out
+    main(["fit", "--config", str(config(model={"model_name_or_path": str(merged)}))])
+
+
+def test_a_misspelt_reward_argument_is_an_error_with_the_closest_name(config, capsys):
+    path = config(model={"rewards": [{"name": "char_fraction", "args": {"char": "a"}}]})
+    assert error_line(capsys, "fit", "--config", str(path)) == (
+        "Reward 'char_fraction' (lit-grpo-rewards 0.1.0) got an unexpected argument 'char' in args "
+        "(did you mean 'chars'?); its function accepts: target, chars (model.rewards[0].args)"
+    )
+
+
+def test_export_of_a_file_that_is_not_a_checkpoint_says_so(config, tmp_path, capsys):
+    yaml_file = config()
+    message = error_line(capsys, "export", str(yaml_file), str(tmp_path / "out"))
+    assert message.startswith(f"'{yaml_file}' is not a checkpoint: torch.load failed (UnpicklingError")
+    assert message.endswith("export takes a .ckpt file written by lit-grpo fit, its sharded checkpoint directory, or a peft adapter directory")
+    assert error_line(capsys, "export") == (
+        "the following arguments are required: ckpt, dir (lit-grpo export; `lit-grpo export --help` describes it)"
+    )
+
+
+def test_help_lists_the_commands_that_exist_and_test_predict_are_not_offered(capsys):
+    main(["--help"])
+    out = capsys.readouterr().out
+    commands = [line.split()[0] for line in out.split("commands:")[1].split("\n\n")[0].strip().splitlines()]
+    assert commands == ["fit", "validate", "rewards", "prompts", "completions", "export", "init-tiny"]
+    for command in ("test", "predict"):
+        assert error_line(capsys, command).startswith(f"argument subcommand: invalid choice: '{command}' (choose from 'fit', 'validate')")
+
+
+def test_the_progress_bar_counts_optimizer_steps_and_shows_the_reward(config, capsys):
+    path = config(trainer={"max_steps": 3, "enable_progress_bar": True}, model={"num_iterations": 1})
+    main(["fit", "--config", str(path)])
+    bar = capsys.readouterr().out.split("\r")
+    final = [line for line in bar if line.startswith("steps")][-1]
+    assert "3/3" in final and "reward=" in final
+    assert "Epoch" not in "".join(bar) and "v_num" not in "".join(bar)
+
+
+def test_completions_of_a_missing_step_says_which_steps_exist(tmp_path, capsys):
+    log = tmp_path / "completions.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "prompt": "p", "completion": "c", "rewards": {}, "reward": 0.0, "advantage": 0.0}) + "\n" for s in (0, 2)))
+    assert error_line(capsys, "completions", str(log), "--step", "1") == f"step 1 was not logged; logged steps: 0, 2 ({log})"
+    shutil.rmtree(tmp_path)
+    assert error_line(capsys, "completions", str(tmp_path)) == f"{tmp_path} does not exist"
