@@ -787,11 +787,12 @@ def serve_program(endpoint, namespace):
         return
 
 
-def judge_tests(endpoint, tests, report):
+def judge_tests(endpoint, tests, report, when_ready=None):
     """Judge side: build the tests' namespace from the program's globals, run each test, report it.
 
     ``report(i, passed)`` is called once per test that ran. A test passes when it runs to the end
-    without raising and the program is still answering. Returns whether every test ran.
+    without raising and the program is still answering. ``when_ready()`` is called once the program
+    has run (its sandbox is set up). Returns whether every test ran.
     """
     try:
         ready = endpoint.receive()
@@ -807,6 +808,8 @@ def judge_tests(endpoint, tests, report):
             namespace[name] = endpoint.decode(entry[1])
     except ProgramGone:
         return False
+    if when_ready is not None:
+        when_ready()
     for i, test in enumerate(tests):
         if endpoint.dead:
             return False

@@ -34,6 +34,7 @@ process, after the fork) runs the tests, if any, and is the only one that can wr
 
 import marshal
 import os
+import resource
 import sys
 
 try:
@@ -87,6 +88,7 @@ def _c():
         _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
         _libc.unshare.argtypes = [ctypes.c_int]
         _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+        _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
         _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     return _libc
 
@@ -203,37 +205,129 @@ def _expose(paths):
     return bound
 
 
-def _minimal_dev():
-    """Replace ``/dev`` by a tmpfs holding only null, zero, random and urandom (bound from the real
-    nodes) and the symlinks fd, stdin, stdout and stderr."""
-    nodes = [(name, os.open("/dev/" + name, os.O_PATH)) for name in DEVICES]
-    _mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=16k,nr_inodes=32,mode=0755")
+def _minimal_dev(root):
+    """A tmpfs on ``root``/dev holding only null, zero, random and urandom (bound from the real nodes)
+    and the symlinks fd, stdin, stdout and stderr."""
+    nodes = [(name, os.open("/dev/" + name, os.O_PATH)) for name in DEVICES]  # before /dev is covered
+    _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=16k,nr_inodes=32,mode=0755")
     for name, fd in nodes:
-        path = "/dev/" + name
+        path = root + "/dev/" + name
         os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o666))
         _mount("/proc/self/fd/%d" % fd, path, None, MS_BIND)
         os.close(fd)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, "/dev/" + name)
+        os.symlink(target, root + "/dev/" + name)
+    return True
+
+
+def _proc_and_dev(root, layers, without, pidns):
+    """``/proc`` (fresh for the PID namespace) and ``/dev`` (minimal) under ``root`` ("" for /)."""
+    if pidns:
+        _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        layers["private_proc"] = True
+    elif root:
+        _mount("/proc", root + "/proc", None, MS_BIND | MS_REC)
+    if "minimal_dev" not in without:
+        layers["minimal_dev"] = _minimal_dev(root)
+    elif root:
+        _mount("/dev", root + "/dev", None, MS_BIND | MS_REC)
+
+
+#: Where the interpreter's shared libraries and tools live on the usual layouts (merged /usr or not).
+SYSTEM_DIRECTORIES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+#: The few files of /etc a Python program reads: the dynamic loader's cache, the time zone, user and
+#: group names, hosts, MIME types, certificates, Debian's alternatives (symlinks to interpreters).
+ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/timezone",
+             "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/mime.types", "/etc/ssl",
+             "/etc/alternatives")
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # syscall numbers (glibc has no wrapper)
+MNT_DETACH = 2
+
+
+def _paths_to_expose(workdir):
+    """What the sandbox's root holds: the system directories, a few files of /etc, the interpreter's
+    installation and import path, and the directories of every file mapped into this process (shared
+    libraries outside /usr: conda, Nix, pyenv)."""
+    wanted = list(SYSTEM_DIRECTORIES) + list(ETC_FILES)
+    wanted += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+               os.path.dirname(os.path.realpath(sys.executable))] + list(sys.path)
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            path = fields[5].strip() if len(fields) == 6 else ""
+            if path.startswith("/") and not path.endswith("(deleted)") and not path.startswith(("/dev/", "/proc/", "/sys/")):
+                wanted.append(os.path.dirname(path))
+    return [p for p in wanted if p and p != "/" and os.path.lexists(p)
+            and not (workdir == p or workdir.startswith(p.rstrip("/") + "/"))]
+
+
+def _minimal_root(workdir, layers, without, pidns):
+    """Make the sandbox's root a tmpfs that holds only ``_paths_to_expose()`` (bound from the real tree),
+    a fresh ``/proc``, the minimal ``/dev``, an empty ``/tmp`` and the sandbox directory; everything
+    else of the machine (home directories, data, /run's sockets, /sys, /var) is not there at all.
+    ``pivot_root`` moves both processes of this mount namespace into it."""
+    nr_pivot_root = PIVOT_ROOT.get(os.uname().machine)
+    if nr_pivot_root is None:
+        layers["minimal_root_error"] = "pivot_root's number is not known on %s" % os.uname().machine
+        return False
+    new = workdir  # the tmpfs goes on the sandbox directory for now; the scratch tmpfs goes on top later
+    _mount("tmpfs", new, "tmpfs", MS_NOSUID, "size=512k,nr_inodes=4096,mode=0755")
+    bound, links = [], {}
+    for path in set(_paths_to_expose(workdir)):
+        parts = path.split("/")
+        for i in range(2, len(parts) + 1):  # the first symlink on the way (/lib64 -> usr/lib64) stays one
+            step = "/".join(parts[:i])
+            if os.path.islink(step):
+                links[step] = os.readlink(step)
+                break
+    reals = sorted({os.path.realpath(p) for p in _paths_to_expose(workdir)}, key=len)
+    for real in reals:
+        if any(real == b or real.startswith(b + "/") for b in bound) or not os.path.exists(real):
+            continue
+        if os.path.isdir(real):
+            os.makedirs(new + real, 0o755, exist_ok=True)
+            _mount(real, new + real, None, MS_BIND | MS_REC)
+        else:
+            os.makedirs(os.path.dirname(new + real), 0o755, exist_ok=True)
+            os.close(os.open(new + real, os.O_CREAT | os.O_WRONLY, 0o644))
+            _mount(real, new + real, None, MS_BIND)
+        bound.append(real)
+    for link, target in sorted(links.items()):
+        if not os.path.lexists(new + link):
+            os.makedirs(os.path.dirname(new + link), 0o755, exist_ok=True)
+            os.symlink(target, new + link)
+    for directory in ("/proc", "/dev", "/tmp", workdir, "/.old_root"):
+        os.makedirs(new + directory, 0o755, exist_ok=True)
+    _proc_and_dev(new, layers, without, pidns)
+    import ctypes
+
+    if _c().syscall(ctypes.c_long(nr_pivot_root), new.encode(), (new + "/.old_root").encode()) != 0:
+        err = _errno()
+        raise OSError(err, "pivot_root: %s" % os.strerror(err))
+    os.chdir("/")
+    if _c().umount2(b"/.old_root", MNT_DETACH) != 0:
+        err = _errno()
+        raise OSError(err, "unmounting the old root: %s" % os.strerror(err))
+    os.rmdir("/.old_root")
+    layers["exposed"] = bound
     return True
 
 
 def _filesystem(job, layers, without, pidns):
     workdir = job["dir"]
-    for name in ("read_only_root", "scratch_tmpfs", "minimal_dev"):
+    for name in ("minimal_root", "read_only_root", "scratch_tmpfs", "minimal_dev"):
         layers[name] = False
     layers["private_proc"] = False
     if not layers.get("mount_namespace"):
         return
     try:
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
-        layers["exposed"] = _expose(list(sys.path) + [sys.prefix, sys.base_prefix, workdir])
-        if pidns:
-            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-            layers["private_proc"] = True
-        if "minimal_dev" not in without:
-            layers["minimal_dev"] = _minimal_dev()
+        if "minimal_root" not in without:
+            layers["minimal_root"] = _minimal_root(workdir, layers, without, pidns)
+        if not layers["minimal_root"]:  # the machine's whole tree, read-only below
+            layers["exposed"] = _expose(list(sys.path) + [sys.prefix, sys.base_prefix, workdir])
+            _proc_and_dev("", layers, without, pidns)
         if "read_only_root" not in without:
             layers["read_only_root"] = _readonly_everywhere()
         if "scratch_tmpfs" not in without:
@@ -241,8 +335,8 @@ def _filesystem(job, layers, without, pidns):
             if job.get("uid") is not None and "own_uid" not in without:
                 opts += ",uid=%d,gid=%d" % (job["uid"], job["uid"])
             _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, opts)
-            os.chdir(workdir)  # the old cwd pointed into the directory below the tmpfs
             layers["scratch_tmpfs"] = True
+        os.chdir(workdir)  # the old cwd pointed below the tmpfs (or into the old root)
     except OSError as exc:
         layers["mount_error"] = str(exc)
 
@@ -250,8 +344,6 @@ def _filesystem(job, layers, without, pidns):
 # ---- limits, identity, filter (both processes) ----------------------------------------------
 
 def _set_limits(limits):
-    import resource
-
     def lim(name, soft, hard=None):
         res = getattr(resource, name, None)
         if res is None or soft is None:
@@ -561,7 +653,8 @@ def _judge_process(job, layers, without, child, channel, seccomp_filter):
                                            lambda name: _may_import(name, site_packages))
         nonce = job["nonce"]
         completed = _sandbox_judge.judge_tests(
-            endpoint, tests, lambda i, passed: _write_result("%s T %d %d" % (nonce, i, int(passed))))
+            endpoint, tests, lambda i, passed: _write_result("%s T %d %d" % (nonce, i, int(passed))),
+            when_ready=lambda: _chdir_quietly(job["dir"]))  # the tests see the program's directory
         if completed:
             _write_result("%s D" % nonce)
         _close_quietly(channel["judge_reads"], channel["judge_writes"])
@@ -585,6 +678,13 @@ def _judge_process(job, layers, without, child, channel, seccomp_filter):
     if os.WIFEXITED(status):
         os._exit(os.WEXITSTATUS(status))
     os._exit(128 + (os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0))
+
+
+def _chdir_quietly(path):
+    try:
+        os.chdir(path)
+    except OSError:
+        pass
 
 
 def _reap_orphans(wait):
@@ -708,6 +808,7 @@ def main(argv, job):
 
     sys.stdout.flush()
     sys.stderr.flush()
+    os.chdir("/")  # so that the program process's pivot_root moves the judge's working directory too
     child = os.fork()
     if child == 0:
         if own_pid_namespace is not None:

@@ -154,6 +154,8 @@ LAYERS = {
     "pid_namespace": "the PID namespace: the program sees the machine's processes and may outlive its "
                      "runner until the final sweep",
     "ipc_namespace": "the IPC namespace",
+    "minimal_root": "the minimal root: the program sees the machine's whole file system (read-only) and may "
+                    "read whatever its uid may there (home directories, data sets, sockets under /run)",
     "read_only_root": "the read-only file system: the program may write wherever its uid may",
     "scratch_tmpfs": "the scratch tmpfs: the program's files go to the disk, bounded per file only",
     "minimal_dev": "the minimal /dev: the program sees the machine's devices",

@@ -192,9 +192,10 @@ def unix_listeners():
     os.rmdir(directory)
 
 
-@pytest.mark.parametrize("without, succeeds", rows(("seccomp",)))
+@pytest.mark.parametrize("without, succeeds", rows(("seccomp", "minimal_root")))
 def test_unix_sockets_at_a_path_after_switching_off_the_audit_hook(unix_listeners, without, succeeds):
-    check_rows(("seccomp",), without, succeeds)
+    """The filter refuses the sockets; the minimal root does not even hold the machine's socket files."""
+    check_rows(("seccomp", "minimal_root"), without, succeeds)
     directory, stream, dgram = unix_listeners
     code = HOOK_OFF + f"""
 import socket
@@ -657,9 +658,9 @@ def root_only_file():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a file the sandbox may not read needs a uid of its own")
-@pytest.mark.parametrize("without, succeeds", rows(("own_uid",)))
+@pytest.mark.parametrize("without, succeeds", rows(("own_uid", "minimal_root")))
 def test_reading_a_file_only_its_owner_may_read(root_only_file, without, succeeds):
-    check_rows(("own_uid",), without, succeeds)
+    check_rows(("own_uid", "minimal_root"), without, succeeds)
     path, secret = root_only_file
     code = f"""
 WORKED = False
@@ -669,6 +670,31 @@ except OSError:
     pass
 """
     assert worked(attack(code, without)) == succeeds
+
+
+@pytest.mark.parametrize("without, succeeds", rows(("minimal_root",)))
+def test_reading_the_machines_files(without, succeeds):
+    """A world-readable file, say the training data with the expected outputs: not in the sandbox's
+    root at all."""
+    check_rows(("minimal_root",), without, succeeds)
+    directory = tempfile.mkdtemp(prefix="lit-grpo-data-", dir="/tmp")
+    os.chmod(directory, 0o755)
+    path = os.path.join(directory, "tests.jsonl")
+    with open(path, "w") as f:
+        f.write('{"input": "1 2", "output": "3"}\n')
+    os.chmod(path, 0o644)
+    try:
+        code = f"""
+WORKED = False
+try:
+    WORKED = '"output"' in open({path!r}).read()
+except OSError:
+    pass
+"""
+        assert worked(attack(code, without)) == succeeds
+    finally:
+        os.unlink(path)
+        os.rmdir(directory)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs the sandbox's own uid and PID namespace")
@@ -693,9 +719,9 @@ for pid in os.listdir("/proc"):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("without, succeeds", rows(("read_only_root",)))
+@pytest.mark.parametrize("without, succeeds", rows(("read_only_root", "minimal_root")))
 def test_writing_outside(without, succeeds):
-    check_rows(("read_only_root",), without, succeeds)
+    check_rows(("read_only_root", "minimal_root"), without, succeeds)
     nonce = os.urandom(6).hex()
     paths = [f"/tmp/pwned-{nonce}", f"/var/tmp/pwned-{nonce}", f"/dev/shm/pwned-{nonce}", f"/root/pwned-{nonce}"]
     code = f"""
@@ -719,12 +745,12 @@ WORKED = bool(WRITTEN)
                 os.unlink(p)
 
 
-@pytest.mark.parametrize("without, succeeds", rows(("scratch_tmpfs", "read_only_root")))
+@pytest.mark.parametrize("without, succeeds", rows(("scratch_tmpfs", "read_only_root", "minimal_root")))
 def test_filling_the_disk(without, succeeds):
     """4 MiB of scratch space; the attack writes 1 MiB files until refused (16 at most). Without the
-    tmpfs alone the sandbox directory is part of the read-only tree; without the read-only tree alone
-    the tmpfs still bounds it."""
-    check_rows(("scratch_tmpfs", "read_only_root"), without, succeeds)
+    tmpfs alone the sandbox directory is part of the read-only tree (and, in the minimal root, a
+    directory of root's); without the read-only tree alone the tmpfs still bounds it."""
+    check_rows(("scratch_tmpfs", "read_only_root", "minimal_root"), without, succeeds)
     code = """
 import os
 WRITTEN_MB = 0
