@@ -24,6 +24,9 @@ Refused, among everything not listed: ``execve`` (no other programs), sockets, S
 ``set*id``. The filter first checks the architecture: a 32-bit (``int 0x80``) call from an x86_64
 process kills it, and x32-ABI numbers match nothing in the table, so they are refused.
 
+The kernel itself lets two x86_64 calls through every filter, ``uretprobe`` (335) and ``uprobe``
+(336): its own probe trampolines make them; from anywhere else they kill the caller (SIGILL) or fail.
+
 Only x86_64 and aarch64 are known (``filter_for_machine`` returns None elsewhere: the sandbox then
 runs without this layer and says so). The filter is installed with ``PR_SET_SECCOMP`` after
 ``PR_SET_NO_NEW_PRIVS``; it is inherited by every thread and child and cannot be removed.

@@ -2,9 +2,9 @@
 
 ``run_in_sandbox(code, tests=[...])`` runs one program and reports, test by test, which assertions
 held; ``run_in_sandbox(code, stdin=b"...")`` runs it as a stdin/stdout program. Each call starts one
-``python -I -S -B`` subprocess (``-S`` unless ``site_packages=True``) running ``_sandbox_runner.py``
-in a fresh directory made with ``tempfile.mkdtemp(prefix="lit-grpo-sandbox-")``; it forks into the
-*program process* and the *judge*. Linux only. No preexec_fn is used (it is unsafe with threads),
+``python -I -S -B`` subprocess (``-S`` unless ``site_packages=True``) running the runner
+(``_sandbox_runner``) in a fresh directory made with ``tempfile.mkdtemp(prefix="lit-grpo-sandbox-")``;
+it forks into the *program process* and the *judge*. Linux only. No preexec_fn is used (it is unsafe with threads),
 so calls may run concurrently from threads; each call is independent.
 
 Threat model: the program is hostile. It may be written to escape, to damage the machine, to
@@ -32,12 +32,16 @@ a missing one is logged once per process as a warning naming the protection that
    process 1 of its own namespace, sees only its own processes in a fresh ``/proc``, cannot see or
    signal the judge or the trainer, and when it dies the kernel kills everything it started.
    Without root: an unprivileged user + network namespace where the system allows it.
-4. **File system (root, in a private mount namespace).** Every mount read-only and nosuid; a small
-   tmpfs (``scratch_mb``) owned by the sandbox uid on the sandbox directory is the only writable
-   place (its pages are memory, charged to the cgroup); ``/dev`` is a tmpfs with only ``null``,
-   ``zero``, ``random`` and ``urandom`` (no ``/dev/shm``, no terminals, no GPUs); a
-   root-only ancestor of the interpreter (pyenv under ``/root``) is covered and only the
-   installation bound back.
+4. **File system (root, in a private mount namespace).** The root is a small tmpfs holding only
+   what a Python program needs, bound read-only from the machine: ``/usr``, ``/bin``, ``/lib*``, a
+   few files of ``/etc`` (loader cache, time zone, users, hosts, certificates), the interpreter's
+   installation and import path, the directories of the shared libraries it has loaded; a fresh
+   ``/proc``; a ``/dev`` with only ``null``, ``zero``, ``random`` and ``urandom`` (no ``/dev/shm``,
+   terminals or GPUs); an empty ``/tmp``; and the sandbox directory, a small tmpfs (``scratch_mb``)
+   owned by the sandbox uid: the only writable place (its pages are memory, charged to the
+   cgroup). Home directories, data sets, ``/run``'s sockets, ``/sys`` and ``/var`` are not there.
+   Every mount is read-only and nosuid. (Where ``pivot_root`` fails, the machine's whole tree is
+   shown read-only instead, with a warning.)
 5. **Resource limits (always).** RLIMIT_AS and RLIMIT_DATA (``memory_mb``), RLIMIT_CPU, RLIMIT_FSIZE
    (``max_output_bytes``: the largest file, stdout included), RLIMIT_NOFILE (64), RLIMIT_NPROC
    (``max_processes``, plus the judge), RLIMIT_CORE, RLIMIT_MEMLOCK and RLIMIT_MSGQUEUE 0.
@@ -60,8 +64,8 @@ a missing one is logged once per process as a warning naming the protection that
    outside the sandbox directory, as clean Python exceptions. It can be switched off by code that
    tries (it lives in the program's interpreter); everything above holds without it.
 
-What remains possible is listed in ``rewards/README.md`` (the program's CPU time up to the limits,
-reading world-readable files, the second-function and in-place-mutation limits of the judge, ...).
+What remains possible is listed in ``rewards/README.md`` (CPU time up to the limits, the machine's
+name and kernel, what a test itself asks the program, ...).
 """
 
 from __future__ import annotations
