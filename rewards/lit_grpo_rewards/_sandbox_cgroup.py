@@ -7,16 +7,17 @@ the sandbox is over the directories are removed.
 
 Where the cgroup can be created, in order:
 
-1. ``$LIT_GRPO_SANDBOX_CGROUP``: a cgroup v2 directory delegated to this process (writable, with
-   ``memory`` and ``pids`` in its ``cgroup.subtree_control``, or enabled there now), e.g. made by
-   ``systemd-run --scope -p Delegate=yes`` or by hand in a container;
+1. ``$LIT_GRPO_SANDBOX_CGROUP``: a cgroup v2 directory delegated to this process's user (writable,
+   with ``memory`` and ``pids`` in its ``cgroup.subtree_control``, or enabled there now; root or
+   not), e.g. made by ``systemd-run --user --scope -p Delegate=yes`` or by hand in a container;
 2. cgroup v2, when this process sits in the root cgroup of the hierarchy (a VM or a container whose
    cgroup namespace is its own): ``memory`` and ``pids`` are enabled below the root and the
    sandboxes go under ``lit-grpo-sandboxes/``;
 3. cgroup v1 (hybrid hierarchies: the ``memory`` and ``pids`` controllers mounted on their own):
    a child of this process's own cgroup in each of the two hierarchies.
 
-Otherwise (not root, a v2 hierarchy this process may not delegate from, no such controllers) there
+Otherwise (not root and no delegated directory, a v2 hierarchy this process may not delegate
+from, no such controllers) there
 is no cgroup: the sandbox reports the layer missing, the scoring process warns once, and memory is
 bounded per process only (``RLIMIT_AS`` times ``RLIMIT_NPROC``; the system-call filter refuses the
 kinds of memory that belong to no process: SysV shared memory, memfd, POSIX message queues).
@@ -177,13 +178,13 @@ def _v2_delegated(parent: str) -> bool:
 
 
 def _detect() -> CgroupSupport:
-    if os.geteuid() != 0:
-        return CgroupSupport(None, reason="not running as root")
     override = os.environ.get(ENV_PARENT)
-    if override:
+    if override:  # root or not: a delegated directory is this process's to use
         if _v2_delegated(override):
             return CgroupSupport(2, override, override)
         return CgroupSupport(None, reason=f"${ENV_PARENT}={override} is not a cgroup v2 directory with memory and pids delegated")
+    if os.geteuid() != 0:
+        return CgroupSupport(None, reason=f"not running as root (or set ${ENV_PARENT} to a delegated cgroup v2 directory)")
     try:
         mounts, own = _mounts(), _own_cgroups()
     except OSError as exc:

@@ -12,12 +12,12 @@ process, after the fork) runs the tests, if any, and is the only one that can wr
 
 1. read the job (code, limits, layers to leave out) from ``JOB_FILE`` and delete the file; move the
    result descriptor to fd 3 and the tests' descriptor to fd 4 (the tests are not in the job, so they
-   are never in the program process's memory); become non-dumpable (no same-uid process may ptrace
-   this one or open its ``/proc/PID/mem`` or ``fd/``) and die with the scoring process;
+   are never in the program process's memory); die with the scoring process;
 2. wait on ``GO_FD`` while the parent moves this process into the sandbox's cgroup (memory and
    process limits for everything it will start; done by the parent so that the kernel's slow cgroup
-   migration overlaps this interpreter's start-up), then, as root, ``unshare`` new mount, network,
-   IPC and PID namespaces; as non-root, try a user + network namespace;
+   migration overlaps this interpreter's start-up), then ``unshare`` new mount, network, IPC and PID
+   namespaces (without root: inside a new user namespace, where the system allows one); become
+   non-dumpable (no same-uid process may ptrace this one or open its ``/proc/PID/mem`` or ``fd/``);
 3. ``fork``. The child is process 1 of the new PID namespace: the program process. The judge stays
    outside that namespace, invisible to the program;
 4. program process: a private mount tree (the interpreter made reachable, a fresh ``/proc``, a
@@ -400,12 +400,17 @@ def _die_with_parent(parent_pid):
         os._exit(71)
 
 
-def _lock_down(job, layers, without, seccomp_filter, parent_pid, prefix=""):
-    """Limits, own uid, no new privileges, parent-death signal, the seccomp filter: in that order."""
+def _lock_down(job, layers, without, seccomp_filter, parent_pid, in_user_namespace, prefix=""):
+    """Limits, own uid (or, in a user namespace, no capabilities), no new privileges, parent-death
+    signal, the seccomp filter: in that order."""
     layers[prefix + "rlimits"] = "rlimits" not in without
     if layers[prefix + "rlimits"]:
         _set_limits(job["limits"])
     _become_sandbox_user(job, layers, without)
+    if in_user_namespace:
+        # Without root the walls were built with the capabilities of a user namespace; a user
+        # namespace nested in it has none over anything built.
+        layers[prefix + "capabilities_dropped"] = _unshare(CLONE_NEWUSER)
     _prctl(PR_SET_DUMPABLE, 0)  # a change of uid reset it
     layers[prefix + "no_new_privs"] = _prctl(PR_SET_NO_NEW_PRIVS, 1)
     _die_with_parent(parent_pid)
@@ -525,7 +530,7 @@ def _program_process(job, layers, without, pidns, channel, seccomp_filter):
     if channel is not None:
         _close_quietly(channel["judge_reads"], channel["judge_writes"])
     _filesystem(job, layers, without, pidns)
-    _lock_down(job, layers, without, seccomp_filter, os.getppid())
+    _lock_down(job, layers, without, seccomp_filter, os.getppid(), layers["user_namespace"])
     layers["audit_hook"] = bool(job.get("audit_hook", True)) and "audit_hook" not in without
     _report(job, layers)
     if in_process_tests is None:
@@ -642,7 +647,8 @@ def _judge_process(job, layers, without, child, channel, seccomp_filter):
         _close_quietly(channel["program_reads"], channel["program_writes"])
     _close_quietly(0)  # the program's stdin is the program's
     judge_layers = {}
-    _lock_down(job, judge_layers, without, seccomp_filter, job.get("parent_pid"), prefix="judge_")
+    _lock_down(job, judge_layers, without, seccomp_filter, job.get("parent_pid"), layers["user_namespace"],
+               prefix="judge_")
     completed = None
     if channel is not None:
         tests = marshal.loads(_read_all(TESTS_FD))
@@ -658,16 +664,21 @@ def _judge_process(job, layers, without, child, channel, seccomp_filter):
         if completed:
             _write_result("%s D" % nonce)
         _close_quietly(channel["judge_reads"], channel["judge_writes"])
-    judge_layers["final_sweep"] = bool(judge_layers.get("own_uid")) and "final_sweep" not in without
+    # The final sweep: as the sandbox's own uid, kill(-1) reaches exactly the sandbox's processes
+    # (never this one), atomically, so a fork bomb cannot outrun it; without one (no root), killing
+    # the program process, the PID namespace's init, makes the kernel kill everything in it.
+    sweep_uid = bool(judge_layers.get("own_uid"))
+    judge_layers["final_sweep"] = (sweep_uid or layers["pid_namespace"]) and "final_sweep" not in without
     _report(job, {k: v for k, v in judge_layers.items() if k.startswith("judge_") or k == "final_sweep"})
     status = None
     if channel is None:  # a stdin/stdout program (or tests in its own interpreter): it ends by itself
         status = _reap(child)
     if judge_layers["final_sweep"]:
-        # As the sandbox's own uid, kill(-1) reaches exactly the sandbox's processes (never this one),
-        # atomically: a fork bomb cannot outrun it.
         try:
-            os.kill(-1, SIGKILL)
+            if sweep_uid:
+                os.kill(-1, SIGKILL)
+            elif status is None:  # (once reaped, its pid could be another process's: not then)
+                os.kill(child, SIGKILL)
         except OSError:
             pass
     if status is None:
@@ -726,36 +737,64 @@ def _wait_for_cgroup(layers):
 def _enter_namespaces(layers, without, is_root):
     """New namespaces for this process and its children.
 
-    Returns a descriptor of this process's own PID namespace when a new one was made for its
-    children (see ``_threads_again``), else None."""
+    Returns whether the children get a new PID namespace, and (root only) a descriptor of this
+    process's own PID namespace to return to after the fork (see ``_threads_again``), else None."""
     for name in ("mount_namespace", "network_namespace", "ipc_namespace", "pid_namespace", "user_namespace"):
         layers[name] = False
+    wanted = []
+    if not {"minimal_root", "read_only_root", "scratch_tmpfs", "minimal_dev", "pid_namespace"} <= without:
+        wanted.append((CLONE_NEWNS, "mount_namespace"))
+    for flag, name in ((CLONE_NEWNET, "network_namespace"), (CLONE_NEWIPC, "ipc_namespace"),
+                       (CLONE_NEWPID, "pid_namespace")):
+        if name not in without:
+            wanted.append((flag, name))
+    if not is_root:
+        return _enter_user_namespace(layers, wanted), None
     own_pid_namespace = None
-    if is_root:
-        wanted = []
-        if not {"read_only_root", "scratch_tmpfs", "minimal_dev", "pid_namespace"} <= without:
-            wanted.append((CLONE_NEWNS, "mount_namespace"))
-        for flag, name in ((CLONE_NEWNET, "network_namespace"), (CLONE_NEWIPC, "ipc_namespace"),
-                           (CLONE_NEWPID, "pid_namespace")):
-            if name not in without:
-                wanted.append((flag, name))
-        for flag, name in wanted:
-            try:
-                if flag == CLONE_NEWPID:
-                    own_pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY)
-                layers[name] = _unshare(flag)
-            except Exception:  # noqa: BLE001
-                layers[name] = False
-        if not layers["pid_namespace"] and own_pid_namespace is not None:
-            _close_quietly(own_pid_namespace)
-            own_pid_namespace = None
-    elif "network_namespace" not in without:
+    for flag, name in wanted:
         try:
-            if _unshare(CLONE_NEWUSER | CLONE_NEWNET):
-                layers["user_namespace"] = layers["network_namespace"] = True
+            if flag == CLONE_NEWPID:
+                own_pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY)
+            layers[name] = _unshare(flag)
         except Exception:  # noqa: BLE001
-            pass
-    return own_pid_namespace
+            layers[name] = False
+    if not layers["pid_namespace"] and own_pid_namespace is not None:
+        _close_quietly(own_pid_namespace)
+        own_pid_namespace = None
+    return layers["pid_namespace"], own_pid_namespace
+
+
+def _enter_user_namespace(layers, wanted):
+    """Without root: a new user namespace, in which this process may make the other namespaces
+    (where the system allows unprivileged user namespaces), with its uid and gid mapped to
+    themselves. Its capabilities there are dropped again before any code runs (``_lock_down``)."""
+    uid, gid = os.getuid(), os.getgid()
+    everything = CLONE_NEWUSER
+    for flag, _ in wanted:
+        everything |= flag
+    attempts = [everything]
+    if any(name == "network_namespace" for _, name in wanted) and everything != CLONE_NEWUSER | CLONE_NEWNET:
+        attempts.append(CLONE_NEWUSER | CLONE_NEWNET)  # some systems allow the user namespace, not the rest
+    made = 0
+    for flags in attempts:
+        try:
+            if _unshare(flags):
+                made = flags
+                break
+        except Exception:  # noqa: BLE001
+            break
+    if not made:
+        return False
+    layers["user_namespace"] = True
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)), ("gid_map", "%d %d 1" % (gid, gid))):
+            with open("/proc/self/" + name, "w") as f:
+                f.write(text)
+    except OSError as exc:
+        layers["user_namespace_error"] = str(exc)
+    for flag, name in wanted:
+        layers[name] = bool(made & flag)
+    return layers["pid_namespace"]
 
 
 def _threads_again(own_pid_namespace):
@@ -787,13 +826,12 @@ def main(argv, job):
     result_fd, tests_fd, go_fd = (int(a) for a in argv[2:5])
     _take_descriptors([(result_fd, RESULT_FD), (tests_fd, TESTS_FD), (go_fd, GO_FD)])
     os.unlink(job_path)
-    _prctl(PR_SET_DUMPABLE, 0)
     _die_with_parent(job.get("parent_pid"))  # if the scoring process dies, so does the sandbox
     without = frozenset(job.get("without", ()))
     layers = {}
     _wait_for_cgroup(layers)
-    own_pid_namespace = _enter_namespaces(layers, without, os.geteuid() == 0)
-    pidns = own_pid_namespace is not None
+    pidns, own_pid_namespace = _enter_namespaces(layers, without, os.geteuid() == 0)
+    _prctl(PR_SET_DUMPABLE, 0)  # (after a user namespace's maps are written: they are /proc/self files)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # without a PID namespace the program's orphans come here
     seccomp_filter = None if "seccomp" in without else _sandbox_seccomp.filter_for_machine()
     channel = None

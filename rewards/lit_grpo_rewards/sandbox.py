@@ -24,15 +24,18 @@ a missing one is logged once per process as a warning naming the protection that
    the cgroup. Without root (no uid of its own) the leftovers are found by a per-run mark in their
    environment. Every process of the sandbox also gets a parent-death signal. Output goes to
    anonymous temporary files, never to pipes (bounded by layer 5).
-2. **Cgroup (root, where the machine lets this process create one; see** ``_sandbox_cgroup`` **).**
+2. **Cgroup (where the machine lets this process create one: root, or a delegated cgroup v2; see**
+   ``_sandbox_cgroup`` **).**
    Memory of the whole sandbox (``memory_mb`` plus ``SANDBOX_OVERHEAD_MB`` for its two
    interpreters; shared memory and the scratch tmpfs count) and its number of processes and
    threads, whatever the program forks. Without it, memory is bounded per process only.
-3. **Namespaces (root).** Network: only a loopback interface, down. IPC. PID: the program is
-   process 1 of its own namespace, sees only its own processes in a fresh ``/proc``, cannot see or
-   signal the judge or the trainer, and when it dies the kernel kills everything it started.
-   Without root: an unprivileged user + network namespace where the system allows it.
-4. **File system (root, in a private mount namespace).** The root is a small tmpfs holding only
+3. **Namespaces.** Network: only a loopback interface, down. IPC. PID: the program is process 1
+   of its own namespace, sees only its own processes in a fresh ``/proc``, cannot see or signal
+   the judge or the trainer, and when it dies the kernel kills everything it started. Mount (layer
+   4). Without root they are made inside a new user namespace, where the system allows
+   unprivileged ones (most do), with the user's uid mapped to itself; the capabilities that
+   namespace gave are dropped (a nested user namespace) before any code runs.
+4. **File system (in a private mount namespace).** The root is a small tmpfs holding only
    what a Python program needs, bound read-only from the machine: ``/usr``, ``/bin``, ``/lib*``, a
    few files of ``/etc`` (loader cache, time zone, users, hosts, certificates), the interpreter's
    installation and import path, the directories of the shared libraries it has loaded; a fresh
@@ -163,8 +166,9 @@ LAYERS = {
     "read_only_root": "the read-only file system: the program may write wherever its uid may",
     "scratch_tmpfs": "the scratch tmpfs: the program's files go to the disk, bounded per file only",
     "minimal_dev": "the minimal /dev: the program sees the machine's devices",
-    "own_uid": "the sandbox's own uid: the program runs as the scoring process's user and can read, write "
-               "and signal whatever it can (the process limit counts all of that user's processes)",
+    "own_uid": "the sandbox's own uid: the program runs as the scoring process's user (the other layers "
+               "keep it from that user's files and processes; without them it could read, write and signal "
+               "whatever that user can)",
     "rlimits": "the resource limits",
     "separate_judge": "the separate judge: assertion tests run in the program's interpreter, where a "
                       "wrong program can forge a pass",
@@ -459,7 +463,7 @@ def run_in_sandbox(
             the tests in one value.
         max_processes: processes and threads of the program (RLIMIT_NPROC, and the cgroup's
             ``pids.max``; enforced when running as root).
-        scratch_mb: size of the writable tmpfs on the sandbox directory (root only).
+        scratch_mb: size of the writable tmpfs on the sandbox directory.
         python: interpreter to run the code with; default ``sys.executable``.
         audit_hook: install the in-interpreter audit hook. Turn off only to test the other layers.
         site_packages: let the code import third-party packages (drops ``-S``).
