@@ -25,7 +25,10 @@ test's namespace:
   ``assert`` (an always-equal object fails the test).
 
 Names that are dunders or the names of builtins (``abs``, ``len``, ``isinstance``,
-``AssertionError``, ...) are not taken from the program: a test's builtins are the judge's.
+``AssertionError``, ...) are not taken from the program: a test's builtins are the judge's. A
+program global named like a standard-library module whose attributes a test reads (``math`` in
+``math.isclose(...)``, relying on the program's ``import math``) is the judge's own module, whatever
+the program bound to that name.
 
 What remains in the program's hands, by construction: whatever a test asks the program itself. A
 test that calls a second function of the program (HumanEval's ``poly`` in ``find_zero``'s test,
@@ -787,6 +790,19 @@ def serve_program(endpoint, namespace):
         return
 
 
+def _used_as_module(name, tests):
+    """Whether some test reads an attribute of ``name`` (``name.something``), as of a module."""
+    for test in tests:
+        start = test.find(name)
+        while start >= 0:
+            end = start + len(name)
+            before = test[start - 1] if start else " "
+            if not (before.isalnum() or before in "_.") and test[end:].lstrip(" ").startswith("."):
+                return True
+            start = test.find(name, end)
+    return False
+
+
 def judge_tests(endpoint, tests, report, when_ready=None):
     """Judge side: build the tests' namespace from the program's globals, run each test, report it.
 
@@ -805,7 +821,12 @@ def judge_tests(endpoint, tests, report, when_ready=None):
             name = entry[0]
             if (name.startswith("__") and name.endswith("__")) or hasattr(builtins, name):
                 continue  # dunders and builtins stay the judge's own
-            namespace[name] = endpoint.decode(entry[1])
+            value = endpoint.decode(entry[1])
+            if type(value) is Remote and endpoint.modules_allowed(name) and _used_as_module(name, tests):
+                # a test reads `math.isclose` relying on the program's `import math`: it means the
+                # module, whatever object the program put under that name
+                value = sys.modules.get(name) or _ModuleOnFirstUse(name, lambda v=value: v)
+            namespace[name] = value
     except ProgramGone:
         return False
     if when_ready is not None:

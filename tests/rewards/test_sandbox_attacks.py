@@ -538,6 +538,15 @@ for pid in os.listdir("/proc"):  # and the judge's, if it can be reached
                 pass
 os._exit(0)
 """,
+    "fake-module-under-the-name-the-tests-use": """
+class Math:
+    @staticmethod
+    def isclose(*args, **kwargs):
+        return True
+math = Math()  # the tests use math.isclose relying on the program's `import math`
+def add(a, b):
+    return 0
+""",
     "patched-exec-compile-and-AssertionError": """
 import builtins
 def add(a, b):
@@ -588,6 +597,7 @@ FORGERY_TESTS = {
                           "assert isinstance(add(1, 2), str)"],
     "expected-values-read-from-its-own-memory": ["assert add(1, 2) == 918273645"],  # a hidden expected value
     "stop-iteration-ending-the-tests-loop": ["assert all(map(add, [1, 2], [3, 4]))"],
+    "fake-module-under-the-name-the-tests-use": ["assert math.isclose(add(1, 2), 3)"],
 }
 # Forgeries that beat a harness running the tests in the program's own interpreter, which is what the
 # judge replaced; the others never worked and are checked with the judge only.
@@ -595,6 +605,7 @@ BEAT_THE_OLD_HARNESS = {
     "int-subclass-equal-to-everything", "object-that-agrees-with-everything", "shadowed-builtins",
     "result-lines-with-the-nonce-from-the-runners-frames", "patched-exec-compile-and-AssertionError",
     "expected-values-read-from-its-own-memory", "stop-iteration-ending-the-tests-loop",
+    "fake-module-under-the-name-the-tests-use",
 }
 
 

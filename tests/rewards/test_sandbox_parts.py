@@ -176,7 +176,7 @@ class Pair:
         judge_reads, program_writes = os.pipe()
         program_reads, judge_writes = os.pipe()
         self.fds = [judge_reads, program_writes, program_reads, judge_writes]
-        self.judge = Endpoint(judge_reads, judge_writes, max_frame, lambda name: name in ("math", "re"))
+        self.judge = Endpoint(judge_reads, judge_writes, max_frame, lambda name: name in ("math", "re", "copy"))
         self.program = Endpoint(program_reads, program_writes, max_frame, lambda name: False)
         self.thread = threading.Thread(target=_sandbox_judge.serve_program, args=(self.program, namespace), daemon=True)
         self.thread.start()
@@ -319,6 +319,19 @@ def test_modules_are_the_judges_own_imports():
     tests = ["assert not math.isclose(1, 2)", "assert math is __import__('math') or math.pi > 3",
              "assert not hasattr(other, 'isclose') or other.isclose(1, 1)"]
     assert judge({"math": fake, "other": math}, tests) == [True, True, True]
+
+
+def test_a_fake_module_under_a_module_name_the_tests_use_is_replaced_by_the_real_one():
+    class FakeMath:
+        @staticmethod
+        def isclose(*args, **kwargs):
+            return True
+
+    ns = {"math": FakeMath(), "copy": lambda x: "mine"}
+    tests = ["assert not math.isclose(1, 2)", "assert copy(1) == 'mine'"]  # called, not read as a module
+    assert judge(ns, tests) == [True, True]
+    assert _sandbox_judge._used_as_module("math", ["x = math .pi"])
+    assert not _sandbox_judge._used_as_module("math", ["x = mymath.pi", "x = self.math.pi", "math(1)"])
 
 
 def test_a_broken_or_hostile_channel_fails_the_remaining_tests():
