@@ -558,7 +558,10 @@ def run_in_sandbox(
         # Into the cgroup while the runner starts its interpreter; it waits for the answer before it
         # does anything else. (cgroup v1 migration waits out an RCU grace period: ~10 ms of latency.)
         joined = box.cgroup is not None and box.cgroup.add(box.proc.pid)
-        os.write(go_write, b"1" if joined else b"0")
+        try:
+            os.write(go_write, b"1" if joined else b"0")
+        except OSError:  # the runner is already gone (it could not start): reported below as such
+            pass
         os.close(go_write)
         pipe_ends.remove(go_write)
         timed_out = not _wait(box.proc, timeout - (time.monotonic() - start))

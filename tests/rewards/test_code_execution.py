@@ -3,7 +3,7 @@ the judge must still score right: generators, classes, exceptions, threads, asyn
 values), quick hostile cases through the reward itself, and the layers in effect. The attack suite is
 ``test_sandbox_attacks.py``; the sandbox's parts alone are ``test_sandbox_parts.py``.
 
-Every test that runs a sandbox uses the ``sandbox_tmp`` fixture (conftest.py): a private temporary
+Every test that runs a sandbox uses the ``sandbox_tmp`` fixture (sandbox_fixtures.py): a private temporary
 directory, and afterwards no sandbox directory, process or cgroup left.
 """
 
@@ -20,6 +20,7 @@ import pytest
 
 from lit_grpo_rewards.code import code_execution, extract_code, parse_test_cases
 from lit_grpo_rewards.sandbox import UID_RANGE, run_in_sandbox, sandbox_layers
+from sandbox_fixtures import sandbox_tmp  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the code sandbox needs Linux")
 

@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from conftest import sandbox_processes
+from sandbox_fixtures import bystander, sandbox_processes, sandbox_tmp  # noqa: F401 - fixtures
 from lit_grpo_rewards.code import code_execution
 from lit_grpo_rewards.sandbox import run_in_sandbox, sandbox_layers
 

@@ -1,6 +1,10 @@
 """Fixtures for the code sandbox's tests: every sandbox gets a private temporary directory, and after
 each test nothing of any sandbox may be left (directory, process, cgroup) and a bystander process of
-the machine must still be alive."""
+the machine must still be alive.
+
+Imported by the test modules (``from sandbox_fixtures import ...``) rather than kept in a
+``conftest.py``: another conftest module here would shadow tests/conftest.py for the tests that
+import from it by name."""
 
 from __future__ import annotations
 
