@@ -97,7 +97,7 @@ class SandboxCgroup:
     def remove(self, wait_s: float = 2.0) -> bool:
         """Remove the directories (empty cgroups only); False if one stayed (its processes live on)."""
         deadline = time.monotonic() + wait_s
-        left = list(self.dirs)
+        left, failed = list(self.dirs), False
         while left:
             for d in list(left):
                 try:
@@ -106,12 +106,13 @@ class SandboxCgroup:
                 except FileNotFoundError:
                     left.remove(d)
                 except OSError as exc:
-                    if exc.errno != errno.EBUSY:
+                    if exc.errno != errno.EBUSY:  # not a matter of waiting
                         left.remove(d)
+                        failed = True
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.005)  # the last processes are being reaped
-        return not left
+        return not left and not failed
 
 
 _support: CgroupSupport | None = None

@@ -404,6 +404,16 @@ def test_cgroup_create_limits_and_remove():
     assert not any(os.path.exists(d) for d in cg.dirs)
 
 
+def test_cgroup_v2_limits_are_the_v2_files(monkeypatch, tmp_path):
+    """The v2 branch of ``create`` on a stand-in directory (this machine's memory controller is v1)."""
+    monkeypatch.setattr(_sandbox_cgroup, "_support", _sandbox_cgroup.CgroupSupport(2, str(tmp_path), str(tmp_path)))
+    cg = _sandbox_cgroup.create("v2", 100 << 20, 9)
+    assert cg.dirs == [str(tmp_path / "lit-grpo-sandbox-v2")]
+    written = {p.name: p.read_text() for p in (tmp_path / "lit-grpo-sandbox-v2").iterdir()}
+    assert written == {"memory.max": str(100 << 20), "memory.swap.max": "0", "memory.oom.group": "1", "pids.max": "9"}
+    assert not cg.remove(wait_s=0)  # a real cgroup directory's files go with it; these do not
+
+
 def test_unknown_layer_names_are_refused():
     with pytest.raises(ValueError, match=r"unknown sandbox layer\(s\) \['secomp'\]"):
         sandbox.run_in_sandbox("pass", tests=[], _disable_layers=["secomp"])
