@@ -18,7 +18,8 @@ a missing one is logged once per process as a warning naming the protection that
    environment and only its stdio, one result descriptor and (tests) one tests descriptor open.
    The scoring process waits on a pidfd (no polling). When the sandbox is over, the judge sweeps
    with ``kill(-1, SIGKILL)`` as the sandbox's own uid (one atomic kernel operation: a fork bomb
-   cannot outrun it); then the scoring process checks that the sandbox's cgroup (or, without one,
+   cannot outrun it; without root it kills the PID namespace's init, which takes the namespace
+   along); then the scoring process checks that the sandbox's cgroup (or, without one,
    its uid) has no process left and sweeps again if it has (at the deadline: ``kill -1`` run as
    that uid, ``cgroup.kill``, the process group), reaps the runner and removes the directory and
    the cgroup. Without root (no uid of its own) the leftovers are found by a per-run mark in their
