@@ -1,7 +1,8 @@
 """Rewards that run the completion's code: ``code_execution``.
 
-The code runs in :mod:`lit_grpo_rewards.sandbox` (a throw-away, resource-limited, network-less
-subprocess; see that module for what each isolation layer does and does not guarantee).
+The code runs in :mod:`lit_grpo_rewards.sandbox`, built to hold against a hostile program (see that
+module for each isolation layer, and ``rewards/README.md`` for the threat model and what remains
+possible); its assertion tests run in a separate judge process that the program cannot reach.
 """
 
 from __future__ import annotations
@@ -147,18 +148,22 @@ def code_execution(
     """Fraction (0..1) of a sample's test cases that the completion's Python code passes.
 
     The code is the completion's last ```python (or untagged) fenced block, else the whole
-    completion. It runs in a throw-away sandbox subprocess (:mod:`lit_grpo_rewards.sandbox`): no
-    network, a read-only filesystem apart from its own scratch directory, its own unprivileged uid
-    (when the trainer runs as root), memory/CPU/process/output limits, killed with everything it
-    started at the deadline. Any failure (syntax error, exception, timeout, memory, crash) fails the
-    test (or every test, when the program dies); the reward never raises for the code's sake.
+    completion. It runs in a throw-away sandbox (:mod:`lit_grpo_rewards.sandbox`; as root: a system-call
+    filter, a memory/process cgroup, no network, its own PID namespace, a minimal read-only root
+    apart from its scratch directory, its own unprivileged uid, resource limits, killed with
+    everything it started at the deadline). Any failure (syntax error, exception, timeout, memory,
+    crash) fails the test (or every test, when the program dies); the reward never raises for the
+    code's sake.
 
     Two kinds of test cases, from the ``test_cases`` column:
 
     - assertions, ``["assert add(1, 2) == 3", ...]``: the code runs once as ``__main__`` (stdin at
-      EOF, stdout discarded); then each statement runs in the code's namespace and passes if it
-      does not raise. The code's own top-level errors do not stop the tests (a stray ``input()``
-      after the definitions is harmless); a test that never ran (program killed) fails.
+      EOF, stdout discarded); then each statement runs in a judge process whose namespace holds the
+      code's globals (plain values as copies, functions and objects as references answered by the
+      program; see ``lit_grpo_rewards._sandbox_judge``), and passes if it does not raise. What the
+      program returns reaches the test as plain data, so a wrong program cannot make a comparison
+      or an ``assert`` come out true. The code's own top-level errors do not stop the tests (a stray
+      ``input()`` after the definitions is harmless); a test that never ran (program killed) fails.
     - stdin/stdout, ``[{"input": "1 2\\n", "output": "3\\n"}, ...]`` (or APPS-style
       ``{"inputs": [...], "outputs": [...]}``): one sandboxed run per case; it passes when the
       program exits with status 0 and its stdout equals the expected output, both with line
@@ -169,9 +174,11 @@ def code_execution(
     args:
         timeout (float): wall-clock seconds for one completion, all its test cases together
             (stdin/stdout cases share the budget; cases left when it runs out fail). Default 5.
-        memory_mb (int): address-space limit per process, MiB. Default 512.
+        memory_mb (int): address-space limit per process, MiB, and (as root, with a cgroup) the memory
+            of the whole sandbox, shared memory and scratch files included. Default 512.
         cpu_seconds (int, optional): CPU seconds per process; default ``ceil(timeout)``.
-        max_output_bytes (int): the most a program may write to stdout or any one file. Default 8 MiB.
+        max_output_bytes (int): the most a program may write to stdout or any one file, or hand to a
+            test in one value. Default 8 MiB.
         max_processes (int): process/thread limit of the sandbox (enforced when running as root).
             Default 16.
         python (str, optional): interpreter to run the code with; default ``sys.executable``.

@@ -1,75 +1,87 @@
-"""Run untrusted Python (model-written code) in a throw-away, resource-limited subprocess.
+"""Run untrusted Python (model-written code) in a throw-away, walled-in pair of processes.
 
 ``run_in_sandbox(code, tests=[...])`` runs one program and reports, test by test, which assertions
 held; ``run_in_sandbox(code, stdin=b"...")`` runs it as a stdin/stdout program. Each call starts one
-``python -I -S -B`` subprocess (``-S`` unless ``site_packages=True``) running ``_sandbox_runner.py`` in a fresh directory made with
-``tempfile.mkdtemp(prefix="lit-grpo-sandbox-")``. Linux only. No preexec_fn is used (it is unsafe
-with threads), so calls may run concurrently from threads; each call is independent.
+``python -I -S -B`` subprocess (``-S`` unless ``site_packages=True``) running the runner
+(``_sandbox_runner``) in a fresh directory made with ``tempfile.mkdtemp(prefix="lit-grpo-sandbox-")``;
+it forks into the *program process* and the *judge*. Linux only. No preexec_fn is used (it is unsafe with threads),
+so calls may run concurrently from threads; each call is independent.
 
-Layers, outermost first, and what each is worth. The kernel-enforced ones are the wall; the audit
-hook is a tripwire for the obvious cases. Which layers actually took effect is reported per run
-(``SandboxResult.layers``); ``sandbox_layers()`` probes them once.
+Threat model: the program is hostile. It may be written to escape, to damage the machine, to
+outlive the call, to read what it should not, or to score tests it fails; the tests themselves and
+the interpreter are trusted. Layers, outermost first. The kernel-enforced ones are the wall; the
+audit hook is a tripwire. Which layers took effect is reported per run (``SandboxResult.layers``);
+a missing one is logged once per process as a warning naming the protection that is gone
+(``sandbox_layers()`` probes them).
 
-1. **Wall-clock timeout and cleanup (parent side; always).** The runner starts in a new session
-   (``start_new_session=True``), with a minimal environment (``HOME`` and ``TMPDIR`` = the sandbox
-   directory, a short ``PATH``, no proxies, nothing inherited) and only its stdio plus one result
-   descriptor open. At the deadline, and again after every run whatever happened, the parent kills
-   every process of the sandbox's uid (``kill -KILL -1`` executed *as that uid*, which the kernel
-   applies atomically, so a fork bomb cannot outrun it), then the process group, then reaps the
-   runner and removes the directory. Without root (no uid of its own) the leftovers are found by
-   a per-run marker in their environment (``/proc/PID/environ``), which only code that rewrites
-   its own initial environment in memory (ctypes, refused by layer 6) could hide. The runner and the code also get a parent-death signal, so
-   a scoring process that is itself killed takes its sandboxes along (their empty directories
-   then stay behind). Output goes to anonymous temporary files, never to pipes, so a chatty
-   program can neither block nor fill the parent's memory (file size is capped, layer 4).
-2. **Namespaces (root; verified on the development machine).** New network namespace: only a
-   loopback interface, and it is down, so every ``connect``/``sendto`` fails with ENETUNREACH,
-   127.0.0.1 included. New IPC namespace. New PID namespace: the code runs as process 1 of its own
-   namespace, sees only its own processes in a fresh ``/proc``, and when it dies the kernel kills
-   and reaps everything it started. Without root the runner tries an unprivileged user + network
-   namespace (it worked on the development machine as an ordinary user; some distributions and
-   container runtimes disable it); without either, only the audit hook stands between the code
-   and the network.
-3. **Read-only filesystem (root only).** In a private mount namespace every mount is made
-   read-only and nosuid (``mount_setattr(AT_RECURSIVE)``, with a per-mount remount fallback), and
-   a small tmpfs (64 MiB by default) owned by the sandbox uid is mounted on the sandbox directory:
-   it is the only writable place (``/tmp``, ``/dev/shm`` and ``$HOME`` are read-only), and what is
-   written there lives in memory and vanishes with the namespace. When the interpreter lives under
-   a root-only directory (pyenv under ``/root``), a tmpfs is mounted over that directory in the
-   sandbox's view and the installation bound back, so the rest of it is hidden.
-4. **Resource limits (always).** RLIMIT_AS and RLIMIT_DATA (``memory_mb``, per process),
-   RLIMIT_CPU (``cpu_seconds`` soft, +1 s hard), RLIMIT_FSIZE (``max_output_bytes``: the largest
-   file, stdout included), RLIMIT_NOFILE (64), RLIMIT_NPROC (``max_processes``), RLIMIT_CORE 0.
-   Limits are per process: a program that forks may use up to ``max_processes x memory_mb`` in
-   total; there is no cgroup (the machine's cgroups belong to whoever runs this process).
-5. **Unprivileged identity (root only).** The code runs under its own uid/gid, chosen at random
-   from ``UID_RANGE`` for each call and owning no file, with no supplementary groups and
-   ``PR_SET_NO_NEW_PRIVS`` (setuid binaries do not elevate). So RLIMIT_NPROC is enforced (root
-   ignores it) and counts only this sandbox's processes and threads, concurrent sandboxes cannot
-   signal each other, and ordinary file permissions apply. As non-root, the code runs under the
-   caller's uid: RLIMIT_NPROC then counts all of that user's processes, and the code can touch
-   whatever the caller can (layer 3 needs root: without it the sandbox directory is an ordinary
-   directory, bounded only per file by RLIMIT_FSIZE).
-6. **Audit hook (in the interpreter; always unless ``audit_hook=False``).** Installed just before
-   the code runs; refuses sockets, ``fork``/``exec``/``posix_spawn``/``system``/``subprocess``,
-   ``kill``, ctypes, ``gc.get_objects``/``get_referrers``, and writes or renames outside the
-   sandbox directory. Audit hooks can be bypassed by code that tries hard enough (they only see
-   what CPython reports); they turn the common accidents into clean Python exceptions.
+1. **Wall-clock timeout and cleanup (always).** The runner starts in a new session with a minimal
+   environment and only its stdio, one result descriptor and (tests) one tests descriptor open.
+   The scoring process waits on a pidfd (no polling). When the sandbox is over, the judge sweeps
+   with ``kill(-1, SIGKILL)`` as the sandbox's own uid (one atomic kernel operation: a fork bomb
+   cannot outrun it; without root it kills the PID namespace's init, which takes the namespace
+   along); then the scoring process checks that the sandbox's cgroup (or, without one,
+   its uid) has no process left and sweeps again if it has (at the deadline: ``kill -1`` run as
+   that uid, ``cgroup.kill``, the process group), reaps the runner and removes the directory and
+   the cgroup. Without root (no uid of its own) the leftovers are found by a per-run mark in their
+   environment. Every process of the sandbox also gets a parent-death signal. Output goes to
+   anonymous temporary files, never to pipes (bounded by layer 5).
+2. **Cgroup (where the machine lets this process create one: root, or a delegated cgroup v2; see**
+   ``_sandbox_cgroup`` **).**
+   Memory of the whole sandbox (``memory_mb`` plus ``SANDBOX_OVERHEAD_MB`` for its two
+   interpreters; shared memory and the scratch tmpfs count) and its number of processes and
+   threads, whatever the program forks. Without it, memory is bounded per process only.
+3. **Namespaces.** Network: only a loopback interface, down. IPC. PID: the program is process 1
+   of its own namespace, sees only its own processes in a fresh ``/proc``, cannot see or signal
+   the judge or the trainer, and when it dies the kernel kills everything it started. Mount (layer
+   4). Without root they are made inside a new user namespace, where the system allows
+   unprivileged ones (most do), with the user's uid mapped to itself; the capabilities that
+   namespace gave are dropped (a nested user namespace) before any code runs.
+4. **File system (in a private mount namespace).** The root is a small tmpfs holding only
+   what a Python program needs, bound read-only from the machine: ``/usr``, ``/bin``, ``/lib*``, a
+   few files of ``/etc`` (loader cache, time zone, users, hosts, certificates), the interpreter's
+   installation and import path, the directories of the shared libraries it has loaded; a fresh
+   ``/proc``; a ``/dev`` with only ``null``, ``zero``, ``random`` and ``urandom`` (no ``/dev/shm``,
+   terminals or GPUs); an empty ``/tmp``; and the sandbox directory, a small tmpfs (``scratch_mb``)
+   owned by the sandbox uid: the only writable place (its pages are memory, charged to the
+   cgroup). Home directories, data sets, ``/run``'s sockets, ``/sys`` and ``/var`` are not there.
+   Every mount is read-only and nosuid. (Where ``pivot_root`` fails, the machine's whole tree is
+   shown read-only instead, with a warning.)
+5. **Resource limits (always).** RLIMIT_AS and RLIMIT_DATA (``memory_mb``), RLIMIT_CPU, RLIMIT_FSIZE
+   (``max_output_bytes``: the largest file, stdout included), RLIMIT_NOFILE (64), RLIMIT_NPROC
+   (``max_processes``, plus the judge), RLIMIT_CORE, RLIMIT_MEMLOCK and RLIMIT_MSGQUEUE 0.
+6. **Unprivileged identity (root).** The program and the judge run under a uid/gid drawn at random
+   from ``UID_RANGE`` for this call alone (owning no file), with no supplementary groups and
+   ``PR_SET_NO_NEW_PRIVS``; so RLIMIT_NPROC holds and counts only this sandbox, sandboxes cannot
+   signal each other, and file permissions apply. The judge is also non-dumpable: no process of
+   the same uid can ptrace it, read its memory or open its descriptors.
+7. **System-call filter (seccomp, Linux x86_64/aarch64; both processes).** Deny by default: only the
+   calls a Python test program needs (see ``_sandbox_seccomp``). No sockets (Unix sockets at a
+   path included), no SysV IPC, no memfd, no keyring, no namespaces or mounts, no ptrace, bpf,
+   perf, io_uring or userfaultfd, no ``execve``.
+8. **The judge (assertion tests).** The tests run in the judge process, which receives what the
+   program hands over as plain data and compares it with its own types (see ``_sandbox_judge``):
+   a lying ``__eq__``, a patched ``AssertionError`` or ``exec``, ``os._exit(0)`` before the tests,
+   printed markers or writes to any descriptor cannot make a test pass. Only the judge holds the
+   result descriptor. Stdin/stdout tests are judged by the scoring process.
+9. **Audit hook (in the program's interpreter; unless ``audit_hook=False``).** Refuses sockets,
+   ``fork``/``exec``/``subprocess``, ``kill``, ctypes, ``gc`` object walks, and writes or renames
+   outside the sandbox directory, as clean Python exceptions. It can be switched off by code that
+   tries (it lives in the program's interpreter); everything above holds without it.
 
-The per-test results travel on a dedicated descriptor (not stdout), each line tagged with a random
-nonce that the code is not given. Code running in the same interpreter as its tests can still,
-with deliberate effort, forge them (or define objects that compare equal to anything): rewards
-from assertions are only as trustworthy as the policy is unmotivated to attack the harness.
-Stdin/stdout tests are judged by the parent and cannot be forged that way.
+What remains possible is listed in ``rewards/README.md`` (CPU time up to the limits, the machine's
+name and kernel, what a test itself asks the program, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import marshal
 import math
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -77,10 +89,58 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 
-__all__ = ["SandboxResult", "UID_RANGE", "run_in_sandbox", "sandbox_layers"]
+from lit_grpo_rewards import _sandbox_cgroup
 
-_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_runner.py")
+__all__ = ["LAYERS", "SANDBOX_OVERHEAD_MB", "SandboxResult", "UID_RANGE", "run_in_sandbox", "sandbox_layers"]
+
+log = logging.getLogger(__name__)
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_RUNNER_MODULES = ("_sandbox_seccomp", "_sandbox_judge", "_sandbox_runner")  # in import order
+
+#: ``python -c BOOTSTRAP HERE JOB ...``: read the job; load the runner and its helpers from the byte
+#: code in it (compiled once by this process) or else import them from this directory, which then
+#: leaves ``sys.path`` again (its modules, ``code.py`` among them, must not shadow the standard
+#: library's); run.
+BOOTSTRAP = """
+import marshal, sys
+with open(sys.argv[2], "rb") as f:
+    job = marshal.load(f)
+modules = job.pop("modules", None)
+if modules:
+    for name, code in modules:
+        sys.modules[name] = module = type(sys)(name)
+        exec(code, module.__dict__)
+else:
+    sys.path.insert(0, sys.argv[1])
+    import _sandbox_runner
+    del sys.path[0]
+sys.modules["_sandbox_runner"].main(sys.argv[1:], job)
+"""
+_bytecode_lock = threading.Lock()
+_bytecode: list | None = None
+
+
+def _runner_bytecode(python: str) -> list | None:
+    """[(module name, code object)] of the runner, compiled once per process, for a sandbox whose
+    interpreter is this one (byte code is version-specific); None for another interpreter.
+
+    Saves each sandbox compiling its ~1,300 lines of source (no ``.pyc`` is written where
+    ``PYTHONDONTWRITEBYTECODE`` is set, and the sandbox runs with ``-B``)."""
+    global _bytecode
+    if os.path.realpath(python) != os.path.realpath(sys.executable):
+        return None
+    with _bytecode_lock:
+        if _bytecode is None:
+            compiled = []
+            for name in _RUNNER_MODULES:
+                path = os.path.join(_HERE, name + ".py")
+                with open(path, "rb") as f:
+                    compiled.append((name, compile(f.read(), path, "exec", dont_inherit=True)))
+            _bytecode = compiled
+        return _bytecode
 
 #: uids given to sandboxes when running as root: far above login users (and above the ranges
 #: systemd-nspawn and rootless containers use). Each call draws a fresh one at random, unique within
@@ -88,11 +148,44 @@ _RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_run
 #: concurrent calls (then they share RLIMIT_NPROC and the final sweep of one kills the other).
 UID_RANGE = (1_900_000_000, 1_900_000_000 + (1 << 20))
 
+#: memory the sandbox's cgroup allows on top of ``memory_mb``: the judge's and the program's own
+#: interpreters (about 10 MiB each once running) and the kernel's bookkeeping.
+SANDBOX_OVERHEAD_MB = 48
+
+#: Every isolation layer, by the name the runner reports it under, with what is lost without it.
+LAYERS = {
+    "seccomp": "the system-call filter: the program may make any system call its uid may (Unix sockets "
+               "at a path, SysV shared memory, memfd, the kernel keyring, user namespaces, ptrace, ...)",
+    "cgroup": "the sandbox's cgroup: memory is bounded per process only (memory_mb for each of up to "
+              "max_processes processes), not for the sandbox as a whole",
+    "network_namespace": "the network namespace: only the system-call filter keeps the program off the network",
+    "pid_namespace": "the PID namespace: the program sees the machine's processes and may outlive its "
+                     "runner until the final sweep",
+    "ipc_namespace": "the IPC namespace",
+    "minimal_root": "the minimal root: the program sees the machine's whole file system (read-only) and may "
+                    "read whatever its uid may there (home directories, data sets, sockets under /run)",
+    "read_only_root": "the read-only file system: the program may write wherever its uid may",
+    "scratch_tmpfs": "the scratch tmpfs: the program's files go to the disk, bounded per file only",
+    "minimal_dev": "the minimal /dev: the program sees the machine's devices",
+    "own_uid": "the sandbox's own uid: the program runs as the scoring process's user (the other layers "
+               "keep it from that user's files and processes; without them it could read, write and signal "
+               "whatever that user can)",
+    "rlimits": "the resource limits",
+    "separate_judge": "the separate judge: assertion tests run in the program's interpreter, where a "
+                      "wrong program can forge a pass",
+    "final_sweep": "the sweeps after a run that ended by itself (the judge's kill(-1) as the sandbox's uid, "
+                   "the scoring process's check for leftovers): a process that left the PID namespace's "
+                   "reach outlives the call (the deadline still kills everything)",
+    "audit_hook": "the audit hook",
+}
+
 _ENV_MARK = "LIT_GRPO_SANDBOX"
 _GRACE_S = 1.0
 _NOBODY = 65534
 _uid_lock = threading.Lock()
 _uids_in_use: set[int] = set()
+_warned_lock = threading.Lock()
+_warned: set[str] = set()
 
 
 @dataclasses.dataclass
@@ -100,9 +193,11 @@ class SandboxResult:
     """What one sandboxed run produced.
 
     ``test_results[i]`` is True/False for the tests that ran and None for those that never got to
-    run (the program died or ran out of time first). ``returncode`` is the runner's exit status
-    (negative: the runner was killed by that signal, as at the deadline; 128 + N: the code was). ``layers`` is the runner's own report of which isolation
-    layers took effect (empty when it died before reporting).
+    run (the program died, broke the judge protocol or ran out of time first). ``returncode`` is the
+    runner's exit status: the program's (negative: the runner was killed by that signal, as at the
+    deadline; 128 + N: the program was), or 0 when the judge ran every test. ``layers`` is the
+    sandbox's own report of which isolation layers took effect (empty when it died before
+    reporting). ``peak_memory_bytes``: the sandbox cgroup's peak, when there is one.
     """
 
     returncode: int | None
@@ -113,6 +208,7 @@ class SandboxResult:
     test_results: list[bool | None] = dataclasses.field(default_factory=list)
     completed: bool = False
     layers: dict = dataclasses.field(default_factory=dict)
+    peak_memory_bytes: int | None = None
 
 
 def _mapped_uid_range() -> tuple[int, int] | None:
@@ -179,17 +275,9 @@ def _pids_with_mark(nonce: str) -> list[int]:
     return pids
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid``: ``kill(-1)`` run as that uid is one atomic kernel sweep."""
-    if _KILL:
-        try:
-            subprocess.run([_KILL, "-s", "KILL", "--", "-1"], user=uid, group=uid, extra_groups=[],
-                           env={}, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=10, check=False)
-        except (OSError, subprocess.SubprocessError):
-            pass
-    for _ in range(50):  # fallback / belt and braces: whatever is still there
-        pids = _pids_of_uid(uid)
+def _kill_pids(find) -> None:
+    for _ in range(50):
+        pids = find()
         if not pids:
             return
         for pid in pids:
@@ -200,24 +288,74 @@ def _kill_uid(uid: int) -> None:
         time.sleep(0.01)
 
 
-def _kill_all(proc: subprocess.Popen, uid: int | None, nonce: str) -> None:
-    if uid is not None:
-        _kill_uid(uid)
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid``: ``kill(-1)`` run as that uid is one atomic kernel sweep."""
+    if _KILL:
+        try:
+            subprocess.run([_KILL, "-s", "KILL", "--", "-1"], user=uid, group=uid, extra_groups=[],
+                           env={}, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            pass
+    _kill_pids(lambda: _pids_of_uid(uid))  # fallback / belt and braces: whatever is still there
+
+
+@dataclasses.dataclass
+class _Sandbox:
+    """What the scoring process needs to find and remove everything one sandbox made."""
+
+    nonce: str
+    uid: int | None
+    own_uid: bool
+    cgroup: _sandbox_cgroup.SandboxCgroup | None = None
+    proc: subprocess.Popen | None = None
+
+    def leftovers(self) -> list[int]:
+        if self.cgroup is not None:
+            return self.cgroup.procs()
+        if self.own_uid:
+            return _pids_of_uid(self.uid)
+        return _pids_with_mark(self.nonce)
+
+    def kill_all(self) -> None:
+        if self.cgroup is not None:
+            self.cgroup.kill()
+        if self.own_uid:
+            _kill_uid(self.uid)
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the runner and whatever stayed in its group
+            except OSError:
+                pass
+        if not self.own_uid:  # same uid as us (or root): find the leftovers by the mark in their environment
+            _kill_pids(lambda: _pids_with_mark(self.nonce))
+        if self.cgroup is not None:
+            _kill_pids(self.cgroup.procs)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the runner to exit; True if it did. Wakes up at once (pidfd)."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the runner and whatever stayed in its group
-    except OSError:
-        pass
-    if uid is None:  # same uid as us: find the leftovers by the mark in their environment
-        for _ in range(50):
-            pids = _pids_with_mark(nonce)
-            if not pids:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # Python < 3.9 or Linux < 5.3: Popen's polling wait
+        try:
+            proc.wait(timeout=max(0.0, timeout))
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or poller.poll(max(1, int(math.ceil(left * 1000)))):
                 break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            time.sleep(0.01)
+        if proc.poll() is None:
+            return False
+        return True
+    finally:
+        os.close(pidfd)
 
 
 def _read_tail(f, limit: int) -> bytes:
@@ -256,12 +394,41 @@ def _parse_results(raw: bytes, nonce: str, n_tests: int) -> tuple[list[bool | No
                 results[i] = ok == 1
         elif kind == "D":
             done = True
-        elif kind == "L" and len(parts) == 3 and not layers:
+        elif kind == "L" and len(parts) == 3:
             try:
-                layers = json.loads(parts[2])
+                layers.update(json.loads(parts[2]))
             except ValueError:
                 pass
     return results, done, layers
+
+
+def _check_layer_names(names: Iterable[str]) -> frozenset[str]:
+    names = frozenset(names)
+    unknown = sorted(names - set(LAYERS))
+    if unknown:
+        raise ValueError(f"unknown sandbox layer(s) {unknown}; the layers are {sorted(LAYERS)}")
+    return names
+
+
+def _warn_missing(layers: dict, without: frozenset[str], cgroup_reason: str) -> None:
+    """Log once per process each layer that should have taken effect and did not."""
+    if not layers:
+        return
+    for name, loss in LAYERS.items():
+        if name in without or name == "final_sweep":
+            continue
+        present = layers.get(name)
+        if name == "seccomp":
+            present = present and layers.get("judge_seccomp", present)
+        if present is False or (present is None and name in ("seccomp", "cgroup", "separate_judge")):
+            with _warned_lock:
+                if name in _warned:
+                    continue
+                _warned.add(name)
+            detail = layers.get(f"{name}_error") or (cgroup_reason if name == "cgroup" else "")
+            if os.geteuid() != 0 and name not in ("seccomp", "rlimits", "separate_judge", "audit_hook"):
+                detail = detail or "needs root"
+            log.warning("code sandbox: running without %s%s", loss, f" ({detail})" if detail else "")
 
 
 def run_in_sandbox(
@@ -278,63 +445,83 @@ def run_in_sandbox(
     python: str | None = None,
     audit_hook: bool = True,
     site_packages: bool = False,
+    _disable_layers: Iterable[str] = (),
 ) -> SandboxResult:
     """Run ``code`` once in a fresh sandbox and return what happened; never raises for the code's sake.
 
     With ``tests`` (Python statements, typically assertions) the code is executed as ``__main__``
-    with stdin at EOF and stdout discarded, then each test in the same namespace; the result lists,
-    test by test, whether it ran without raising. Without ``tests`` the code runs as a
-    stdin/stdout program fed ``stdin``; its stdout (up to ``max_output_bytes``) and exit status are
-    returned for the caller to judge.
+    with stdin at EOF and stdout discarded, then each test runs in the judge, in a namespace made
+    from the program's globals (see ``_sandbox_judge``); the result lists, test by test, whether it
+    ran without raising. Without ``tests`` the code runs as a stdin/stdout program fed ``stdin``;
+    its stdout (up to ``max_output_bytes``) and exit status are returned for the caller to judge.
 
     Args:
         timeout: wall-clock seconds for the whole run; the sandbox is killed at the deadline.
-        memory_mb: address-space limit per process (RLIMIT_AS).
+        memory_mb: address-space limit of each process (RLIMIT_AS) and, with a cgroup, the memory of
+            the whole sandbox (plus ``SANDBOX_OVERHEAD_MB``).
         cpu_seconds: CPU-time limit per process; default ``ceil(timeout)``.
-        max_output_bytes: the most the program may write to stdout, or to any one file.
-        max_processes: RLIMIT_NPROC (processes and threads; enforced only when running as root).
-        scratch_mb: size of the writable tmpfs on the sandbox directory (root only).
+        max_output_bytes: the most the program may write to stdout, or to any one file, or hand to
+            the tests in one value.
+        max_processes: processes and threads of the program (RLIMIT_NPROC, and the cgroup's
+            ``pids.max``; enforced when running as root).
+        scratch_mb: size of the writable tmpfs on the sandbox directory.
         python: interpreter to run the code with; default ``sys.executable``.
-        audit_hook: install the in-interpreter audit hook (layer 6). Turn off only to test the
-            kernel-enforced layers alone.
+        audit_hook: install the in-interpreter audit hook. Turn off only to test the other layers.
         site_packages: let the code import third-party packages (drops ``-S``).
+        _disable_layers: names from ``LAYERS`` to leave out. For the attack tests only, which show
+            that each attack succeeds without the layer that stops it.
     """
     if not sys.platform.startswith("linux"):
         raise RuntimeError("the code sandbox needs Linux")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
+    without = _check_layer_names(_disable_layers) | ({"audit_hook"} if not audit_hook else frozenset())
     python = python or sys.executable
     cpu = int(math.ceil(timeout)) if cpu_seconds is None else int(cpu_seconds)
     nonce = secrets.token_hex(16)
     start = time.monotonic()
     uid, own_uid = _allocate_uid()
+    box = _Sandbox(nonce=nonce, uid=uid, own_uid=own_uid and "own_uid" not in without)
+    cgroup_reason = ""
     workdir = None
     files = []
-    proc = None
+    pipe_ends: list[int] = []
     timed_out = False
+    swept = False  # the runner is reaped and nothing of the sandbox is left
     try:
         workdir = os.path.realpath(tempfile.mkdtemp(prefix="lit-grpo-sandbox-"))
         if uid is not None:
             os.chown(workdir, uid, uid)
+        if "cgroup" not in without:
+            try:
+                box.cgroup = _sandbox_cgroup.create(
+                    nonce, (int(memory_mb) + SANDBOX_OVERHEAD_MB) * 1024 * 1024, int(max_processes) + 1)
+            except OSError as exc:
+                cgroup_reason = str(exc)
         job_path = os.path.join(workdir, f".job-{nonce}.json")
         job = {
-            "nonce": nonce, "code": code, "tests": None if tests is None else [str(t) for t in tests],
+            "nonce": nonce, "code": code, "mode": "stdin" if tests is None else "tests",
             "dir": workdir, "uid": uid, "audit_hook": bool(audit_hook), "parent_pid": os.getpid(),
+            "site_packages": bool(site_packages), "without": sorted(without),
+            "cgroups": box.cgroup.dirs if box.cgroup is not None else [],
+            "modules": _runner_bytecode(python),
             "limits": {
                 "memory_bytes": int(memory_mb) * 1024 * 1024, "cpu_seconds": max(1, cpu),
-                "file_bytes": int(max_output_bytes), "open_files": 64, "processes": int(max_processes),
-                "scratch_kb": int(scratch_mb) * 1024,
+                "file_bytes": int(max_output_bytes), "open_files": 64,
+                "processes": int(max_processes) + 1,  # + the judge, which shares the uid
+                "scratch_kb": int(scratch_mb) * 1024, "message_bytes": int(max_output_bytes),
             },
         }
         fd = os.open(job_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(job, f)
+        with os.fdopen(fd, "wb") as f:
+            f.write(marshal.dumps(job, 4))  # format 4: read by any Python >= 3.4
 
         def tmpfile():
             f = tempfile.TemporaryFile()
             files.append(f)
             return f
 
+        tests_fd = -1
         if tests is None:
             stdin_f = tmpfile()
             data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
@@ -345,32 +532,52 @@ def run_in_sandbox(
         else:
             stdin_f = subprocess.DEVNULL
             stdout_f = subprocess.DEVNULL
+            tests_f = tmpfile()  # read by the judge only, after the program process exists
+            tests_f.write(marshal.dumps([str(t) for t in tests], 4))
+            tests_f.flush()
+            tests_f.seek(0)
+            tests_fd = tests_f.fileno()
         stderr_f = tmpfile()
         result_f = tmpfile()
+        go_read, go_write = os.pipe()
+        pipe_ends = [go_read, go_write]
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
             "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", _ENV_MARK: nonce,
+            # numerical libraries start a thread per core unless told otherwise: past max_processes
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
         }
         argv = [python, "-I", "-B", "-X", "utf8"] + ([] if site_packages else ["-S"])
-        argv += [_RUNNER, job_path, str(result_f.fileno())]
-        proc = subprocess.Popen(
+        argv += ["-c", BOOTSTRAP, _HERE, job_path, str(result_f.fileno()), str(tests_fd), str(go_read)]
+        box.proc = subprocess.Popen(
             argv, cwd=workdir, env=env, stdin=stdin_f, stdout=stdout_f, stderr=stderr_f,
-            pass_fds=(result_f.fileno(),), start_new_session=True, close_fds=True,
+            pass_fds=tuple(fd for fd in (result_f.fileno(), tests_fd, go_read) if fd >= 0),
+            start_new_session=True, close_fds=True,
         )
+        os.close(go_read)
+        pipe_ends.remove(go_read)
+        # Into the cgroup while the runner starts its interpreter; it waits for the answer before it
+        # does anything else. (cgroup v1 migration waits out an RCU grace period: ~10 ms of latency.)
+        joined = box.cgroup is not None and box.cgroup.add(box.proc.pid)
         try:
-            proc.wait(timeout=max(0.0, timeout - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        _kill_all(proc, uid if own_uid else None, nonce)
+            os.write(go_write, b"1" if joined else b"0")
+        except OSError:  # the runner is already gone (it could not start): reported below as such
+            pass
+        os.close(go_write)
+        pipe_ends.remove(go_write)
+        timed_out = not _wait(box.proc, timeout - (time.monotonic() - start))
+        if timed_out or ("final_sweep" not in without and box.leftovers()):
+            box.kill_all()
         try:
-            proc.wait(timeout=_GRACE_S)
+            box.proc.wait(timeout=_GRACE_S)
+            swept = True
         except subprocess.TimeoutExpired:
             pass
         n = len(tests) if tests is not None else 0
-        raw = _read_head(result_f, 1 << 20)
-        results, done, layers = _parse_results(raw, nonce, n)
+        results, done, layers = _parse_results(_read_head(result_f, 1 << 20), nonce, n)
+        _warn_missing(layers, without, cgroup_reason or _sandbox_cgroup.support().reason)
         return SandboxResult(
-            returncode=proc.returncode,
+            returncode=box.proc.returncode,
             timed_out=timed_out,
             elapsed=time.monotonic() - start,
             stdout=_read_head(stdout_f, max_output_bytes) if tests is None else b"",
@@ -378,16 +585,21 @@ def run_in_sandbox(
             test_results=results,
             completed=done and not timed_out,
             layers=layers,
+            peak_memory_bytes=box.cgroup.peak_memory_bytes() if box.cgroup is not None else None,
         )
     finally:
-        if proc is not None and proc.returncode is None:
-            _kill_all(proc, uid if own_uid else None, nonce)
+        if box.proc is not None and not swept:
+            box.kill_all()
             try:
-                proc.wait(timeout=_GRACE_S)
+                box.proc.wait(timeout=_GRACE_S)
             except subprocess.TimeoutExpired:
                 pass
+        if box.cgroup is not None and not box.cgroup.remove():
+            log.warning("code sandbox: could not remove cgroup %s", box.cgroup.dirs)
         for f in files:
             f.close()
+        for fd in pipe_ends:
+            os.close(fd)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
         if own_uid:

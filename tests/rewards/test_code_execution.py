@@ -1,9 +1,10 @@
-"""``code_execution`` and its sandbox: scores on hand-known programs, and hostile programs that must
-score 0 quickly while leaving the machine, the filesystem and the test process as they were.
+"""``code_execution`` and its sandbox: scores on hand-known programs (including the kinds of program
+the judge must still score right: generators, classes, exceptions, threads, asyncio, standard-library
+values), quick hostile cases through the reward itself, and the layers in effect. The attack suite is
+``test_sandbox_attacks.py``; the sandbox's parts alone are ``test_sandbox_parts.py``.
 
-Every test runs with a private temporary directory (``tempfile.tempdir``), so "the sandbox
-directory was removed" is checked exactly; leftover processes are found by the sandbox's
-environment mark and by uid (the sandbox uids are unique to it when running as root).
+Every test that runs a sandbox uses the ``sandbox_tmp`` fixture (sandbox_fixtures.py): a private temporary
+directory, and afterwards no sandbox directory, process or cgroup left.
 """
 
 from __future__ import annotations
@@ -12,16 +13,14 @@ import functools
 import json
 import os
 import pickle
-import secrets
-import socket
 import sys
-import tempfile
 import time
 
 import pytest
 
 from lit_grpo_rewards.code import code_execution, extract_code, parse_test_cases
 from lit_grpo_rewards.sandbox import UID_RANGE, run_in_sandbox, sandbox_layers
+from sandbox_fixtures import sandbox_tmp  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the code sandbox needs Linux")
 
@@ -36,48 +35,12 @@ def layers() -> dict:
     return sandbox_layers()
 
 
-def _process_count() -> int:
-    return sum(1 for e in os.listdir("/proc") if e.isdigit())
-
-
-def _sandbox_processes() -> list[str]:
-    """Processes that belong to any sandbox: the environment mark, or a sandbox uid."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            if UID_RANGE[0] <= os.stat(f"/proc/{entry}").st_uid < UID_RANGE[1]:
-                found.append(entry)
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if any(v.startswith(b"LIT_GRPO_SANDBOX=") for v in f.read().split(b"\0")):
-                    found.append(entry)
-        except OSError:  # gone meanwhile, or not ours to read
-            pass
-    return found
-
-
 def _rss_kb() -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
-
-
-@pytest.fixture
-def sandbox_tmp(tmp_path, monkeypatch):
-    """A private temporary directory for the sandboxes; afterwards: empty, and no sandbox process left."""
-    root = tmp_path / "sandboxes"
-    root.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(root))
-    yield root
-    assert list(root.iterdir()) == [], "a sandbox directory was left behind"
-    deadline = time.monotonic() + 2.0  # SIGKILLed processes may take a moment to disappear from /proc
-    while _sandbox_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _sandbox_processes() == [], "a sandboxed process survived"
 
 
 def chat(text):
@@ -192,7 +155,69 @@ def test_tests_that_finished_before_the_program_was_killed_count(sandbox_tmp):
 
 
 # --------------------------------------------------------------------------------------------------
-# Hostile programs: 0, quickly, and nothing harmed
+# Programs the judge must still score right (tests run in another interpreter than the program)
+# --------------------------------------------------------------------------------------------------
+
+WELL_BEHAVED = {
+    "generator": ("def gen(n):\n    for i in range(n):\n        yield i * i\n",
+                  ["assert list(gen(4)) == [0, 1, 4, 9]", "g = gen(3)\nassert next(g) == 0 and next(g) == 1",
+                   "assert sum(gen(1000)) == 332833500", "assert 9 in gen(5)"]),
+    "class": ("class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
+              "        self.items.append(x)\n    def pop(self):\n        return self.items.pop()\n"
+              "    def __len__(self):\n        return len(self.items)\n",
+              ["s = Stack(); s.push(1); s.push(2)\nassert s.pop() == 2 and len(s) == 1", "assert Stack().items == []"]),
+    "exceptions": ("def f(x):\n    if x < 0:\n        raise ValueError('neg')\n    return x\n",
+                   ["try:\n    f(-1)\n    assert False\nexcept ValueError as e:\n    assert str(e) == 'neg'"]),
+    "threads": ("import threading\ndef f():\n    out = []\n    ts = [threading.Thread(target=out.append, args=(i,)) for i in range(4)]\n"
+                "    [t.start() for t in ts]\n    [t.join() for t in ts]\n    return sorted(out)\n",
+                ["assert f() == [0, 1, 2, 3]", "import threading\nt = threading.Thread(target=print)\nt.start()\nt.join()"]),
+    "asyncio": ("import asyncio\nasync def g(x):\n    await asyncio.sleep(0.01)\n    return x * 2\n"
+                "def f(x):\n    return asyncio.run(g(x))\n", ["assert f(3) == 6"]),
+    "standard-library values": (
+        "from fractions import Fraction\nfrom collections import Counter, namedtuple\nimport datetime\n"
+        "P = namedtuple('P', 'x y')\ndef f():\n    return [Fraction(1, 3), Counter('aab'), P(1, 2), 10**40, {1: {2}}]\n"
+        "def when():\n    return datetime.date(2020, 1, 2)\n",
+        ["from fractions import Fraction\nfrom collections import Counter\n"
+         "assert f() == [Fraction(1, 3), Counter('aab'), (1, 2), 10**40, {1: {2}}] and f()[2].y == 2",
+         "import datetime\nassert when() == datetime.date(2020, 1, 2)"]),
+    "module the tests use": ("import math\ndef area(r):\n    return math.pi * r * r\n",
+                             ["assert math.isclose(area(1), 3.14159, rel_tol=1e-3)"]),
+    "function passed in": ("def apply(f, x):\n    return f(f(x))\n", ["assert apply(lambda v: v + 1, 3) == 5"]),
+    "HumanEval check()": ("def add(a, b):\n    return a + b\n",
+                          ["def check(candidate):\n    assert candidate(1, 2) == 3\n"
+                           "    assert abs(candidate(0.1, 0.2) - 0.3) < 1e-9\n\ncheck(add)"]),
+    "standard library in the program": (
+        "import heapq, re, sqlite3, hashlib, tempfile, os\n"
+        "def f():\n    c = sqlite3.connect(':memory:')\n    c.execute('create table t(x)')\n"
+        "    with tempfile.TemporaryDirectory() as d:\n        open(os.path.join(d, 'x'), 'w').write('hi')\n"
+        "    return heapq.nsmallest(2, [5, 1, 4]), re.findall(r'\\d+', 'a1b22'), hashlib.sha256(b'a').hexdigest()[:8]\n",
+        ["assert f() == ([1, 4], ['1', '22'], 'ca978112')"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WELL_BEHAVED))
+def test_well_behaved_programs_pass(sandbox_tmp, name):
+    code, tests = WELL_BEHAVED[name]
+    result = run_in_sandbox(code, tests=tests, timeout=10.0)
+    assert result.test_results == [True] * len(tests), result.stderr.decode()
+
+
+def test_third_party_packages_with_site_packages(sandbox_tmp):
+    pytest.importorskip("numpy")
+    code = "import numpy as np\ndef f():\n    return int(np.arange(4).sum())\n"
+    tests = ["assert f() == 6", "import numpy\nassert numpy.ones(2).tolist() == [1.0, 1.0]"]
+    result = run_in_sandbox(code, tests=tests, timeout=20.0, site_packages=True)
+    assert result.test_results == [True, True], result.stderr.decode()
+
+
+def test_in_place_mutation_of_an_argument_is_not_seen(sandbox_tmp):
+    """Documented limit of the judge: arguments are copies."""
+    code = "def sort_in_place(xs):\n    xs.sort()\n"
+    assert run_in_sandbox(code, tests=["xs = [3, 1]\nsort_in_place(xs)\nassert xs == [1, 3]"]).test_results == [False]
+
+
+# --------------------------------------------------------------------------------------------------
+# Hostile programs through the reward: 0, quickly, nothing harmed (the full suite: test_sandbox_attacks)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -206,116 +231,12 @@ def _score_hostile(code, tests=("assert f() == 1",), **kwargs):
     return scores[0]
 
 
-def _run_hostile(code, tests=("assert f() == 1",)):
-    """The same with the audit hook off: only the kernel-enforced layers stand."""
-    code = code + "\n\ndef f():\n    return 1\n"
-    start = time.monotonic()
-    result = run_in_sandbox(code, tests=list(tests), timeout=TIMEOUT, audit_hook=False)
-    elapsed = time.monotonic() - start
-    assert elapsed < TIMEOUT + SLACK, f"took {elapsed:.1f}s"
-    return result
-
-
-@pytest.fixture
-def listener():
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    server.setblocking(False)
-    yield server.getsockname()[1]
-    try:
-        conn, _ = server.accept()
-    except BlockingIOError:
-        conn = None
-    server.close()
-    assert conn is None, "the sandboxed code reached the test's listening socket"
-
-
-def _network_code(port):
-    return (
-        "import socket\n"
-        f"s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-        "s.sendall(b'pwned')\n"
-        "CONNECTED = True\n"
-    )
-
-
-NETWORK_TESTS = ("assert CONNECTED", "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)")
-
-
-def test_network_is_unreachable(sandbox_tmp, listener):
-    assert _score_hostile(_network_code(listener), tests=NETWORK_TESTS) == 0.0
-
-
-def test_network_is_unreachable_without_the_audit_hook(sandbox_tmp, listener):
-    if not layers().get("netns"):
-        pytest.skip("no network namespace here (needs root or unprivileged user namespaces)")
-    result = _run_hostile(_network_code(listener), tests=NETWORK_TESTS)
-    assert result.test_results == [False, False]
-
-
-def _write_code(paths):
-    lines = ["import os", "for p in %r + [os.path.expanduser('~/pwned.txt')]:" % (paths,),
-             "    try:", "        with open(p, 'w') as fh:", "            fh.write('pwned')",
-             "    except OSError:", "        pass"]
-    return "\n".join(lines)
-
-
-def _outside_paths():
-    nonce = secrets.token_hex(8)
-    return [os.path.expanduser("~/pwned.txt"), "/root/pwned.txt", f"/tmp/pwned-{nonce}.txt", f"/var/tmp/pwned-{nonce}.txt",
-            f"/dev/shm/pwned-{nonce}.txt"]
-
-
-@pytest.mark.parametrize("audit_hook", [True, False], ids=["audit-hook", "kernel-only"])
-def test_nothing_is_written_outside_the_sandbox(sandbox_tmp, audit_hook):
-    paths = _outside_paths()
-    before = {p: os.path.exists(p) for p in paths}
-    tests = [f"assert open({p!r}).read() == 'pwned'" for p in paths]
-    try:
-        if audit_hook:
-            assert _score_hostile(_write_code(paths), tests=tests) == 0.0
-        else:
-            if not (layers().get("readonly_root") and IS_ROOT):
-                pytest.skip("the read-only filesystem layer needs root and a mount namespace")
-            assert _run_hostile(_write_code(paths), tests=tests).test_results == [False] * len(paths)
-        for p in paths:
-            assert os.path.exists(p) == before[p], f"{p} was written"
-    finally:
-        for p in paths:
-            if not before[p] and os.path.exists(p):
-                os.unlink(p)
-
-
-def test_home_is_the_throw_away_directory(sandbox_tmp):
-    code = "import os\nwith open(os.path.expanduser('~/notes.txt'), 'w') as fh:\n    fh.write('ok')\nHOME = os.path.expanduser('~')\n"
-    tests = ["assert open(os.path.join(HOME, 'notes.txt')).read() == 'ok'", "assert os.getcwd() == HOME"]
-    assert code_execution([code], test_cases=[tests]) == [1.0]
-
-
-FORK_BOMB = "import os\nwhile True:\n    os.fork()"
-STUBBORN_FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except Exception:\n        pass"
+def test_infinite_loop(sandbox_tmp):
+    assert _score_hostile("while True:\n    pass") == 0.0
 
 
 def test_fork_bomb(sandbox_tmp):
-    before = _process_count()
-    assert _score_hostile(FORK_BOMB) == 0.0
-    assert _score_hostile(STUBBORN_FORK_BOMB) == 0.0
-    assert _process_count() <= before + 20  # other jobs on the machine may come and go meanwhile
-
-
-def test_fork_bomb_without_the_audit_hook(sandbox_tmp):
-    if not IS_ROOT:
-        pytest.skip("RLIMIT_NPROC holds only for an unprivileged sandbox uid, which needs root")
-    before = _process_count()
-    result = _run_hostile(STUBBORN_FORK_BOMB)
-    assert result.test_results == [None]  # never got to the tests: killed at the deadline
-    assert result.timed_out
-    assert _process_count() <= before + 20
-
-
-def test_infinite_loop(sandbox_tmp):
-    assert _score_hostile("while True:\n    pass") == 0.0
+    assert _score_hostile("import os\nwhile True:\n    os.fork()") == 0.0
 
 
 @pytest.mark.parametrize(
@@ -327,28 +248,22 @@ def test_memory_hog(sandbox_tmp, code):
     assert _rss_kb() - rss < 50 * 1024  # the test process did not pay for it
 
 
-def test_output_flood_is_capped(sandbox_tmp):
-    rss = _rss_kb()
-    flood = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"
-    start = time.monotonic()
-    scores = code_execution([flood], test_cases=[[{"input": "", "output": "x"}]], timeout=TIMEOUT, max_output_bytes=1 << 20)
-    assert scores == [0.0]
-    assert time.monotonic() - start < TIMEOUT + SLACK
-    assert _rss_kb() - rss < 50 * 1024
+def test_home_is_the_throw_away_directory(sandbox_tmp):
+    code = "import os\nwith open(os.path.expanduser('~/notes.txt'), 'w') as fh:\n    fh.write('ok')\nHOME = os.path.expanduser('~')\n"
+    tests = ["assert open(os.path.join(HOME, 'notes.txt')).read() == 'ok'", "import os\nassert os.getcwd() == HOME"]
+    assert code_execution([code], test_cases=[tests]) == [1.0]
 
 
-def test_escaped_session_is_killed(sandbox_tmp):
-    # A child that leaves the process group and outlives the program must not survive the sandbox.
-    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
-    result = run_in_sandbox(code + "\ndef f():\n    return 1\n", tests=["assert f() == 1"], timeout=TIMEOUT, audit_hook=False)
-    assert result.test_results == [True]
-
-
-@pytest.mark.skipif(not IS_ROOT, reason="namespaces and the unprivileged uid need root")
+@pytest.mark.skipif(not IS_ROOT, reason="namespaces, the cgroup and the unprivileged uid need root")
 def test_layers_in_effect_as_root():
     found = layers()
     assert UID_RANGE[0] <= found["uid"] < UID_RANGE[1]
-    assert found["rlimits"] and found["no_new_privs"] and found["audit_hook"]
-    if not found["mntns"]:
+    assert found["rlimits"] and found["no_new_privs"] and found["audit_hook"] and found["separate_judge"]
+    assert found["own_uid"] and found["final_sweep"]
+    if not found["mount_namespace"]:
         pytest.skip(f"no mount namespace here: {found}")
-    assert found["netns"] and found["pidns"] and found["readonly_root"] and found["scratch_tmpfs"]
+    for name in ("network_namespace", "pid_namespace", "ipc_namespace", "read_only_root", "scratch_tmpfs",
+                 "minimal_dev", "private_proc"):
+        assert found[name], name
+    if os.uname().machine in ("x86_64", "aarch64"):
+        assert found["seccomp"] and found["judge_seccomp"], found
