@@ -20,7 +20,18 @@ from typing import Any
 
 from lit_grpo.errors import DataError, MissingFileError
 
-__all__ = ["COMPLETIONS_FILE", "append_records", "as_text", "completion_records", "format_table", "read_records", "show_step"]
+__all__ = [
+    "COMPLETIONS_FILE",
+    "append_records",
+    "as_text",
+    "completion_records",
+    "format_table",
+    "log_table",
+    "read_records",
+    "run_directory",
+    "show_step",
+    "table_rows",
+]
 
 COMPLETIONS_FILE = "completions.jsonl"
 
@@ -112,6 +123,47 @@ def format_table(records: list[dict[str, Any]], width: int | None = 40) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def table_rows(records: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """The columns and rows of the completions table (prompt, completion, each reward, reward,
+    advantage), the texts whole, for loggers that take a table."""
+    names = list(records[0]["rewards"]) if records else []
+    columns = ["prompt", "completion", *names, "reward", "advantage"]
+    rows = [
+        [as_text(r["prompt"]), as_text(r["completion"]), *(r["rewards"].get(n) for n in names), r["reward"], r["advantage"]]
+        for r in records
+    ]
+    return columns, rows
+
+
+def log_table(logger: Any, records: list[dict[str, Any]], step: int) -> bool:
+    """Send the completions table to ``logger`` in the form it has one: TensorBoard text (Markdown),
+    a Weights & Biases table, an MLflow text artifact per step. False for a logger without one
+    (CSV and others: ``completions.jsonl`` holds the completions). Rank 0 only."""
+    kind = type(logger).__name__
+    if kind == "TensorBoardLogger" or hasattr(getattr(logger, "experiment", None), "add_text"):
+        logger.experiment.add_text("completions", format_table(records, width=None), global_step=step)
+    elif kind == "WandbLogger":
+        columns, rows = table_rows(records)
+        logger.log_table(key="completions", columns=columns, data=rows, step=step)
+    elif kind == "MLFlowLogger":
+        logger.experiment.log_text(logger.run_id, format_table(records, width=None), f"completions/step_{step:07d}.md")
+    else:
+        return False
+    return True
+
+
+def run_directory(logger: Any, log_dir: str | None, default_root_dir: str) -> Path | None:
+    """The directory of this run's own files (``completions.jsonl``): the version directory of
+    TensorBoard and CSV loggers; ``<save_dir or default_root_dir>/<name>/<version>`` for loggers
+    whose directory is shared by every run (Weights & Biases, MLflow, ...); None without a logger."""
+    if logger is None:
+        return None
+    if type(logger).__name__ in ("TensorBoardLogger", "CSVLogger") and log_dir is not None:
+        return Path(log_dir)
+    root = Path(log_dir or default_root_dir)
+    return root / str(logger.name or "lit-grpo") / str(logger.version)
 
 
 def find_completions_file(path: Path) -> Path:

@@ -36,18 +36,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import GenerationConfig
 
 from lit_grpo import algorithm, cpu, models
 from lit_grpo.callbacks import ValidateBeforeTraining
 from lit_grpo.checkpointing import RNGStateCheckpoint, check_no_weight_left_behind
-from lit_grpo.completions import (
-    COMPLETIONS_FILE,
-    append_records,
-    completion_records,
-    format_table,
-)
+from lit_grpo.completions import COMPLETIONS_FILE, append_records, completion_records, format_table, log_table, run_directory
 from lit_grpo.config import AsWritten, check_batch_sizes, check_settings
 from lit_grpo.data import PromptBatch
 from lit_grpo.distributed import (
@@ -247,6 +242,7 @@ class GRPOModule(pl.LightningModule):
         self.logprobs = LogProbEngine(self.hparams, self.all_gather, self._backward, self._grad_scaler_scale)
         self.run_log_dir: Path | None = None  # the logger's directory of this run, set in setup
         self._warned_prompt_truncation = False
+        self._loggers_told: set[type] = set()  # loggers without a completions table, said once
 
     # ------------------------------------------------------------------------------------------
     # Setup
@@ -299,7 +295,7 @@ class GRPOModule(pl.LightningModule):
         # (rank 0 broadcasts the logger's version directory), so asking for it later on rank 0 alone,
         # where completions are written, would pair with another collective of the other ranks.
         log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
-        self.run_log_dir = Path(log_dir) if log_dir is not None else None  # None: a logger without a directory
+        self.run_log_dir = run_directory(self.trainer.logger, log_dir, self.trainer.default_root_dir)
         cpu.prepare(self.trainer.strategy.root_device, self._precision(), self.policy)  # a no-op off the CPU
         datamodule = getattr(self.trainer, "datamodule", None)
         prompt_format = getattr(datamodule, "prompt_format", None)
@@ -659,14 +655,13 @@ class GRPOModule(pl.LightningModule):
 
     def _log_completions(self, scored: ScoredRollout, completions: list) -> None:
         """The step's completions (prompt, completion, each reward, reward, advantage,
-        :mod:`lit_grpo.completions`): this rank's first rows as the logger's ``completions`` table every
-        ``log_completions_every_n_steps`` steps; every rank's appended to ``completions.jsonl`` in the
-        run's log directory (rank 0 writes) and printed if asked, every ``trainer.log_every_n_steps``."""
+        :mod:`lit_grpo.completions`): this rank's first rows as every logger's completions table
+        every ``log_completions_every_n_steps`` steps; every rank's appended to ``completions.jsonl``
+        in the run's log directory (rank 0 writes) and printed if asked, every ``trainer.log_every_n_steps``."""
         hp = self.hparams
         step = self.trainer.fit_loop.epoch_loop._batches_that_stepped  # the step of this batch's scalars
-        experiment = getattr(self.logger, "experiment", None)
         every = hp.log_completions_every_n_steps
-        to_table = bool(every) and step % every == 0 and hasattr(experiment, "add_text")
+        to_table = bool(every) and step % every == 0 and self.trainer.is_global_zero and bool(self.loggers)
         to_file = bool(hp.save_completions or hp.print_completions) and step % max(self.trainer.log_every_n_steps, 1) == 0
         if not (to_table or to_file):
             return
@@ -675,8 +670,13 @@ class GRPOModule(pl.LightningModule):
             step, prompts, completions, self.scorer.names,
             scored.rewards_per_func.tolist(), scored.rewards.tolist(), scored.group.advantages.tolist(),
         )
-        if to_table:
-            experiment.add_text("completions", format_table(records[: hp.num_completions_to_log], width=None), global_step=step)
+        for logger in self.loggers if to_table else []:
+            if not log_table(logger, records[: hp.num_completions_to_log], step) and type(logger) not in self._loggers_told:
+                self._loggers_told.add(type(logger))
+                rank_zero_info(
+                    f"{type(logger).__name__} has no table or text form for the completions table; "
+                    f"completions.jsonl in the run's log directory holds them (model.save_completions)"
+                )
         if not to_file:
             return
         records = gather_objects(records)  # a collective: every rank takes part

@@ -80,14 +80,22 @@ def test_completions_command_errors_name_what_is_missing(logged_run, tmp_path, c
     assert "no completions.jsonl under" in capsys.readouterr().err
 
 
-def test_a_logger_without_a_directory_trains_and_still_prints(tiny_model_dir, say_a_or_b_file, fast_trainer, capsys):
-    """A logger with no log directory (as a metrics-only logger): nowhere to write completions.jsonl,
-    but the run trains and prints its completions."""
+def fit_with_logger(module, logger, data, fast_trainer, steps=2):
+    trainer = fast_trainer(max_steps=steps, logger=logger, log_every_n_steps=1)
+    trainer.fit(module, data)
+    return trainer
+
+
+def test_a_logger_without_a_directory_gets_completions_under_default_root_dir(
+    tiny_model_dir, say_a_or_b_file, fast_trainer, tmp_path, capsys, caplog
+):
+    """A metrics-only logger: the completions table has nowhere to go (said once), and
+    completions.jsonl lands in ``<default_root_dir>/<name>/<version>``, the run's own directory."""
     from lightning.pytorch.loggers import Logger
     from lightning.pytorch.loggers.logger import rank_zero_experiment
 
     class MetricsOnly(Logger):
-        name, version = "metrics-only", 0
+        name, version = "metrics-only", 7
         logged: list = []
 
         @property
@@ -103,7 +111,46 @@ def test_a_logger_without_a_directory_trains_and_still_prints(tiny_model_dir, sa
 
     logger = MetricsOnly()
     assert logger.log_dir is None
-    module = make_module(tiny_model_dir, rewards=LOWERCASE, print_completions=1)
-    fast_trainer(max_steps=2, logger=logger).fit(module, make_data(say_a_or_b_file))
-    assert module.run_log_dir is None
+    module = make_module(tiny_model_dir, rewards=LOWERCASE, print_completions=1, log_completions_every_n_steps=1)
+    with caplog.at_level("INFO"):
+        fit_with_logger(module, logger, make_data(say_a_or_b_file), lambda **kw: fast_trainer(default_root_dir=tmp_path, **kw))
+    assert module.run_log_dir == tmp_path / "metrics-only" / "7"
+    records = [json.loads(line) for line in (module.run_log_dir / "completions.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in records}) == [0, 1]
+    said = [r.message for r in caplog.records if "has no table or text form" in r.message]
+    assert said == ["MetricsOnly has no table or text form for the completions table; completions.jsonl in the run's log directory holds them (model.save_completions)"]
     assert [m for m in logger.logged if "reward" in m] and capsys.readouterr().out.count("completions at step") == 2
+
+
+def test_csv_logger_keeps_completions_jsonl_in_its_version_directory(tiny_model_dir, say_a_or_b_file, fast_trainer, tmp_path, caplog):
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path / "csv", name="run")
+    module = make_module(tiny_model_dir, rewards=LOWERCASE, log_completions_every_n_steps=1)
+    with caplog.at_level("INFO"):
+        fit_with_logger(module, logger, make_data(say_a_or_b_file), fast_trainer)
+    assert module.run_log_dir == Path(logger.log_dir)
+    assert len((Path(logger.log_dir) / "completions.jsonl").read_text().splitlines()) == 2 * 8
+    assert "reward" in (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()[0]
+    assert sum("CSVLogger has no table or text form" in r.message for r in caplog.records) == 1  # said once
+
+
+def test_wandb_logger_gets_the_completions_table(tiny_model_dir, say_a_or_b_file, fast_trainer, tmp_path, monkeypatch):
+    """An offline Weights & Biases run (no network) receives a ``completions`` table per step."""
+    pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="lit-grpo-test")
+    module = make_module(tiny_model_dir, rewards=LOWERCASE, log_completions_every_n_steps=1, num_completions_to_log=3)
+    fit_with_logger(module, logger, make_data(say_a_or_b_file), fast_trainer)
+    run_dir = Path(logger.experiment.dir).parent  # .../wandb/offline-run-<date>-<id>
+    logger.experiment.finish()
+    tables = sorted(run_dir.rglob("completions_*.table.json"))
+    assert len(tables) == 2  # steps 0 and 1
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["prompt", "completion", "char_fraction", "reward", "advantage"]
+    assert len(table["data"]) == 3 and table["data"][0][0] in ("Say a:", "Say b:")
+    # completions.jsonl: in the run's own directory, <save_dir>/<project>/<run id>
+    assert module.run_log_dir == tmp_path / "lit-grpo-test" / str(logger.version)
+    assert (module.run_log_dir / "completions.jsonl").is_file()
