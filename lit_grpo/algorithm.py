@@ -601,6 +601,7 @@ def grpo_loss(
     kl_estimator: str = "k3",
     use_bias_correction_kl: bool = True,
     policy_mask: torch.Tensor | None = None,
+    sampling_weights: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """GRPO loss of one micro-batch.
 
@@ -616,6 +617,9 @@ def grpo_loss(
         ref_logps: ``[n, T]`` reference-model log-probs, required when ``beta > 0``.
         policy_mask: ``[n, T]`` tokens whose policy term is trained (e.g. :func:`high_entropy_mask`);
             the KL term and the normalisers still cover every real token. None trains all.
+        sampling_weights: ``[n, T]`` or ``[n, 1]`` weights of each token's policy term for a sampling
+            engine other than the trainer (:func:`lit_grpo.sampling_correction.sampling_correction`);
+            the KL term is not weighted.
         use_bias_correction_kl: multiply the per-token KL by the (unclipped, differentiable)
             importance ratio ``rho`` (DeepSeek-V3.2, arXiv:2512.02556; TRL 1.16's default), which makes
             its gradient the unbiased reverse-KL gradient; on-policy (``rho = 1``) the k3 term's
@@ -629,6 +633,8 @@ def grpo_loss(
     per_token_loss = LOSS_TYPES[loss_type].objective(ratio, advantages, logps, settings)
     if policy_mask is not None:
         per_token_loss = per_token_loss * policy_mask.to(per_token_loss.dtype)
+    if sampling_weights is not None:
+        per_token_loss = per_token_loss * sampling_weights
     kl = None
     if beta != 0.0:
         if ref_logps is None:

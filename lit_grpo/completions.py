@@ -26,6 +26,7 @@ __all__ = [
     "as_text",
     "completion_records",
     "format_table",
+    "log_step_completions",
     "log_table",
     "read_records",
     "run_directory",
@@ -200,3 +201,42 @@ def show_step(path: Path, step: int | None = None, limit: int = 16, width: int =
         return "\n".join(json.dumps(record, ensure_ascii=False) for record in selected)
     header = f"{path}, step {step} ({len(selected)} of {sum(r['step'] == step for r in records)} completions)"
     return header + "\n" + format_table(selected, width=width)
+
+
+def log_step_completions(module: Any, scored: Any, completions: list) -> None:
+    """The completions of a ``GRPOModule``'s training step (``scored``: its ``ScoredRollout``):
+    this rank's first rows as every logger's completions table
+    every ``log_completions_every_n_steps`` steps; every rank's appended to ``completions.jsonl``
+    in the run's log directory (rank 0 writes) and printed if asked, every ``trainer.log_every_n_steps``."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    from lit_grpo.distributed import gather_objects
+
+    hp = module.hparams
+    step = module.trainer.fit_loop.epoch_loop._batches_that_stepped  # the step of this batch's scalars
+    every = hp.log_completions_every_n_steps
+    to_table = bool(every) and step % every == 0 and module.trainer.is_global_zero and bool(module.loggers)
+    to_file = bool(hp.save_completions or hp.print_completions) and step % max(module.trainer.log_every_n_steps, 1) == 0
+    if not (to_table or to_file):
+        return
+    prompts = [prompt for prompt in scored.prompts for _ in range(hp.num_generations)]
+    records = completion_records(
+        step, prompts, completions, module.scorer.names,
+        scored.rewards_per_func.tolist(), scored.rewards.tolist(), scored.group.advantages.tolist(),
+    )
+    for logger in module.loggers if to_table else []:
+        if not log_table(logger, records[: hp.num_completions_to_log], step) and type(logger) not in module.loggers_told:
+            module.loggers_told.add(type(logger))
+            rank_zero_info(
+                f"{type(logger).__name__} has no table or text form for the completions table; "
+                f"completions.jsonl in the run's log directory holds them (model.save_completions)"
+            )
+    if not to_file:
+        return
+    records = gather_objects(records)  # a collective: every rank takes part
+    if not module.trainer.is_global_zero:  # no collective below this line: rank 0 only
+        return
+    if hp.save_completions and module.run_log_dir is not None:  # without a logger there is nowhere to write
+        append_records(module.run_log_dir / COMPLETIONS_FILE, records)
+    if hp.print_completions:
+        print(f"completions at step {step}:\n{format_table(records[: hp.print_completions])}", flush=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from jsonargparse.typing import register_type
 
 from lit_grpo import algorithm
+from lit_grpo.sampling_correction import SAMPLING_CORRECTION_MODES
 from lit_grpo.errors import ConfigError
 
 __all__ = ["AsWritten", "check_batch_sizes", "check_reference_sync", "check_settings"]
@@ -109,6 +110,30 @@ def check_settings(hp, generation_backends: tuple[str, ...]) -> None:
         raise ConfigError(f"model.temperature must be > 0 (sampling), got {hp.temperature}")
     if hp.beta < 0:
         raise ConfigError(f"model.beta must be >= 0, got {hp.beta}")
+    check_vllm_settings(hp)
+
+
+def check_vllm_settings(hp) -> None:
+    """``model.vllm_*``: values the engine and the importance-sampling correction can use."""
+    if not 0.0 < hp.vllm_gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"model.vllm_gpu_memory_utilization must be in (0, 1], got {hp.vllm_gpu_memory_utilization}")
+    if hp.vllm_tensor_parallel_size != 1:
+        raise ConfigError(
+            f"model.vllm_tensor_parallel_size={hp.vllm_tensor_parallel_size}: the colocated engine runs one copy "
+            "per training process (1); a tensor-parallel engine is not implemented yet"
+        )
+    if hp.vllm_max_model_length is not None and hp.vllm_max_model_length < 1:
+        raise ConfigError(f"model.vllm_max_model_length must be at least 1 or null, got {hp.vllm_max_model_length}")
+    if hp.vllm_importance_sampling_mode not in SAMPLING_CORRECTION_MODES:
+        raise ConfigError(
+            f"model.vllm_importance_sampling_mode must be one of {SAMPLING_CORRECTION_MODES}, "
+            f"got {hp.vllm_importance_sampling_mode!r}"
+        )
+    low, high = hp.vllm_importance_sampling_clip_min, hp.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and not 0 <= low < high:
+        raise ConfigError(
+            f"model.vllm_importance_sampling_clip_min ({low}) and _clip_max ({high}) must satisfy 0 <= min < max"
+        )
 
 
 def check_batch_sizes(

@@ -12,6 +12,8 @@ prompt ids to completion ids, so another backend is one more entry):
   KV cache written in place, finished completions leave the batch). For models or generation options
   it does not implement it falls back to ``generate``, with a warning.
 * ``"transformers"``: Hugging Face ``generate`` on the prompts repeated G times.
+* ``"vllm"``: a colocated vLLM engine (:mod:`lit_grpo.vllm_backend`, an optional extra), which keeps
+  state between calls (its own copy of the weights) and so is driven by the module.
 
 Both give the same completions for the same settings (greedy decoding gives the same tokens;
 sampling draws from the same distribution), and both stop at every EOS id of the generation config.
@@ -118,7 +120,8 @@ def sample_with_group_sampler(
 
 # name -> (model, prompt_ids [B, P], prompt_mask [B, P], G, generation config) -> completion ids [B * G, C]
 SAMPLERS: dict[str, Callable[..., torch.Tensor]] = {"lit": sample_with_group_sampler, "transformers": sample_with_generate}
-GENERATION_BACKENDS = tuple(SAMPLERS)
+# and an engine with state of its own: ``vllm`` (lit_grpo.vllm_backend.VLLMSampler, the module drives it)
+GENERATION_BACKENDS = (*SAMPLERS, "vllm")
 
 
 def generation_config(
@@ -159,7 +162,7 @@ def generate_completions(
 ) -> Rollout:
     """Sample ``num_generations`` completions for each prompt text with ``backend`` (see the module doc)."""
     if backend not in SAMPLERS:
-        raise ConfigError(f"generation_backend must be one of {GENERATION_BACKENDS}, got {backend!r}")
+        raise ConfigError(f"generate_completions samples with {tuple(SAMPLERS)}, got {backend!r} (vllm: lit_grpo.vllm_backend)")
     device = next(model.parameters()).device
     prompt_ids, prompt_mask, prompt_truncated = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)  # [B, P]
     # Sample in eval mode: no dropout, and gradient checkpointing (active in training mode only)

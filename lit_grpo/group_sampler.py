@@ -161,7 +161,11 @@ def logits_processors(generation_config: GenerationConfig, prompt_mask: torch.Te
     if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
         # as generate: the left padding of each row is not penalised (a per-row tensor, see select_rows)
         padding_lengths = (prompt_mask != 0).int().argmax(dim=1)  # [N]
-        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, prompt_ignore_length=padding_lengths))
+        try:
+            penalty = RepetitionPenaltyLogitsProcessor(config.repetition_penalty, prompt_ignore_length=padding_lengths)
+        except ValueError:  # transformers < 5.23 takes no per-row length, and its generate penalises padding too
+            penalty = RepetitionPenaltyLogitsProcessor(config.repetition_penalty)
+        processors.append(penalty)
     if config.min_new_tokens is not None and config.min_new_tokens > 0:
         processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, eos, device=device))
     if config.do_sample:

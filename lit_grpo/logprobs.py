@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_grpo import algorithm, cpu, models
 from lit_grpo.distributed import agreed_over_sharded_ranks, gather_real_values
+from lit_grpo.sampling_correction import SamplingCorrection, sampling_correction
 from lit_grpo.rollout import (
     FORWARD_OVERHEAD_TOKENS,
     Rollout,
@@ -184,7 +185,8 @@ class LogProbEngine:
         """
         old_logps = torch.zeros(scored.rollout.completion_ids.shape, device=scored.rollout.completion_ids.device)
         needed = later_rows
-        if self.skips_rows_without_gradient():
+        # rows without gradient need no old log-probs, except to reweight another engine's samples
+        if self.skips_rows_without_gradient() and scored.rollout.sampling_logps is None:
             hp = self.hp
             inert = algorithm.rows_without_gradient(
                 scored.group.advantages[later_rows], scored.loss_mask[later_rows], hp.loss_type, hp.beta
@@ -241,6 +243,12 @@ class LogProbEngine:
         if hp.top_entropy_quantile < 1.0:  # the threshold is over this micro-batch's tokens on all ranks
             all_entropies = gather_real_values(entropy.detach(), loss_mask, self.all_gather)
             policy_mask = algorithm.high_entropy_mask(entropy, loss_mask, hp.top_entropy_quantile, all_entropies)
+        correction = None  # another engine sampled (vllm): its samples reweighted towards the trainer's policy
+        if micro.sampling_logps is not None and hp.vllm_importance_sampling_correction:
+            correction = sampling_correction(
+                old_logps, micro.sampling_logps[:, :width], loss_mask, hp.vllm_importance_sampling_mode,
+                hp.vllm_importance_sampling_clip_min, hp.vllm_importance_sampling_clip_max,
+            )
         out = algorithm.grpo_loss(
             logps,
             old_logps,
@@ -260,6 +268,7 @@ class LogProbEngine:
             kl_estimator=hp.kl_estimator,
             use_bias_correction_kl=hp.use_bias_correction_kl,
             policy_mask=policy_mask,
+            sampling_weights=None if correction is None else correction.weights,
         )
         if entropy is None:
             return out.loss, {}
@@ -271,6 +280,8 @@ class LogProbEngine:
         }
         if out.kl is not None:
             stats["kl"] = out.kl
+        if micro.sampling_logps is not None:
+            stats.update(sampling_statistics(old_logps, micro.sampling_logps[:, :width], loss_mask, correction))
         return out.loss, stats
 
     def micro_batch_backward(
@@ -410,3 +421,32 @@ class LogProbEngine:
         else:
             chunks = length_chunks(prompt_mask, micro.completion_mask, self.hp.forward_token_budget)
         return split_chunks(chunks, agreed_over_sharded_ranks(len(chunks), policy, "max"))
+
+
+def sampling_statistics(
+    trainer_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    loss_mask: torch.Tensor,
+    correction: SamplingCorrection | None,
+) -> dict[str, torch.Tensor]:
+    """How far the sampling engine's log-probs are from the trainer's (``sampling/*``, TRL's names):
+    the mean and largest absolute difference per token, and with the correction on, the importance
+    weights (after truncation) and the fraction truncated or masked."""
+    real = loss_mask.bool()
+    difference = (trainer_logps.detach() - sampling_logps).abs()[real]
+    none = torch.tensor(float("nan"))
+    stats = {
+        "sampling/sampling_logp_difference/mean": difference.mean() if difference.numel() else none,
+        "sampling/sampling_logp_difference/max": difference.max() if difference.numel() else none,
+    }
+    if correction is not None:
+        counted = real if correction.weights.size(-1) == real.size(-1) else real.any(dim=-1, keepdim=True)
+        weights, changed = correction.weights[counted], correction.changed[counted]
+        nan = torch.tensor(float("nan"))  # no token counted here: left out of the step's aggregates
+        stats.update({
+            "sampling/importance_sampling_ratio/mean": weights.mean() if weights.numel() else nan,
+            "sampling/importance_sampling_ratio/min": weights.min() if weights.numel() else nan,
+            "sampling/importance_sampling_ratio/max": weights.max() if weights.numel() else nan,
+            "sampling/importance_sampling_ratio/truncated_frac": changed.float().mean() if changed.numel() else nan,
+        })
+    return stats

@@ -36,18 +36,17 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from transformers import GenerationConfig
 
 from lit_grpo import algorithm, cpu, models
 from lit_grpo.callbacks import ValidateBeforeTraining
 from lit_grpo.checkpointing import RNGStateCheckpoint, check_no_weight_left_behind
-from lit_grpo.completions import COMPLETIONS_FILE, append_records, completion_records, format_table, log_table, run_directory
+from lit_grpo.completions import log_step_completions, run_directory
 from lit_grpo.config import AsWritten, check_batch_sizes, check_settings
 from lit_grpo.data import PromptBatch
 from lit_grpo.distributed import (
     data_parallel_mesh,
-    gather_objects,
     gather_rows,
     gathered_for_generation,
     mixed_precision_policy,
@@ -61,6 +60,7 @@ from lit_grpo.generation import (
     generate_completions,
     generation_config,
     render_prompts,
+    tokenize_prompts,
 )
 from lit_grpo.logprobs import LogProbEngine
 from lit_grpo.reference import ReferenceModelSync
@@ -73,6 +73,7 @@ from lit_grpo.rollout import (
     score_groups,
 )
 from lit_grpo.scoring import RewardScorer, RewardSpec
+from lit_grpo.vllm_backend import VLLMSampler, VLLMSettings, require_vllm
 
 __all__ = ["GRPOModule"]
 
@@ -151,7 +152,15 @@ class GRPOModule(pl.LightningModule):
         forward_token_budget: at most this many padded tokens per forward of several rows; None: no limit.
         share_prompt_forward: encode each distinct prompt once in the log-prob forwards.
         skip_zero_gradient_rows: rows whose loss terms have no gradient skip the backward pass.
-        generation_backend: ``lit`` or ``transformers`` (``lit_grpo.generation``).
+        generation_backend: ``lit``, ``transformers`` (``lit_grpo.generation``) or ``vllm``
+            (``lit_grpo.vllm_backend``, the ``lit-grpo[vllm]`` extra).
+        vllm_gpu_memory_utilization: GPU memory share of the colocated engine (weights and KV cache).
+        vllm_enable_sleep_mode: release the engine's GPU memory while the trainer trains.
+        vllm_tensor_parallel_size: the engine's tensor-parallel degree (1 for now).
+        vllm_max_model_length: the engine's longest sequence; None: prompt + completion maximum.
+        vllm_importance_sampling_correction: reweight the engine's samples by trainer / engine probability,
+            ``vllm_importance_sampling_mode`` (``token|sequence`` x ``truncate|mask``) within
+            [``vllm_importance_sampling_clip_min``, ``vllm_importance_sampling_clip_max``] (TRL 1.16).
         chat_template_kwargs: ``apply_chat_template`` arguments (``lit-grpo fit``: ``data.chat_template_kwargs``).
         optimizer: the ``optimizer:`` block, built once the policy exists; None: AdamW at lr 1e-6 (TRL's).
         lr_scheduler: the ``lr_scheduler:`` block; stepped after every optimizer step.
@@ -210,6 +219,14 @@ class GRPOModule(pl.LightningModule):
         share_prompt_forward: bool = True,
         skip_zero_gradient_rows: bool = True,
         generation_backend: str = "lit",
+        vllm_gpu_memory_utilization: float = 0.3,
+        vllm_enable_sleep_mode: bool = False,
+        vllm_tensor_parallel_size: int = 1,
+        vllm_max_model_length: int | None = None,
+        vllm_importance_sampling_correction: bool = True,
+        vllm_importance_sampling_mode: str = "sequence_mask",
+        vllm_importance_sampling_clip_min: float | None = None,
+        vllm_importance_sampling_clip_max: float | None = 3.0,
         chat_template_kwargs: dict[str, AsWritten] | None = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -242,7 +259,10 @@ class GRPOModule(pl.LightningModule):
         self.logprobs = LogProbEngine(self.hparams, self.all_gather, self._backward, self._grad_scaler_scale)
         self.run_log_dir: Path | None = None  # the logger's directory of this run, set in setup
         self._warned_prompt_truncation = False
-        self._loggers_told: set[type] = set()  # loggers without a completions table, said once
+        self.loggers_told: set[type] = set()  # loggers without a completions table, said once
+        self.vllm: VLLMSampler | None = None  # the vllm backend's engine (configure_model)
+        if generation_backend == "vllm":
+            require_vllm()  # a missing extra fails before any model is loaded
 
     # ------------------------------------------------------------------------------------------
     # Setup
@@ -279,6 +299,12 @@ class GRPOModule(pl.LightningModule):
         self.generation_config = generation_config(temperature=hp.temperature, **sampling)
         eval_temperature = hp.temperature if hp.temperature_eval is None else hp.temperature_eval
         self.eval_generation_config = generation_config(temperature=eval_temperature, **sampling)
+        if hp.generation_backend == "vllm":
+            settings = VLLMSettings(
+                hp.vllm_gpu_memory_utilization, hp.vllm_enable_sleep_mode, hp.vllm_tensor_parallel_size, hp.vllm_max_model_length
+            )
+            dtype = models.compute_dtype(precision) or torch.float32
+            self.vllm = VLLMSampler(hp.model_name_or_path, dtype, settings, hp.max_prompt_length, hp.max_completion_length)
         if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: shard with FSDP2
             mesh = data_parallel_mesh(self.device_mesh)
             mp_policy = mixed_precision_policy(precision)  # float32 shards, half-precision compute
@@ -310,9 +336,8 @@ class GRPOModule(pl.LightningModule):
             )
 
     def on_train_start(self) -> None:
-        """``dynamic_sampling`` draws further prompt batches through the fit loop's data fetcher
-        (:meth:`_next_prompt_batch`), a part of Lightning with no public interface: check before the
-        first step that this Lightning has it, rather than fail after the first generation batch."""
+        """``dynamic_sampling`` draws prompt batches through the fit loop's data fetcher (no public
+        interface of Lightning's): check that this Lightning has it before the first step."""
         fetcher = getattr(self.trainer.fit_loop, "_data_fetcher", None)
         if self.hparams.dynamic_sampling and not (hasattr(fetcher, "__next__") and hasattr(fetcher, "done")):
             raise RuntimeError(
@@ -322,13 +347,14 @@ class GRPOModule(pl.LightningModule):
             )
 
     def teardown(self, stage: str) -> None:
+        if self.vllm is not None:
+            self.vllm.close()  # before Lightning tears the process group down
         self.scorer.close()  # stop reward worker processes and the async-reward event loop
         if self.eval_scorer is not self.scorer:
             self.eval_scorer.close()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep the weights' keys beside them: a sharded checkpoint is loaded by this module's keys
-        only, so :meth:`on_load_checkpoint` checks that none of the saved ones was left behind."""
+        """Keep the weights' keys beside them (see :meth:`on_load_checkpoint`)."""
         checkpoint["state_dict_keys"] = sorted(checkpoint["state_dict"])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -432,8 +458,15 @@ class GRPOModule(pl.LightningModule):
         metrics = self._rollout_metrics(scored)
         for key in step_stats[0]:
             values = torch.stack([stats[key] for stats in step_stats])
-            value = values.sum() / hp.num_iterations / hp.steps_per_generation if key == "loss" else values.mean()
-            metrics[key] = self.trainer.strategy.reduce(value, reduce_op="mean")
+            if key == "loss":
+                value, reduce = values.sum() / hp.num_iterations / hp.steps_per_generation, "mean"
+            elif key.endswith(("/max", "/min")):  # a micro-batch with no token to count gives NaN
+                reduce = key.rsplit("/", 1)[1]
+                fill = float("-inf") if reduce == "max" else float("inf")
+                value = getattr(values.nan_to_num(nan=fill), reduce)()
+            else:
+                value, reduce = values.nanmean(), "mean"
+            metrics[key] = self.trainer.strategy.reduce(value, reduce_op=reduce)
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         step_time = time.perf_counter() - step_start
@@ -447,7 +480,7 @@ class GRPOModule(pl.LightningModule):
             metrics[f"dynamic_sampling/{name}"] = value
         for name, value in metrics.items():
             self.log(name, value.float(), on_step=True, prog_bar=name == "reward", batch_size=len(batch.prompts))
-        self._log_completions(scored, completions)
+        log_step_completions(self, scored, completions)
 
     def generate_and_score(self, batch: PromptBatch, training: bool = True) -> tuple[ScoredRollout, list]:
         """Steps 1-4 for one generation batch; ``training=False`` skips the log-prob passes.
@@ -499,7 +532,9 @@ class GRPOModule(pl.LightningModule):
         hp = self.hparams
         G = hp.num_generations
 
-        # 1. Sample G completions per prompt.
+        # 1. Sample G completions per prompt (the vllm engine gets the current weights first).
+        if self.vllm is not None:
+            timings["weight_sync"] = timings.get("weight_sync", 0.0) + self._sync_engine_weights()
         start = time.perf_counter()
         rollout = self.generate(batch.prompts)
         texts, completion_ids = decode_completions(self.tokenizer, rollout)
@@ -565,8 +600,8 @@ class GRPOModule(pl.LightningModule):
         return selected, stats
 
     def _next_prompt_batch(self) -> PromptBatch | None:
-        """The next batch of the training stream (what the next training step would have received),
-        or None at the end of the epoch. Consumed batches count in the data position saved in checkpoints."""
+        """The next batch of the training stream, or None at the end of the epoch (a consumed batch
+        counts in the data position that checkpoints save)."""
         fetcher = self.trainer.fit_loop._data_fetcher
         try:
             batch, _, _ = next(fetcher)
@@ -582,6 +617,12 @@ class GRPOModule(pl.LightningModule):
         G) with ``config`` (default the training sampling settings)."""
         hp = self.hparams
         texts = render_prompts(self.tokenizer, prompts, hp.chat_template_kwargs)
+        if self.vllm is not None:
+            self._sync_engine_weights()  # the weights of this step (nothing to do when already pushed)
+            ids, mask, cut = tokenize_prompts(self.tokenizer, texts, hp.max_prompt_length, self.device)
+            return self.vllm.generate(
+                ids, mask, cut, num_generations or hp.num_generations, config or self.generation_config, self.tokenizer.pad_token_id
+            )
         with gathered_for_generation(self.policy):  # FSDP2: gather the weights once, not per token
             return generate_completions(
                 self.policy,
@@ -592,6 +633,11 @@ class GRPOModule(pl.LightningModule):
                 hp.max_prompt_length,
                 backend=hp.generation_backend,
             )
+
+    def _sync_engine_weights(self) -> float:
+        """Seconds spent pushing the policy's weights to the vllm engine (when they changed since)."""
+        version = self.trainer.global_step if self._trainer is not None else 0
+        return self.vllm.sync_weights(self.policy, version)
 
     def _grad_scaler_scale(self) -> float:
         """The loss scale of a ``16-mixed`` GradScaler (1 without one)."""
@@ -652,37 +698,3 @@ class GRPOModule(pl.LightningModule):
             errors = torch.tensor(float(self.scorer.last_error_counts.get(name, 0)), device=self.device)
             metrics[f"rewards/{name}/errors"] = self.trainer.strategy.reduce(errors, reduce_op="sum")
         return metrics
-
-    def _log_completions(self, scored: ScoredRollout, completions: list) -> None:
-        """The step's completions (prompt, completion, each reward, reward, advantage,
-        :mod:`lit_grpo.completions`): this rank's first rows as every logger's completions table
-        every ``log_completions_every_n_steps`` steps; every rank's appended to ``completions.jsonl``
-        in the run's log directory (rank 0 writes) and printed if asked, every ``trainer.log_every_n_steps``."""
-        hp = self.hparams
-        step = self.trainer.fit_loop.epoch_loop._batches_that_stepped  # the step of this batch's scalars
-        every = hp.log_completions_every_n_steps
-        to_table = bool(every) and step % every == 0 and self.trainer.is_global_zero and bool(self.loggers)
-        to_file = bool(hp.save_completions or hp.print_completions) and step % max(self.trainer.log_every_n_steps, 1) == 0
-        if not (to_table or to_file):
-            return
-        prompts = [prompt for prompt in scored.prompts for _ in range(hp.num_generations)]
-        records = completion_records(
-            step, prompts, completions, self.scorer.names,
-            scored.rewards_per_func.tolist(), scored.rewards.tolist(), scored.group.advantages.tolist(),
-        )
-        for logger in self.loggers if to_table else []:
-            if not log_table(logger, records[: hp.num_completions_to_log], step) and type(logger) not in self._loggers_told:
-                self._loggers_told.add(type(logger))
-                rank_zero_info(
-                    f"{type(logger).__name__} has no table or text form for the completions table; "
-                    f"completions.jsonl in the run's log directory holds them (model.save_completions)"
-                )
-        if not to_file:
-            return
-        records = gather_objects(records)  # a collective: every rank takes part
-        if not self.trainer.is_global_zero:  # no collective below this line: rank 0 only
-            return
-        if hp.save_completions and self.run_log_dir is not None:  # without a logger there is nowhere to write
-            append_records(self.run_log_dir / COMPLETIONS_FILE, records)
-        if hp.print_completions:
-            print(f"completions at step {step}:\n{format_table(records[: hp.print_completions])}", flush=True)

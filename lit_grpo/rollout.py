@@ -47,6 +47,7 @@ class Rollout:
     completion_mask: torch.Tensor  # [N, C] 1 on real completion tokens (up to and including EOS)
     is_truncated: torch.Tensor  # [N] bool, True when the completion hit max_completion_length
     prompt_truncated: torch.Tensor | None = None  # [N] bool, True where max_prompt_length cut the prompt
+    sampling_logps: torch.Tensor | None = None  # [N, C] the engine's log-probs of the sampled tokens (vllm backend)
 
     @property
     def completion_lengths(self) -> torch.Tensor:  # [N]
@@ -61,6 +62,7 @@ class Rollout:
             completion_mask=self.completion_mask[rows],
             is_truncated=self.is_truncated[rows],
             prompt_truncated=None if self.prompt_truncated is None else self.prompt_truncated[rows],
+            sampling_logps=None if self.sampling_logps is None else self.sampling_logps[rows],
         )
 
     def trimmed(self, prompts: bool = True) -> "Rollout":
@@ -76,6 +78,7 @@ class Rollout:
             completion_mask=self.completion_mask[:, :completion_cols],
             is_truncated=self.is_truncated,
             prompt_truncated=self.prompt_truncated,
+            sampling_logps=None if self.sampling_logps is None else self.sampling_logps[:, :completion_cols],
         )
 
 
@@ -96,6 +99,11 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         is_truncated=torch.cat([r.is_truncated for r in rollouts]),
         prompt_truncated=(
             None if any(r.prompt_truncated is None for r in rollouts) else torch.cat([r.prompt_truncated for r in rollouts])
+        ),
+        sampling_logps=(
+            None
+            if any(r.sampling_logps is None for r in rollouts)
+            else torch.cat([pad(r.sampling_logps, completion_width, 0, False) for r in rollouts])
         ),
     )
 

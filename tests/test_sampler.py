@@ -255,10 +255,16 @@ def test_unsupported_options_and_models_fall_back_to_generate(chaotic_model, tin
     sliding = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     sliding.config.layer_types = ["full_attention", "sliding_attention"]
     assert "sliding_attention" in lit_sampler_unsupported(sliding, config(tokenizer, 1, do_sample=False))
-    with pytest.raises(ValueError, match="generation_backend must be one of .* got 'vllm'"):
-        generate_completions(model, tokenizer, PROMPTS, 2, generation_config, backend="vllm")
-    with pytest.raises(ValueError, match="model.generation_backend must be one of"):
-        GRPOModule(str(tiny_model_dir), rewards=[{"name": "char_fraction", "args": {"chars": "a"}}], generation_backend="vllm")
+    with pytest.raises(ValueError, match=r"generate_completions samples with \('lit', 'transformers'\), got 'sglang'"):
+        generate_completions(model, tokenizer, PROMPTS, 2, generation_config, backend="sglang")
+    rewards = [{"name": "char_fraction", "args": {"chars": "a"}}]
+    with pytest.raises(ValueError, match=r"model.generation_backend must be one of \('lit', 'transformers', 'vllm'\), got 'sglang'"):
+        GRPOModule(str(tiny_model_dir), rewards=rewards, generation_backend="sglang")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:  # without the extra, the vllm backend says how to get it
+        with pytest.raises(ValueError, match=r'model.generation_backend: vllm needs vLLM: pip install "lit-grpo\[vllm\]"'):
+            GRPOModule(str(tiny_model_dir), rewards=rewards, generation_backend="vllm")
 
 
 def test_module_warns_when_lit_sampler_falls_back(tiny_model_dir):

