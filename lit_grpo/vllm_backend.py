@@ -22,6 +22,7 @@ with the same ``generate`` / ``sync_weights`` / ``close`` methods.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import time
@@ -59,6 +60,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
 def require_vllm():
     """Import vllm, or raise an ImportError that names the extra to install."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not the engine's whole configuration at INFO
     try:
         import vllm
     except ImportError as error:  # pragma: no cover - depends on the environment
@@ -213,7 +215,9 @@ def build_engine(
         torch.set_num_threads(num_threads)
     threads = torch.get_num_threads()
     try:
-        with preserved_random_state():
+        # the chat template is not vLLM's business here (token ids in, token ids out)
+        no_chat_warmup = lambda message: message == "Chat template warmup failed"  # noqa: E731
+        with preserved_random_state(), _dropping_log_messages("vllm.renderers.base", no_chat_warmup):
             llm = vllm.LLM(**kwargs)
             if warmup:
                 _warmup(llm)
@@ -291,7 +295,8 @@ def _check_cpu_head_size(model_dir: Path) -> None:
     if head_dim not in CPU_ATTENTION_HEAD_SIZES:
         raise ConfigError(
             f"vLLM's CPU attention supports head sizes {CPU_ATTENTION_HEAD_SIZES}; model.model_name_or_path "
-            f"{str(model_dir)!r} has {head_dim} (model.generation_backend: vllm)"
+            f"{str(model_dir)!r} has {head_dim} (model.generation_backend: vllm); a tiny model that fits: "
+            "lit-grpo init-tiny DIR --num-heads 2"
         )
 
 
@@ -316,7 +321,15 @@ def push_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> floa
     warning names them), but a fused layer must receive all of its parts in one call.
     """
     start = time.perf_counter()
-    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True))
+    pushed: set[str] = set()
+    weights = ((pushed.add(name), (name, tensor))[1] for name, tensor in named_tensors)
+
+    def nothing_to_load(message: str) -> bool:  # "X: Failed to load weights" for a layer without any
+        layer = message.removesuffix(": Failed to load weights")
+        return layer != message and ("Rotary" in layer or (layer == "ParallelLMHead" and "lm_head.weight" not in pushed))
+
+    with _dropping_log_messages("vllm.model_executor.model_loader.reload.layerwise", nothing_to_load):
+        llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
     # A tied lm_head receives no weight of its own, so reload_weights does not re-run its
     # processing; on the CPU that processing prepacks the GEMM weight (oneDNN / sgl), and the
     # head would go on multiplying with the old embedding matrix.
@@ -324,6 +337,22 @@ def push_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> floa
     # prefix-cache blocks hold keys/values computed with the old weights
     llm.reset_prefix_cache()
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _dropping_log_messages(logger_name: str, drop) -> Iterator[None]:
+    """Drop the records of one of vLLM's loggers for which ``drop(message)`` is true, meanwhile."""
+
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not drop(record.getMessage())
+
+    logger, log_filter = logging.getLogger(logger_name), Drop()
+    logger.addFilter(log_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(log_filter)
 
 
 def _reprocess_tied_heads(model: torch.nn.Module) -> int:
