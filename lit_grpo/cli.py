@@ -3,6 +3,7 @@
 - ``lit-grpo fit|validate --config FILE [--key value ...]``: LightningCLI over :class:`GRPOModule`
   and :class:`GRPODataModule` (``--print_config`` shows the full resolved configuration).
 - ``lit-grpo rewards [--json]``: every installed reward with its package and version.
+- ``lit-grpo environments [--json]``: every installed environment, likewise.
 - ``lit-grpo init-tiny DIR``: a tiny random Llama model and character tokenizer for offline runs.
 - ``lit-grpo export CKPT DIR [--no-merge-lora] [--overwrite]``: a checkpoint's policy as a Hugging Face
   ``save_pretrained`` directory (LoRA merged, or as a peft adapter), with its tokenizer; given a peft
@@ -98,6 +99,8 @@ class GRPOCLI(LightningCLI):
             for spec in config.model.get(key) or []:
                 if isinstance(spec, Namespace | dict):
                     spec["name"] = reward_file_beside_config(spec["name"], config_dirs)
+        if config.model.get("tools"):  # tools are named like rewards
+            config.model.tools = [reward_file_beside_config(tool, config_dirs) for tool in config.model.tools]
         if self.subcommand in (None, "fit"):
             configure_checkpointing(config.trainer)
             use_step_progress_bar(config.trainer)
@@ -260,11 +263,11 @@ def _as_list(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> list[Rew
     return list(infos.values()) if isinstance(infos, Mapping) else list(infos)
 
 
-def format_rewards_table(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> str:
+def format_rewards_table(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo], what: str = "rewards") -> str:
     """An aligned plain-text table with columns NAME, PACKAGE, VERSION, DESCRIPTION."""
     rows = [(i.name, i.package, i.version, i.doc) for i in _as_list(infos)]
     if not rows:
-        return "No rewards installed. " + plugins.INSTALL_HINT
+        return f"No {what} installed. " + plugins.INSTALL_HINT.replace("Rewards come", f"{what.capitalize()} come")
     header = ("NAME", "PACKAGE", "VERSION", "DESCRIPTION")
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(3)]
     lines = [
@@ -298,6 +301,15 @@ def rewards_main(argv: list[str]) -> None:
     options = parser.parse_args(argv)
     infos = list(plugins.get_rewards().values())
     print(rewards_as_json(infos) if options.json else format_rewards_table(infos))
+
+
+def environments_main(argv: list[str]) -> None:
+    parser = CommandParser(prog="lit-grpo environments",
+                           description="List the installed environments (multi-turn tool use: model.environment).")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    options = parser.parse_args(argv)
+    infos = list(plugins.get_environments().values())
+    print(rewards_as_json(infos) if options.json else format_rewards_table(infos, "environments"))
 
 
 class PromptsCLI(GRPOCLI):
@@ -393,6 +405,7 @@ def completions_main(argv: list[str]) -> None:
 SUBCOMMANDS = {
     "init-tiny": init_tiny_main,
     "rewards": rewards_main,
+    "environments": environments_main,
     "export": export_main,
     "completions": completions_main,
     "prompts": prompts_main,
@@ -407,6 +420,7 @@ commands:
   fit          train: lit-grpo fit --config configs/quickstart.yaml [--key value ...]
   validate     sample and score the validation split: val/reward, val/pass@k, ...
   rewards      list the installed reward functions with their packages
+  environments list the installed environments (stateful tools for multi-turn rollouts)
   prompts      print the first prompts of a config exactly as the model sees them
   completions  show the completions a run logged at a step
   export       write a checkpoint's policy as a Hugging Face save_pretrained directory

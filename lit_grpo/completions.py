@@ -39,12 +39,21 @@ COMPLETIONS_FILE = "completions.jsonl"
 
 def as_text(value: Any) -> str:
     """A prompt or completion as text: a single message's content, or for a conversation each
-    message as ``role: content`` on its own line (so a system prompt shows)."""
+    message as ``role: content`` on its own line (so a system prompt shows), tool calls as
+    ``name(arguments)``."""
     if isinstance(value, list) and value and all(isinstance(message, dict) for message in value):
-        if len(value) == 1:
+        if len(value) == 1 and not value[0].get("tool_calls"):
             return str(value[0].get("content", ""))
-        return "\n".join(f"{message.get('role', '?')}: {message.get('content', '')}" for message in value)
+        return "\n".join(_message_text(message) for message in value)
     return str(value)
+
+
+def _message_text(message: dict) -> str:
+    parts = [str(message.get("content") or "")]
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call)
+        parts.append(f"[calls {function.get('name')}({json.dumps(function.get('arguments', {}), ensure_ascii=False)})]")
+    return f"{message.get('role', '?')}: " + " ".join(part for part in parts if part)
 
 
 def _number(value: float) -> float | None:

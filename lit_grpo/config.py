@@ -62,6 +62,10 @@ def check_settings(hp, generation_backends: tuple[str, ...]) -> None:
     for key in ("micro_batch_size", "logprob_micro_batch_size", "forward_token_budget"):
         if hp[key] is not None and hp[key] < 1:
             raise ConfigError(f"model.{key} must be at least 1 or null, got {hp[key]}")
+    if hp.get("max_tool_calling_iterations") is not None and hp.max_tool_calling_iterations < 0:
+        raise ConfigError(f"model.max_tool_calling_iterations must be at least 0 or null, got {hp.max_tool_calling_iterations}")
+    if hp.get("tool_timeout") is not None and hp.tool_timeout <= 0:
+        raise ConfigError(f"model.tool_timeout must be above 0 seconds or null, got {hp.tool_timeout}")
     if hp.generation_backend not in generation_backends:
         raise ConfigError(f"model.generation_backend must be one of {generation_backends}, got {hp.generation_backend!r}")
     if hp.loss_type not in algorithm.LOSS_TYPES:

@@ -40,6 +40,7 @@ __all__ = [
     "NO_CHAT_TEMPLATE",
     "SAMPLERS",
     "generate_completions",
+    "generate_from_ids",
     "generation_config",
     "render_prompts",
     "tokenize_prompts",
@@ -161,10 +162,28 @@ def generate_completions(
     backend: str = "lit",
 ) -> Rollout:
     """Sample ``num_generations`` completions for each prompt text with ``backend`` (see the module doc)."""
-    if backend not in SAMPLERS:
-        raise ConfigError(f"generate_completions samples with {tuple(SAMPLERS)}, got {backend!r} (vllm: lit_grpo.vllm_backend)")
     device = next(model.parameters()).device
     prompt_ids, prompt_mask, prompt_truncated = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)  # [B, P]
+    return generate_from_ids(
+        model, prompt_ids, prompt_mask, prompt_truncated, num_generations, generation_config, tokenizer.pad_token_id, backend
+    )
+
+
+def generate_from_ids(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    prompt_truncated: torch.Tensor,
+    num_generations: int,
+    generation_config: GenerationConfig,
+    pad_token_id: int,
+    backend: str = "lit",
+) -> Rollout:
+    """:func:`generate_completions` from left-padded prompt tokens ``[B, P]`` (a multi-turn rollout's
+    contexts are tokens: decoding and re-encoding them would not give the same tokens back)."""
+    if backend not in SAMPLERS:
+        raise ConfigError(f"generate_completions samples with {tuple(SAMPLERS)}, got {backend!r} (vllm: lit_grpo.vllm_backend)")
+    device = prompt_ids.device
     # Sample in eval mode: no dropout, and gradient checkpointing (active in training mode only)
     # would turn the KV cache off.
     was_training = model.training
@@ -175,7 +194,7 @@ def generate_completions(
     finally:
         model.train(was_training)
     completion_mask, is_truncated = completion_mask_from_ids(completion_ids, generation_config.eos_token_id)
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_token_id)
     repeated_ids, repeated_mask, repeated_truncated = (
         tensor.repeat_interleave(num_generations, dim=0) for tensor in (prompt_ids, prompt_mask, prompt_truncated)
     )  # [N, P], [N, P], [N]

@@ -6,6 +6,10 @@ A plugin module implements them with the ``lit_grpo.hookimpl`` marker and is fou
     @lit_grpo.hookimpl
     def register_rewards(register):
         register(my_reward)
+
+    @lit_grpo.hookimpl
+    def register_environments(register):
+        register(MyEnvironment, name="my_environment")
 """
 
 from __future__ import annotations
@@ -29,4 +33,14 @@ class Hookspecs:
         ``float | None`` per completion, or a class whose constructor takes the reward's YAML
         ``args`` and whose instances are such callables. ``name`` (the name used in YAML)
         defaults to ``obj.__name__``.
+        """
+
+    @hookspec
+    def register_environments(self, register: Callable[..., None]) -> None:
+        """Register environment classes for multi-turn rollouts (:mod:`lit_grpo.environments`).
+
+        Call ``register(cls, name=None)`` once per environment. Each rollout gets its own instance,
+        built from ``model.environment.args`` and the sample's columns its constructor names; its
+        public methods are the tools the policy may call, and an optional ``get_reward()`` scores
+        the rollout. ``name`` defaults to ``cls.__name__``.
         """

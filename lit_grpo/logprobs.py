@@ -273,7 +273,7 @@ class LogProbEngine:
         if entropy is None:
             return out.loss, {}
         stats = {
-            "entropy": algorithm.masked_mean(entropy, micro.completion_mask[:, :width]),
+            "entropy": algorithm.masked_mean(entropy, micro.policy_token_mask[:, :width]),  # tool tokens left out
             "clip_ratio/low_mean": out.clip.low,
             "clip_ratio/high_mean": out.clip.high,
             "clip_ratio/region_mean": out.clip.region,

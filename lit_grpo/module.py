@@ -21,7 +21,7 @@ So one ``training_step`` makes ``num_iterations * steps_per_generation`` optimiz
 ``trainer.max_steps`` counts optimizer steps, as in TRL. Optimization is manual
 (``automatic_optimization = False``) because one batch drives several optimizer steps. With
 ``dynamic_sampling`` steps 1-3 repeat on further prompts until the batch holds enough groups with a
-signal (:meth:`GRPOModule._dynamic_sampling`).
+signal (:mod:`lit_grpo.dynamic_sampling`).
 """
 
 from __future__ import annotations
@@ -40,11 +40,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from transformers import GenerationConfig
 
 from lit_grpo import algorithm, cpu, models
+from lit_grpo.agent import ToolUse
 from lit_grpo.callbacks import ValidateBeforeTraining
 from lit_grpo.checkpointing import RNGStateCheckpoint, check_no_weight_left_behind
 from lit_grpo.completions import log_step_completions, run_directory
 from lit_grpo.config import AsWritten, check_batch_sizes, check_settings
 from lit_grpo.data import PromptBatch
+from lit_grpo.dynamic_sampling import dynamic_sampling
 from lit_grpo.distributed import (
     data_parallel_mesh,
     gather_rows,
@@ -57,7 +59,7 @@ from lit_grpo.evaluation import ValidationMetrics
 from lit_grpo.generation import (
     GENERATION_BACKENDS,
     NO_CHAT_TEMPLATE,
-    generate_completions,
+    generate_from_ids,
     generation_config,
     render_prompts,
     tokenize_prompts,
@@ -162,6 +164,13 @@ class GRPOModule(pl.LightningModule):
             ``vllm_importance_sampling_mode`` (``token|sequence`` x ``truncate|mask``) within
             [``vllm_importance_sampling_clip_min``, ``vllm_importance_sampling_clip_max``] (TRL 1.16).
         chat_template_kwargs: ``apply_chat_template`` arguments (``lit-grpo fit``: ``data.chat_template_kwargs``).
+        tools: functions the policy may call, ``package.module:function`` or ``file.py:function``: multi-turn
+            rollouts (``lit_grpo.multi_turn``); with ``environment``: ``{name, args, weight}`` (or a list of
+            them), stateful tools from a plugin (``lit_grpo.environments``, ``lit-grpo environments``).
+        max_tool_calling_iterations: rounds of tool results per rollout; None: until the completion budget.
+        tool_timeout: seconds a tool call may take before the model reads a timeout error; None: no limit.
+        tool_call_parser: how tool calls are read: None (the tokenizer's parser, else ``hermes``),
+            ``hermes``, or ``package.module:function`` returning ``[{name, arguments}]``.
         optimizer: the ``optimizer:`` block, built once the policy exists; None: AdamW at lr 1e-6 (TRL's).
         lr_scheduler: the ``lr_scheduler:`` block; stepped after every optimizer step.
     """
@@ -228,6 +237,11 @@ class GRPOModule(pl.LightningModule):
         vllm_importance_sampling_clip_min: float | None = None,
         vllm_importance_sampling_clip_max: float | None = 3.0,
         chat_template_kwargs: dict[str, AsWritten] | None = None,
+        tools: list[str] | None = None,
+        environment: AsWritten | None = None,
+        max_tool_calling_iterations: int | None = None,
+        tool_timeout: float | None = 30.0,
+        tool_call_parser: str | None = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
     ):
@@ -250,6 +264,10 @@ class GRPOModule(pl.LightningModule):
         run_settings = {"max_completion_len": max_completion_length}
         self.scorer = RewardScorer(rewards, run_settings)
         self.eval_scorer = RewardScorer(eval_rewards, run_settings) if eval_rewards else self.scorer
+        self.tool_use = ToolUse.from_settings(self.hparams)  # multi-turn rollouts with tools, or None
+        clash = set(self.tool_use.reward_names if self.tool_use else []) & set(self.scorer.names)
+        if clash:
+            raise ConfigError(f"model.environment and model.rewards both name {sorted(clash)}: rename one")
         # validation metrics, reduced over every rank's prompts at the end of the validation epoch
         self.val_metrics = ValidationMetrics(sorted(set(eval_pass_k or [1, num_generations_eval or num_generations])))
         self.tokenizer = models.load_tokenizer(model_name_or_path)
@@ -493,10 +511,10 @@ class GRPOModule(pl.LightningModule):
         sampled = self._sample_and_score(batch, timings)
         dynamic_sampling_stats = None
         if training and hp.dynamic_sampling:
-            sampled, dynamic_sampling_stats = self._dynamic_sampling(sampled, timings)
+            sampled, dynamic_sampling_stats = dynamic_sampling(self, sampled, timings)
         rollout = sampled.rollout
 
-        loss_mask = rollout.completion_mask
+        loss_mask = rollout.policy_token_mask  # with tools: the tokens the policy generated
         if hp.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.is_truncated).unsqueeze(1).long()
         # dapo's (and cispo's) normaliser, as TRL 1.16 computes it: the real completion tokens of the
@@ -536,21 +554,19 @@ class GRPOModule(pl.LightningModule):
         if self.vllm is not None:
             timings["weight_sync"] = timings.get("weight_sync", 0.0) + self._sync_engine_weights()
         start = time.perf_counter()
-        rollout = self.generate(batch.prompts)
-        texts, completion_ids = decode_completions(self.tokenizer, rollout)
+        rollout = self.generate(batch.prompts, columns=batch.columns)
         timings["generate"] += time.perf_counter() - start
 
         # 2. Score them: every reward sees one prompt, one completion and one value of each column.
         start = time.perf_counter()
-        completions, rewards_per_func = score_groups(self.scorer, batch.prompts, batch.columns, texts, completion_ids, G)
-        rewards_per_func = rewards_per_func.to(self.device)  # [N, K]
+        completions, rewards_per_func = self._score(self.scorer, batch, rollout, G)  # [N, K]
         timings["rewards"] += time.perf_counter() - start
 
         # 3. Group-relative advantages. Groups never straddle ranks, but the rewards of every rank
         #    are gathered so that batch-level statistics (scale_rewards: batch, the logged reward
         #    metrics) describe the global batch; this rank keeps its own rows.
         all_rewards_per_func = gather_rows(rewards_per_func, self.all_gather)  # [world * N, K]
-        all_rewards = algorithm.combine_rewards(all_rewards_per_func, self.scorer.weights)  # [world * N]
+        all_rewards = algorithm.combine_rewards(all_rewards_per_func, self._reward_weights(self.scorer))  # [world * N]
         all_group = algorithm.group_advantages(all_rewards, G, hp.scale_rewards)
         N = rewards_per_func.size(0)
         local_rows = slice(self.global_rank * N, (self.global_rank + 1) * N)
@@ -563,76 +579,54 @@ class GRPOModule(pl.LightningModule):
             group=all_group.rows(local_rows),
         )
 
-    def _dynamic_sampling(self, sampled: SampledGroups, timings: dict[str, float]) -> tuple[SampledGroups, dict]:
-        """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): drop the groups whose rewards are
-        all equal (advantage 0, no gradient) and sample the next prompts of the data stream until this
-        batch holds ``batch_size`` informative groups on every rank, or ``max_generation_rounds``.
-
-        Every rank runs the same number of rounds (the stop decision is reduced over ranks) and keeps
-        exactly ``batch_size`` groups, topped up with uninformative ones when the rounds run out, so
-        every rank makes the same number of micro-batches and optimizer steps.
-        """
-        hp = self.hparams
-        G = hp.num_generations
-        wanted = len(sampled.prompts)
-        parts = [sampled]
-        rounds, seen, dropped = 1, len(sampled.prompts), int(sampled.informative_groups(G).logical_not().sum())
-        while True:
-            informative = sum(int(part.informative_groups(G).sum()) for part in parts)
-            done = torch.tensor(float(informative >= wanted or rounds >= hp.max_generation_rounds), device=self.device)
-            if float(self.trainer.strategy.reduce(done, reduce_op="min")) == 1.0:
-                break
-            batch = self._next_prompt_batch()
-            exhausted = torch.tensor(float(batch is None), device=self.device)
-            if float(self.trainer.strategy.reduce(exhausted, reduce_op="max")) == 1.0:
-                break  # the epoch's data ran out on some rank: train on what there is
-            part = self._sample_and_score(batch, timings)
-            parts.append(part)
-            rounds += 1
-            seen += len(part.prompts)
-            dropped += int(part.informative_groups(G).logical_not().sum())
-        # informative groups first (in sampling order), then uninformative ones to fill the batch
-        order = [(p, g) for p, part in enumerate(parts) for g in range(len(part.prompts)) if part.informative_groups(G)[g]]
-        order += [(p, g) for p, part in enumerate(parts) for g in range(len(part.prompts)) if not part.informative_groups(G)[g]]
-        selected = SampledGroups.concat([parts[p].group_slice(g, G) for p, g in order[:wanted]], self.tokenizer.pad_token_id)
-        totals = self.trainer.strategy.reduce(torch.tensor([float(dropped), float(seen)], device=self.device), reduce_op="sum")
-        stats = {"dropped_frac": totals[0] / totals[1].clamp(min=1.0), "rounds": torch.tensor(float(rounds))}
-        return selected, stats
-
-    def _next_prompt_batch(self) -> PromptBatch | None:
-        """The next batch of the training stream, or None at the end of the epoch (a consumed batch
-        counts in the data position that checkpoints save)."""
-        fetcher = self.trainer.fit_loop._data_fetcher
-        try:
-            batch, _, _ = next(fetcher)
-        except StopIteration:
-            return None
-        finally:
-            self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
-        return batch
-
     @torch.no_grad()
-    def generate(self, prompts: list, num_generations: int | None = None, config: GenerationConfig | None = None) -> Rollout:
+    def generate(self, prompts: list, num_generations: int | None = None, config: GenerationConfig | None = None,
+                 columns: dict[str, list] | None = None) -> Rollout:
         """Sample completions for each prompt (strings or chat messages): ``num_generations`` (default
-        G) with ``config`` (default the training sampling settings)."""
+        G) with ``config`` (default the training sampling settings); with tools, multi-turn rollouts
+        (``columns``: the prompts' dataset columns, which environments are built from)."""
         hp = self.hparams
+        G, config = num_generations or hp.num_generations, config or self.generation_config
+        if self.tool_use is not None:
+            conversations = self.tool_use.start(prompts, columns or {}, G, self.tokenizer, hp.max_prompt_length,
+                                                hp.chat_template_kwargs)
+            any_rank_active = lambda local: bool(self.trainer.strategy.reduce(  # noqa: E731
+                torch.tensor(float(local), device=self.device), reduce_op="max")) if self._trainer is not None else local
+            return self.tool_use.rollout(conversations, self._generate_ids, self.tokenizer, config, hp.max_completion_length,
+                                         hp.chat_template_kwargs, any_rank_active, self.device)
         texts = render_prompts(self.tokenizer, prompts, hp.chat_template_kwargs)
+        ids, mask, cut = tokenize_prompts(self.tokenizer, texts, hp.max_prompt_length, self.device)
+        return self._generate_ids(ids, mask, config, G, cut)
+
+    def _generate_ids(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
+                      num_generations: int = 1, prompt_truncated: torch.Tensor | None = None) -> Rollout | None:
+        """G completions of each left-padded prompt ``[B, P]`` with the configured backend (None for
+        no prompts: under FSDP2 the weights' gathering is still joined, as it is a collective)."""
+        prompt_truncated = torch.zeros(len(prompt_ids), dtype=torch.bool, device=self.device) if prompt_truncated is None else prompt_truncated
         if self.vllm is not None:
             self._sync_engine_weights()  # the weights of this step (nothing to do when already pushed)
-            ids, mask, cut = tokenize_prompts(self.tokenizer, texts, hp.max_prompt_length, self.device)
-            return self.vllm.generate(
-                ids, mask, cut, num_generations or hp.num_generations, config or self.generation_config, self.tokenizer.pad_token_id
-            )
+            if len(prompt_ids) == 0:
+                return None
+            return self.vllm.generate(prompt_ids, prompt_mask, prompt_truncated, num_generations, config, self.tokenizer.pad_token_id)
         with gathered_for_generation(self.policy):  # FSDP2: gather the weights once, not per token
-            return generate_completions(
-                self.policy,
-                self.tokenizer,
-                texts,
-                num_generations or hp.num_generations,
-                config or self.generation_config,
-                hp.max_prompt_length,
-                backend=hp.generation_backend,
-            )
+            if len(prompt_ids) == 0:
+                return None
+            return generate_from_ids(self.policy, prompt_ids, prompt_mask, prompt_truncated, num_generations, config,
+                                     self.tokenizer.pad_token_id, backend=self.hparams.generation_backend)
+
+    def _score(self, scorer: RewardScorer, batch: PromptBatch, rollout: Rollout, k: int) -> tuple[list, torch.Tensor]:
+        """The completions as the rewards saw them and ``[B * k, K]`` rewards: ``scorer``'s, then the
+        environments' (multi-turn rollouts)."""
+        texts, completion_ids = decode_completions(self.tokenizer, rollout)
+        completions, rewards_per_func = score_groups(scorer, batch.prompts, batch.columns, texts, completion_ids, k,
+                                                     rollout.conversations)
+        if self.tool_use is not None and self.tool_use.reward_names:
+            rewards_per_func = torch.cat([rewards_per_func, self.tool_use.environment_rewards(rollout.conversations)], dim=1)
+        return completions, rewards_per_func.to(self.device)
+
+    def _reward_weights(self, scorer: RewardScorer) -> torch.Tensor:  # [K + environments]
+        extra = self.tool_use.reward_weights if self.tool_use is not None else []
+        return torch.cat([scorer.weights, torch.tensor(extra, dtype=scorer.weights.dtype)]) if extra else scorer.weights
 
     def _sync_engine_weights(self) -> float:
         """Seconds spent pushing the policy's weights to the vllm engine (when they changed since)."""
@@ -668,10 +662,10 @@ class GRPOModule(pl.LightningModule):
         hp = self.hparams
         k = hp.num_generations_eval or hp.num_generations
         num_prompts = len(batch.prompts)
-        rollout = self.generate(batch.prompts, k, self.eval_generation_config)
-        texts, completion_ids = decode_completions(self.tokenizer, rollout)
-        _, rewards_per_func = score_groups(self.eval_scorer, batch.prompts, batch.columns, texts, completion_ids, k)
-        rewards = algorithm.combine_rewards(rewards_per_func.to(self.device), self.eval_scorer.weights).view(num_prompts, k)  # [B, k]
+        rollout = self.generate(batch.prompts, k, self.eval_generation_config, batch.columns)
+        texts, _ = decode_completions(self.tokenizer, rollout)
+        _, rewards_per_func = self._score(self.eval_scorer, batch, rollout, k)
+        rewards = algorithm.combine_rewards(rewards_per_func, self._reward_weights(self.eval_scorer)).view(num_prompts, k)  # [B, k]
         answers = [[" ".join(text.split()) for text in texts[b * k : (b + 1) * k]] for b in range(num_prompts)]
         self.val_metrics.add_batch(
             rewards, answers, hp.eval_success_threshold, lambda value: self.trainer.strategy.reduce(value, reduce_op="min")
@@ -686,7 +680,11 @@ class GRPOModule(pl.LightningModule):
     def _rollout_metrics(self, scored: ScoredRollout) -> dict[str, torch.Tensor]:
         """Statistics of the generation batch over all ranks (identical on every rank), with how
         many samples each reward failed on (``rewards/<name>/errors``)."""
-        metrics = rollout_statistics(scored, self.scorer.names, self.all_gather)
+        tool_use_rewards = self.tool_use.reward_names if self.tool_use is not None else []
+        metrics = rollout_statistics(scored, self.scorer.names + tool_use_rewards, self.all_gather)
+        if scored.rollout.conversations is not None:
+            metrics.update(self.tool_use.metrics(scored.rollout.conversations,
+                                                 lambda value: self.trainer.strategy.reduce(value.to(self.device), reduce_op="sum")))
         if metrics["prompts/truncated_frac"] > 0 and not self._warned_prompt_truncation:
             self._warned_prompt_truncation = True
             rank_zero_warn(

@@ -65,8 +65,12 @@ __all__ = [
     "PluginLoadWarning",
     "RewardArgumentError",
     "RewardInfo",
+    "UnknownEnvironmentError",
     "UnknownRewardError",
+    "get_environment",
+    "get_environments",
     "get_plugin_manager",
+    "load_object",
     "get_plugins",
     "get_reward",
     "get_rewards",
@@ -111,6 +115,10 @@ class UnknownRewardError(UserError, ValueError):
     """No installed plugin registered a reward of this name."""
 
 
+class UnknownEnvironmentError(UserError, ValueError):
+    """No installed plugin registered an environment of this name."""
+
+
 class RewardArgumentError(UserError, ValueError):
     """A reward's YAML ``args`` do not fit its constructor or function signature."""
 
@@ -153,6 +161,7 @@ class PluginInfo:
     version: str
     rewards: list[str] = field(default_factory=list)
     error: str | None = None  # why it failed to load, if it did
+    environments: list[str] = field(default_factory=list)
 
 
 def _package_label(package: str, version: str) -> str:
@@ -198,9 +207,11 @@ class _Registry:
         self.sources: dict[str, _Source] = {}  # pluggy plugin name -> source
         self.failures: dict[str, tuple[_Source, str]] = {}  # plugin name -> (source, message)
         self.entry_points_loaded = False
-        self.rewards: dict[str, RewardInfo] | None = None
-        self.rewards_key: tuple | None = None  # identity of the hookimpls `rewards` was built from
-        self.rewards_by_plugin: dict[str, list[str]] = {}
+        # per kind ("reward", "environment"): name -> RewardInfo, the identity of the hookimpls it
+        # was built from, and the names each plugin registered
+        self.items: dict[str, dict[str, RewardInfo]] = {}
+        self.items_key: dict[str, tuple] = {}
+        self.by_plugin: dict[str, dict[str, list[str]]] = {"reward": {}, "environment": {}}
         self.quiet = False  # strict mode raises instead of warning
 
 
@@ -322,13 +333,13 @@ def _register(reg: _Registry, plugin: Any, source: _Source) -> None:
         else f"plugin {source.package}"
     )
     if unknown:
-        hint = difflib.get_close_matches(unknown[0], ["register_rewards"], n=1)
+        hint = difflib.get_close_matches(unknown[0], ["register_rewards", "register_environments"], n=1)
         _record_failure(
             reg,
             source,
             f"lit-grpo {where} implements unknown hook(s) {', '.join(unknown)}"
             + (f" (did you mean {hint[0]}?)" if hint else "")
-            + "; the only hook is register_rewards(register)",
+            + "; the hooks are register_rewards(register) and register_environments(register)",
         )
         return
     try:
@@ -337,7 +348,7 @@ def _register(reg: _Registry, plugin: Any, source: _Source) -> None:
         _record_failure(reg, source, f"lit-grpo {where} is not a valid plugin: {exc}")
         return
     reg.sources[name] = source
-    reg.rewards = None
+    reg.items.clear()
 
 
 def _source_for(reg: _Registry, plugin_name: str, plugin: Any) -> _Source:
@@ -349,11 +360,18 @@ def _source_for(reg: _Registry, plugin_name: str, plugin: Any) -> _Source:
 
 
 def _collect_rewards(reg: _Registry) -> dict[str, RewardInfo]:
-    impls = reg.pm.hook.register_rewards.get_hookimpls()
+    return _collect(reg, "reward")
+
+
+def _collect(reg: _Registry, kind: str) -> dict[str, RewardInfo]:
+    """Call every plugin's ``register_<kind>s`` hook (once per set of plugins) and index what they
+    registered by name; ``kind`` is ``reward`` or ``environment``."""
+    impls = getattr(reg.pm.hook, f"register_{kind}s").get_hookimpls()
     key = tuple((impl.plugin_name, id(impl.plugin)) for impl in impls)
-    if reg.rewards is not None and reg.rewards_key == key:
-        return reg.rewards
-    rewards: dict[str, RewardInfo] = {}
+    if kind in reg.items and reg.items_key.get(kind) == key:
+        return reg.items[kind]
+    Kind = kind.capitalize()
+    items: dict[str, RewardInfo] = {}
     by_plugin: dict[str, list[str]] = {}
     for impl in impls:
         source = _source_for(reg, impl.plugin_name, impl.plugin)
@@ -362,36 +380,23 @@ def _collect_rewards(reg: _Registry) -> dict[str, RewardInfo]:
         mine: dict[str, RewardInfo] = {}
 
         def register(obj: Any, name: str | None = None, *, _mine=mine, _source=source) -> None:
+            label = _package_label(_source.package, _source.version)
             if not callable(obj):
-                raise PluginError(
-                    f"plugin {_package_label(_source.package, _source.version)} registered "
-                    f"{obj!r}, which is not callable; register a function or a class"
-                )
+                what = "a class" if kind == "environment" else "a function or a class"
+                raise PluginError(f"plugin {label} registered {obj!r}, which is not callable; register {what}")
             if name is None:
                 name = getattr(obj, "__name__", None)
                 if not name:
-                    raise PluginError(
-                        f"plugin {_package_label(_source.package, _source.version)} registered "
-                        f"{obj!r}, which has no __name__; pass register(obj, name='...')"
-                    )
+                    raise PluginError(f"plugin {label} registered {obj!r}, which has no __name__; pass register(obj, name='...')")
             if not isinstance(name, str) or not name.strip() or name != name.strip():
                 raise PluginError(
-                    f"plugin {_package_label(_source.package, _source.version)} registered a reward "
-                    f"with invalid name {name!r}; names are non-empty strings without surrounding "
-                    "whitespace"
+                    f"plugin {label} registered a {kind} with invalid name {name!r}; names are non-empty strings "
+                    "without surrounding whitespace"
                 )
             if name in _mine:
-                raise DuplicateRewardError(
-                    f"Reward '{name}' is registered twice by plugin package "
-                    f"{_package_label(_source.package, _source.version)}"
-                )
-            _mine[name] = RewardInfo(
-                name=name,
-                obj=obj,
-                package=_source.package,
-                version=_source.version,
-                doc=_first_doc_line(obj),
-            )
+                raise DuplicateRewardError(f"{Kind} '{name}' is registered twice by plugin package {label}")
+            _mine[name] = RewardInfo(name=name, obj=obj, package=_source.package, version=_source.version,
+                                     doc=_first_doc_line(obj))
 
         try:
             impl.function(**{arg: register for arg in impl.argnames})
@@ -402,24 +407,24 @@ def _collect_rewards(reg: _Registry) -> dict[str, RewardInfo]:
                 reg,
                 source,
                 f"lit-grpo plugin {_package_label(source.package, source.version)} "
-                f"(register_rewards in {getattr(impl.plugin, '__name__', impl.plugin_name)}) "
+                f"(register_{kind}s in {getattr(impl.plugin, '__name__', impl.plugin_name)}) "
                 f"raised {type(exc).__name__}: {exc}",
             )
             continue
         for name, info in mine.items():
-            if name in rewards:
-                other = rewards[name]
+            if name in items:
+                other = items[name]
                 raise DuplicateRewardError(
-                    f"Reward '{name}' is registered by two plugin packages: {other.label} and "
+                    f"{Kind} '{name}' is registered by two plugin packages: {other.label} and "
                     f"{info.label}. Uninstall one of them, or load only one with "
                     f"{PLUGINS_ENV}=<package>[,<package>...]."
                 )
-            rewards[name] = info
+            items[name] = info
         by_plugin[impl.plugin_name] = sorted(mine)
-    reg.rewards = dict(sorted(rewards.items()))
-    reg.rewards_key = key
-    reg.rewards_by_plugin = by_plugin
-    return reg.rewards
+    reg.items[kind] = dict(sorted(items.items()))
+    reg.items_key[kind] = key
+    reg.by_plugin[kind] = by_plugin
+    return reg.items[kind]
 
 
 def load_plugins(strict: bool | None = None) -> pluggy.PluginManager:
@@ -436,7 +441,8 @@ def load_plugins(strict: bool | None = None) -> pluggy.PluginManager:
         reg.quiet = strict
         try:
             _load_entry_points(reg)
-            _collect_rewards(reg)
+            _collect(reg, "reward")
+            _collect(reg, "environment")
         finally:
             reg.quiet = False
         if reg.failures and strict:
@@ -480,7 +486,7 @@ def unregister_plugin(plugin: Any) -> None:
             return
         reg.pm.unregister(plugin)
         reg.sources.pop(name, None)
-        reg.rewards = None
+        reg.items.clear()
 
 
 def get_rewards() -> dict[str, RewardInfo]:
@@ -488,6 +494,30 @@ def get_rewards() -> dict[str, RewardInfo]:
     with _lock:
         load_plugins()
         return dict(_collect_rewards(_get_registry()))
+
+
+def get_environments() -> dict[str, RewardInfo]:
+    """Every installed environment (``register_environments``), by name (sorted)."""
+    with _lock:
+        load_plugins()
+        return dict(_collect(_get_registry(), "environment"))
+
+
+def get_environment(name: str) -> Any:
+    """The class of the installed environment called ``name``; :class:`UnknownEnvironmentError`
+    lists the installed ones. A ``package.module:Class`` or ``file.py:Class`` name loads it from there."""
+    if ":" in name:
+        obj, _ = load_object(name, "environment", UnknownEnvironmentError)
+        return obj
+    environments = get_environments()
+    if name in environments:
+        return environments[name].obj
+    close = difflib.get_close_matches(name, list(environments), n=1)
+    listing = ", ".join(f"{info.name} ({info.label})" for info in environments.values()) or "none"
+    raise UnknownEnvironmentError(
+        f"Unknown environment {name!r}." + (f" Did you mean {close[0]!r}?" if close else "")
+        + f" Installed environments: {listing} (`lit-grpo environments` lists them)."
+    )
 
 
 def get_plugins() -> list[PluginInfo]:
@@ -501,7 +531,8 @@ def get_plugins() -> list[PluginInfo]:
                 continue
             source = _source_for(reg, name, plugin)
             out.append(
-                PluginInfo(source.name, source.package, source.version, list(reg.rewards_by_plugin.get(name, [])))
+                PluginInfo(source.name, source.package, source.version, list(reg.by_plugin["reward"].get(name, [])),
+                           environments=list(reg.by_plugin["environment"].get(name, [])))
             )
         for source, message in reg.failures.values():
             out.append(PluginInfo(source.name, source.package, source.version, [], message))
@@ -554,47 +585,53 @@ _FUNCTION_REWARDS: dict[str, RewardInfo] = {}  # ``module:function`` / ``file.py
 
 def _function_reward(name: str) -> RewardInfo:
     """A reward named by where its function is: ``package.module:function`` or ``file.py:function``."""
-    if name in _FUNCTION_REWARDS:
-        return _FUNCTION_REWARDS[name]
+    if name not in _FUNCTION_REWARDS:
+        obj, package = load_object(name, "reward", UnknownRewardError)
+        _FUNCTION_REWARDS[name] = RewardInfo(name=name, obj=obj, package=package, version="", doc=_first_doc_line(obj))
+    return _FUNCTION_REWARDS[name]
+
+
+def load_object(name: str, what: str, error: type[Exception] = UserError) -> tuple[Any, str]:
+    """The callable ``name`` points at, ``package.module:function`` (imported) or
+    ``path/to/file.py:function`` (loaded from that file, relative to the working directory), and
+    the module or file it came from. ``what`` (reward, tool, ...) names it in ``error``'s message."""
     where, _, function = name.rpartition(":")
     if not where or not function.isidentifier():
-        raise UnknownRewardError(
-            f"reward {name!r} names a function as 'package.module:function' or 'path/to/file.py:function'; "
+        raise error(
+            f"{what} {name!r} names a function as 'package.module:function' or 'path/to/file.py:function'; "
             f"{function!r} is not a function name"
         )
     is_file = where.endswith(".py") or os.sep in where or "/" in where
     if is_file:
         path = os.path.abspath(os.path.expanduser(where))
         if not os.path.isfile(path):
-            raise UnknownRewardError(f"reward {name!r}: no file {where!r} (looked for {path})")
+            raise error(f"{what} {name!r}: no file {where!r} (looked for {path})")
         module_name = "lit_grpo_reward_file_" + re.sub(r"\W", "_", path)
-        spec = importlib_util.spec_from_file_location(module_name, path)
-        module = importlib_util.module_from_spec(spec)
-        sys.modules[module_name] = module  # so its functions pickle by reference in this process
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[module_name]
-            raise UnknownRewardError(f"reward {name!r}: running {path} raised {type(exc).__name__}: {exc}") from exc
+        module = sys.modules.get(module_name)
+        if module is None:
+            spec = importlib_util.spec_from_file_location(module_name, path)
+            module = importlib_util.module_from_spec(spec)
+            sys.modules[module_name] = module  # so its functions pickle by reference in this process
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:
+                del sys.modules[module_name]
+                raise error(f"{what} {name!r}: running {path} raised {type(exc).__name__}: {exc}") from exc
         package = path
     else:
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
-            raise UnknownRewardError(f"reward {name!r}: cannot import module {where!r} ({exc})") from None
+            raise error(f"{what} {name!r}: cannot import module {where!r} ({exc})") from None
         package = where
     obj = getattr(module, function, None)
     if obj is None or not callable(obj):
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__)
         close = difflib.get_close_matches(function, public, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        what = "no function" if obj is None else "an attribute that is not callable:"
-        raise UnknownRewardError(
-            f"reward {name!r}: {where} has {what} {function!r}; {hint}its functions: {', '.join(public) or 'none'}"
-        )
-    info = RewardInfo(name=name, obj=obj, package=package, version="", doc=_first_doc_line(obj))
-    _FUNCTION_REWARDS[name] = info
-    return info
+        kind = "no function" if obj is None else "an attribute that is not callable:"
+        raise error(f"{what} {name!r}: {where} has {kind} {function!r}; {hint}its functions: {', '.join(public) or 'none'}")
+    return obj, package
 
 
 # --------------------------------------------------------------------------------------------------

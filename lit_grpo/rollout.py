@@ -48,10 +48,18 @@ class Rollout:
     is_truncated: torch.Tensor  # [N] bool, True when the completion hit max_completion_length
     prompt_truncated: torch.Tensor | None = None  # [N] bool, True where max_prompt_length cut the prompt
     sampling_logps: torch.Tensor | None = None  # [N, C] the engine's log-probs of the sampled tokens (vllm backend)
+    # multi-turn rollouts with tools (lit_grpo.multi_turn): [N, C] 1 on the tokens the policy
+    # generated, 0 on tool messages and template tokens between its turns; and each row's conversation
+    tool_mask: torch.Tensor | None = None
+    conversations: list | None = None  # [N] lit_grpo.multi_turn.Conversation
 
     @property
-    def completion_lengths(self) -> torch.Tensor:  # [N]
-        return self.completion_mask.sum(dim=1)
+    def policy_token_mask(self) -> torch.Tensor:  # [N, C] the tokens that count in the loss
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:  # [N] tokens the policy sampled (tool messages left out)
+        return self.policy_token_mask.sum(dim=1)
 
     def select(self, rows: torch.Tensor) -> "Rollout":
         """The rollout restricted to ``rows`` (a micro-batch)."""
@@ -63,6 +71,8 @@ class Rollout:
             is_truncated=self.is_truncated[rows],
             prompt_truncated=None if self.prompt_truncated is None else self.prompt_truncated[rows],
             sampling_logps=None if self.sampling_logps is None else self.sampling_logps[rows],
+            tool_mask=None if self.tool_mask is None else self.tool_mask[rows],
+            conversations=None if self.conversations is None else [self.conversations[i] for i in rows.tolist()],
         )
 
     def trimmed(self, prompts: bool = True) -> "Rollout":
@@ -79,6 +89,8 @@ class Rollout:
             is_truncated=self.is_truncated,
             prompt_truncated=self.prompt_truncated,
             sampling_logps=None if self.sampling_logps is None else self.sampling_logps[:, :completion_cols],
+            tool_mask=None if self.tool_mask is None else self.tool_mask[:, :completion_cols],
+            conversations=self.conversations,
         )
 
 
@@ -104,6 +116,14 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
             None
             if any(r.sampling_logps is None for r in rollouts)
             else torch.cat([pad(r.sampling_logps, completion_width, 0, False) for r in rollouts])
+        ),
+        tool_mask=(
+            None
+            if any(r.tool_mask is None for r in rollouts)
+            else torch.cat([pad(r.tool_mask, completion_width, 0, False) for r in rollouts])
+        ),
+        conversations=(
+            None if any(r.conversations is None for r in rollouts) else [c for r in rollouts for c in r.conversations]
         ),
     )
 
@@ -132,15 +152,20 @@ def as_completions(prompts: list, texts: list[str]) -> list:
 
 
 def score_groups(
-    scorer, group_prompts: list, group_columns: dict[str, list], texts: list[str], completion_ids: list[list[int]], k: int
+    scorer, group_prompts: list, group_columns: dict[str, list], texts: list[str], completion_ids: list[list[int]], k: int,
+    conversations: list | None = None,
 ) -> tuple[list, torch.Tensor]:
     """Score ``k`` completions of each of ``group_prompts`` with ``scorer`` (a
     ``lit_grpo.scoring.RewardScorer``): each prompt and each value of its dataset columns repeated
     for its k completions, as every reward sees one prompt, one completion and one value of each
-    column. Returns the completions as the rewards received them (:func:`as_completions`) and the
-    ``[B * k, K]`` reward matrix."""
+    column. Returns the completions as the rewards received them (:func:`as_completions`; for
+    multi-turn ``conversations``, the messages after the prompt) and the ``[B * k, K]`` reward matrix."""
     prompts = [prompt for prompt in group_prompts for _ in range(k)]
-    completions = as_completions(prompts, texts)
+    if conversations is not None:
+        prompts = [conversation.prompt for conversation in conversations]
+        completions = [conversation.messages for conversation in conversations]
+    else:
+        completions = as_completions(prompts, texts)
     columns = {name: [value for value in values for _ in range(k)] for name, values in group_columns.items()}
     return completions, scorer(prompts, completions, completion_ids, columns)
 

@@ -182,3 +182,15 @@ def gsm8k_file(write_jsonl):
         return write_jsonl(GSM8K_ROWS * copies, name="gsm8k.jsonl")
 
     return write
+
+
+@pytest.fixture(scope="session")
+def warm_tool_model(tmp_path_factory):
+    """examples/environment-plugin's warm-started tiny Qwen2 model (briefly trained on lookup
+    transcripts): it calls the `lookup` tool, so its rollouts are multi-turn."""
+    pytest.importorskip("lit_grpo_kv_lookup", reason="pip install -e examples/environment-plugin (README: Tests)")
+    path = tmp_path_factory.mktemp("tiny-kv-model")
+    from lit_grpo_kv_lookup.warm_start import main as warm_start
+
+    warm_start([str(path), "--steps", "150", "--hidden-size", "64"])
+    return path

@@ -16,6 +16,7 @@ new tokens and rank 1 decodes 24, and records the parameter all-gathers issued d
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import zlib
@@ -24,27 +25,26 @@ import torch
 import torch.distributed as dist
 
 
-def fixed_generate_completions(model, tokenizer, prompt_texts, num_generations, generation_config, max_prompt_length=None, backend=None):
-    """Completions that depend only on (prompt text, index in the group): random tokens from a
-    generator seeded by both, of a seeded length; those shorter than the maximum end with EOS."""
+def fixed_generate_from_ids(model, prompt_ids, prompt_mask, prompt_truncated, num_generations, generation_config,
+                            pad_token_id, backend=None, *, tokenizer):
+    """Completions that depend only on (prompt, index in the group): random tokens from a generator
+    seeded by both, of a seeded length; those shorter than the maximum end with EOS."""
     from lit_grpo.algorithm import completion_mask_from_ids
-    from lit_grpo.generation import tokenize_prompts
     from lit_grpo.rollout import Rollout
 
-    device = next(model.parameters()).device
-    prompt_ids, prompt_mask, _ = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)
     max_new = generation_config.max_new_tokens
     vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
     rows = []
-    for text in prompt_texts:
+    for ids, mask in zip(prompt_ids, prompt_mask):
+        text = tokenizer.decode(ids[mask.bool()].tolist())
         for j in range(num_generations):
             generator = torch.Generator().manual_seed(zlib.crc32(text.encode()) * 131 + j)
             length = int(torch.randint(1, max_new + 1, (1,), generator=generator))
             tokens = [vocab[int(k)] for k in torch.randint(len(vocab), (length,), generator=generator)]
             if length < max_new:
                 tokens[-1] = tokenizer.eos_token_id
-            rows.append(tokens + [tokenizer.pad_token_id] * (max_new - length))
-    completion_ids = torch.tensor(rows, device=device)  # [N, C]
+            rows.append(tokens + [pad_token_id] * (max_new - length))
+    completion_ids = torch.tensor(rows, device=prompt_ids.device)  # [N, C]
     completion_mask, is_truncated = completion_mask_from_ids(completion_ids, tokenizer.eos_token_id)
     return Rollout(
         prompt_ids.repeat_interleave(num_generations, 0),
@@ -52,6 +52,7 @@ def fixed_generate_completions(model, tokenizer, prompt_texts, num_generations, 
         completion_ids,
         completion_mask,
         is_truncated,
+        prompt_truncated.repeat_interleave(num_generations, 0),
     ).trimmed()
 
 
@@ -99,6 +100,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--fixed-completions", action="store_true")
     parser.add_argument("--generation-check", action="store_true")
+    parser.add_argument("--scripted-tools", action="store_true", help="sample with tests/scripted_policy.py")
     parser.add_argument("--ckpt-path", default=None, help="resume from this checkpoint")
     parser.add_argument(
         "--share-prompts-always", action="store_true",
@@ -125,8 +127,6 @@ def main() -> None:
     import lit_grpo.module
     from lit_grpo.cli import run_cli
 
-    if args.fixed_completions:
-        lit_grpo.module.generate_completions = fixed_generate_completions
     if args.share_prompts_always:
         lit_grpo.logprobs.FORWARD_OVERHEAD_TOKENS = 0
     if args.share_prompts_on_rank_0_only:  # RANK: set by torch.distributed.run
@@ -143,6 +143,12 @@ def main() -> None:
     cli = run_cli([*(arg for path in args.config for arg in ("--config", path)), *cli_args], run=False)
     cli.trainer.callbacks.append(RecordMetrics())
     module = cli.model
+    if args.fixed_completions:
+        lit_grpo.module.generate_from_ids = functools.partial(fixed_generate_from_ids, tokenizer=module.tokenizer)
+    if args.scripted_tools:
+        from scripted_policy import scripted_generate_from_ids
+
+        lit_grpo.module.generate_from_ids = functools.partial(scripted_generate_from_ids, tokenizer=module.tokenizer)
 
     if args.generation_check:
         generation_check(cli, module, args.out)

@@ -19,14 +19,16 @@ LAYERS = [
     ["lit_grpo", "lit_grpo.errors", "lit_grpo.algorithm", "lit_grpo.sampling_correction", "lit_grpo.config", "lit_grpo.evaluation",
      "lit_grpo.hookspecs", "lit_grpo.tiny"],
     # loading models, checkpoints, the plugin registry
-    ["lit_grpo.models", "lit_grpo.checkpointing", "lit_grpo.plugins"],
+    ["lit_grpo.models", "lit_grpo.checkpointing", "lit_grpo.plugins", "lit_grpo.tools"],
     # several processes; CPU-only tuning; a reward's settings, arguments and worker processes
     ["lit_grpo.distributed", "lit_grpo.cpu.allocator", "lit_grpo.cpu.attention", "lit_grpo.cpu.prepacked",
-     "lit_grpo.scoring.specs", "lit_grpo.scoring.arguments", "lit_grpo.scoring.pool"],
+     "lit_grpo.scoring.specs", "lit_grpo.scoring.arguments", "lit_grpo.scoring.pool", "lit_grpo.environments"],
     ["lit_grpo.cpu", "lit_grpo.rollout", "lit_grpo.reference", "lit_grpo.scoring.scorer", "lit_grpo.completions"],
     # what a step is built from
-    ["lit_grpo.shared_prompt", "lit_grpo.group_sampler", "lit_grpo.scoring", "lit_grpo.data", "lit_grpo.callbacks"],
+    ["lit_grpo.shared_prompt", "lit_grpo.group_sampler", "lit_grpo.scoring", "lit_grpo.data", "lit_grpo.callbacks",
+     "lit_grpo.multi_turn", "lit_grpo.dynamic_sampling"],
     ["lit_grpo.generation", "lit_grpo.logprobs"],
+    ["lit_grpo.agent"],
     ["lit_grpo.vllm_backend"],
     # the Lightning module, what is built on it, and the command
     ["lit_grpo.module"],

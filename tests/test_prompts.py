@@ -95,9 +95,9 @@ def test_training_validation_and_rewards_see_the_rendered_prompts(tmp_path, qwen
     seen_by_reward = []
     reward_plugin(record=lambda prompts, completions, **kw: (seen_by_reward.extend(prompts), [0.0] * len(prompts))[1])
     texts_sampled = []
-    generate = lit_grpo.module.generate_completions
-    monkeypatch.setattr(lit_grpo.module, "generate_completions",
-                        lambda model, tokenizer, texts, *a, **k: (texts_sampled.extend(texts), generate(model, tokenizer, texts, *a, **k))[1])
+    render = lit_grpo.module.render_prompts  # the texts that are tokenized and sampled from
+    monkeypatch.setattr(lit_grpo.module, "render_prompts",
+                        lambda *a, **k: (texts := render(*a, **k), texts_sampled.extend(texts))[0])
     data = {"prompt_template": "Solve: {question}\nAnswer in <answer></answer> tags.", "system_prompt": "You add numbers.",
             "chat_template_kwargs": {"enable_thinking": False}, "val_split": "train[2:4]"}
     cli = run_cli(["--config", str(fit_config(tmp_path, qwen3_style_dir, rows_file, data))], run=False)

@@ -450,6 +450,50 @@ def test_bfloat16_pushed_engine_equals_engine_loaded_from_disk(setup, tmp_path):
     assert len({tuple(c) for c in from_disk["sampled"]}) > 1
 
 
+TOOLS_SCRIPT = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, {example!r})
+import lit_grpo_kv_lookup
+from lit_grpo import plugins
+from lit_grpo.module import GRPOModule
+from lit_grpo_kv_lookup.warm_start import main as warm_start
+plugins.register_plugin(lit_grpo_kv_lookup, package="lit-grpo-kv-lookup")
+warm_start([{path!r}, "--steps", "150"])
+rows = [json.loads(line) for line in open({data!r})][:4]
+columns = {{"store": [r["store"] for r in rows], "key": [r["key"] for r in rows]}}
+prompts = [[{{"role": "user", "content": r["prompt"]}}] for r in rows]
+out = {{}}
+for backend in ("vllm", "transformers"):
+    module = GRPOModule({path!r}, [{{"name": "kv_answer"}}], generation_backend=backend, num_generations=2,
+                        max_completion_length=96, environment={{"name": "kv_lookup"}}, temperature_eval=0.0)
+    module.configure_model()
+    rollout = module.generate(prompts, 2, module.eval_generation_config, columns)
+    out[backend] = [dict(ids=c.token_ids, mask=c.tool_mask, messages=c.messages, logps=c.sampling_logps)
+                    for c in rollout.conversations]
+    if module.vllm is not None:
+        module.vllm.close()
+print(json.dumps(out))
+"""
+
+
+def test_multi_turn_tool_rollouts_with_vllm_equal_transformers_greedy(tmp_path):
+    """The example environment's warm-started tiny model (it calls the lookup tool) in a multi-turn
+    rollout, greedy: vLLM's conversations, token by token and loss mask, equal transformers' (a
+    subprocess: another model, another engine)."""
+    script = TOOLS_SCRIPT.format(example=str(REPO / "examples/environment-plugin"), path=str(tmp_path / "kv-model"),
+                                 data=str(REPO / "configs/data/kv_lookup.jsonl"))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for engine, reference in zip(out["vllm"], out["transformers"]):
+        assert engine["ids"] == reference["ids"] and engine["mask"] == reference["mask"]
+        assert engine["messages"] == reference["messages"]
+    assert any(message["role"] == "tool" for row in out["vllm"] for message in row["messages"])
+    for row in out["vllm"]:  # no engine log-prob on the tool's tokens
+        assert all(logp == 0.0 for logp, own in zip(row["logps"], row["mask"]) if not own)
+
+
 # ----------------------------------------------------------------------------------------------
 # lit-grpo fit with the vllm backend, as users run it: one process learns; two processes (gloo)
 # under DDP and FSDP2, each with its own engine
