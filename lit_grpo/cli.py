@@ -267,7 +267,10 @@ def format_rewards_table(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo],
     """An aligned plain-text table with columns NAME, PACKAGE, VERSION, DESCRIPTION."""
     rows = [(i.name, i.package, i.version, i.doc) for i in _as_list(infos)]
     if not rows:
-        return f"No {what} installed. " + plugins.INSTALL_HINT.replace("Rewards come", f"{what.capitalize()} come")
+        if what == "environments":
+            return ("No environments installed. Environments come from plugin packages' register_environments hook: "
+                    "install one (e.g. `pip install -e examples/environment-plugin` from a lit-grpo checkout).")
+        return "No rewards installed. " + plugins.INSTALL_HINT
     header = ("NAME", "PACKAGE", "VERSION", "DESCRIPTION")
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(3)]
     lines = [

@@ -98,7 +98,7 @@ ignore_expected_lightning_warnings()
 class GRPOModule(pl.LightningModule):
     """Group Relative Policy Optimization (Shao et al. 2024, arXiv:2402.03300) for a causal LM.
 
-    Every argument is a ``model:`` key of the config (README, Configuration reference).
+    Every argument is a ``model:`` key of the config (docs/configuration.md).
 
     Args:
         model_name_or_path: Hugging Face hub id or local directory of the policy (and tokenizer).

@@ -113,3 +113,13 @@ def test_readme_layout_names_every_module():
     files = {str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py")}
     assert sorted(files - listed) == [], "add these to the README's Layout section"
     assert sorted(listed - files) == [], "the README's Layout section names modules that do not exist"
+
+
+def test_configuration_reference_documents_every_model_key():
+    import inspect
+
+    from lit_grpo.module import GRPOModule
+
+    reference = (REPO / "docs" / "configuration.md").read_text()
+    keys = [name for name in inspect.signature(GRPOModule).parameters if name not in ("optimizer", "lr_scheduler")]
+    assert [key for key in keys if f"`{key}`" not in reference] == [], "add these keys to docs/configuration.md"

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lit_grpo.data import GRPODataModule
-from lit_grpo.generation import GENERATION_BACKENDS, generate_completions
+from lit_grpo.generation import SAMPLERS, generate_completions
 from lit_grpo.module import GRPOModule
 
 LOWERCASE = [{"name": "char_fraction", "args": {"chars": string.ascii_lowercase}}]
@@ -116,7 +116,7 @@ def x_then(tokenizer, token_id: int) -> dict:
     return {(colon, x): 100.0, (x, token_id): 100.0}
 
 
-@pytest.mark.parametrize("backend", GENERATION_BACKENDS)
+@pytest.mark.parametrize("backend", sorted(SAMPLERS))  # vllm: tests/test_vllm.py
 def test_sampling_stops_at_every_eos_id_of_the_generation_config(tiny_qwen2_dir, backend):
     """The tiny Qwen2 model's generation config lists <|im_end|> (the tokenizer's EOS) and
     <|endoftext|>; a completion that emits <|endoftext|> has ended: its mask stops there and it is

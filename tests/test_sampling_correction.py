@@ -88,8 +88,8 @@ def test_the_step_reweights_an_engines_samples_and_logs_how_far_it_is(tiny_model
     sample = module.generate
     seen = []
 
-    def generate_with_engine_logps(prompts, *args):
-        rollout = sample(prompts, *args)
+    def generate_with_engine_logps(prompts, *args, **kwargs):
+        rollout = sample(prompts, *args, **kwargs)
         trainer = module.logprobs.logps_no_grad(module.policy, rollout)
         rollout.sampling_logps = (trainer - 0.05) * rollout.completion_mask
         seen.append(rollout)

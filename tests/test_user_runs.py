@@ -125,11 +125,13 @@ HUB_ARCHITECTURES = {"Qwen/Qwen2.5-0.5B-Instruct": "qwen2", "Qwen/Qwen2.5-7B-Ins
 HUB_DATA = {"openai/gsm8k": GSM8K_ROWS}
 
 
-def recipe_overrides(recipe: dict, tmp_path: Path, tiny_model_dir: Path, tiny_qwen2_dir: Path) -> dict:
+def recipe_overrides(recipe: dict, tmp_path: Path, tiny_model_dir: Path, tiny_qwen2_dir: Path, request) -> dict:
     """What must change for a recipe to run here: hub model and data, GPU, 8 processes; and size."""
     model = recipe["model"]["model_name_or_path"]
     if model == "./tiny-model":
         model_dir = tiny_model_dir
+    elif model == "./tiny-kv-model":  # the tools quickstart's warm-started model (examples/environment-plugin)
+        model_dir = request.getfixturevalue("warm_tool_model")
     else:
         assert model in HUB_ARCHITECTURES, f"add the architecture of {model} to HUB_ARCHITECTURES"
         model_dir = {"qwen2": tiny_qwen2_dir}[HUB_ARCHITECTURES[model]]
@@ -144,15 +146,17 @@ def recipe_overrides(recipe: dict, tmp_path: Path, tiny_model_dir: Path, tiny_qw
     sharded = isinstance(recipe["trainer"].get("strategy"), dict)
     if sharded:
         trainer.update(devices=2, strategy={**recipe["trainer"]["strategy"], "init_args": {**recipe["trainer"]["strategy"]["init_args"], "data_parallel_size": 2}})
-    # CPU time: short completions, 2 prompts per process
-    model_overrides = {"model_name_or_path": str(model_dir), "max_completion_length": min(recipe["model"]["max_completion_length"], 24)}
+    # CPU time: short completions (not where tool calls need the room), 2 prompts per process
+    uses_tools = recipe["model"].get("tools") or recipe["model"].get("environment")
+    length = recipe["model"]["max_completion_length"] if uses_tools else min(recipe["model"]["max_completion_length"], 24)
+    model_overrides = {"model_name_or_path": str(model_dir), "max_completion_length": length}
     return {"trainer": trainer, "model": model_overrides, "data": {**data_overrides, "batch_size": 2}}
 
 
 @pytest.mark.parametrize("recipe_name", RECIPES)
-def test_shipped_recipe_trains(tmp_path, tiny_model_dir, tiny_qwen2_dir, recipe_name):
+def test_shipped_recipe_trains(tmp_path, tiny_model_dir, tiny_qwen2_dir, recipe_name, request):
     recipe = yaml.safe_load((REPO / "configs" / recipe_name).read_text())
-    overrides = recipe_overrides(recipe, tmp_path, tiny_model_dir, tiny_qwen2_dir)
+    overrides = recipe_overrides(recipe, tmp_path, tiny_model_dir, tiny_qwen2_dir, request)
     (tmp_path / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     processes = overrides["trainer"].get("devices", 1)
     script = [str(WORKER), "--config", str(REPO / "configs" / recipe_name), "--config", "overrides.yaml",
