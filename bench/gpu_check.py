@@ -140,21 +140,10 @@ def even_token_fraction(completions, completion_ids, **kwargs) -> list[float]:
 
 
 def register_check_reward() -> None:
-    import types
-
-    import lit_grpo
     from lit_grpo import plugins
 
-    if "even_token_fraction" in plugins.get_rewards():
-        return
-    module = types.ModuleType("gpu_check_rewards")
-
-    @lit_grpo.hookimpl
-    def register_rewards(register):
-        register(even_token_fraction)
-
-    module.register_rewards = register_rewards
-    plugins.register_plugin(module, package="bench.gpu_check")
+    if "even_token_fraction" not in plugins.get_rewards():
+        plugins.register_functions("bench.gpu_check", {"even_token_fraction": even_token_fraction})
 
 
 def short_fit(model_dir: Path, device: str, directory: Path, num_generations: int, completion_length: int, steps: int) -> dict:

@@ -81,13 +81,17 @@ class ToolUse:
         for index, prompt in enumerate(prompts):
             messages = prompt if is_conversational(prompt) else [{"role": "user", "content": prompt}]
             row_columns = {name: values[index] for name, values in columns.items()}
+            rendered: dict[tuple[str, ...], tuple[list[int], bool]] = {}  # the G rows share their tools
             for _ in range(num_generations):
                 name, instance, tools = self.environments.build(row_columns, index)
-                schemas = [tool.schema for tool in tools.values()]
-                text = render(tokenizer, messages, schemas, True, dict(chat_template_kwargs or {}))
-                ids, mask, cut = tokenize_prompts(tokenizer, [text], max_prompt_length, torch.device("cpu"))
+                if tuple(tools) not in rendered:
+                    schemas = [tool.schema for tool in tools.values()]
+                    text = render(tokenizer, messages, schemas, True, dict(chat_template_kwargs or {}))
+                    ids, mask, cut = tokenize_prompts(tokenizer, [text], max_prompt_length, torch.device("cpu"))
+                    rendered[tuple(tools)] = ids[0][mask[0].bool()].tolist(), bool(cut[0])
+                prompt_ids, truncated = rendered[tuple(tools)]
                 conversations.append(Conversation(
-                    prompt=messages, prompt_ids=ids[0][mask[0].bool()].tolist(), prompt_truncated=bool(cut[0]),
+                    prompt=messages, prompt_ids=list(prompt_ids), prompt_truncated=truncated,
                     tools=tools, environment=name, environment_instance=instance,
                 ))
         return conversations

@@ -75,8 +75,9 @@ class Environments:
         self.shared_tools = {tool.name: tool for tool in shared_tools}
         self._classes: dict[str, type] = {}
         self._method_schemas: dict[str, dict[str, dict]] = {}
+        self._parameters: dict[str, Mapping[str, inspect.Parameter]] = {}
         for spec in self.specs:
-            self._class(spec.name, "model.environment")
+            self._load(spec.name)
 
     @property
     def names(self) -> list[str]:
@@ -87,20 +88,20 @@ class Environments:
         """The configured environments that define ``get_reward``: one reward column each."""
         return [name for name in self.names if callable(getattr(self._classes[name], "get_reward", None))]
 
-    def _class(self, name: str, where: str) -> type:
-        if name not in self._classes:
-            cls = self.get_environment(name)
-            if not inspect.isclass(cls):
-                raise ConfigError(f"{where}: environment {name!r} is not a class")
-            schemas = {}
-            for method in environment_tool_methods(cls):
-                schemas[method] = make_tool(getattr(cls, method), f"environment {name!r}, method {method!r}").schema
-            clash = set(schemas) & set(self.shared_tools)
-            if clash:
-                raise ConfigError(f"environment {name!r} has tools named like model.tools: {sorted(clash)}")
-            self._classes[name] = cls
-            self._method_schemas[name] = schemas
-        return self._classes[name]
+    def _load(self, name: str) -> None:
+        """The class registered as ``name``, its tools' schemas and its constructor's parameters."""
+        cls = self.get_environment(name)
+        if not inspect.isclass(cls):
+            raise ConfigError(f"model.environment: environment {name!r} is not a class")
+        schemas = {}
+        for method in environment_tool_methods(cls):
+            schemas[method] = make_tool(getattr(cls, method), f"environment {name!r}, method {method!r}").schema
+        clash = set(schemas) & set(self.shared_tools)
+        if clash:
+            raise ConfigError(f"environment {name!r} has tools named like model.tools: {sorted(clash)}")
+        self._classes[name] = cls
+        self._method_schemas[name] = schemas
+        self._parameters[name] = inspect.signature(cls).parameters
 
     def build(self, columns: Mapping[str, Any], row: int) -> tuple[str | None, Any, dict[str, Tool]]:
         """``(environment name, instance, tools by name)`` for one sample (``columns``: its values)."""
@@ -118,7 +119,7 @@ class Environments:
         spec = self.specs[self.names.index(name)]
         cls = self._classes[name]
         args = dict(spec.args)
-        parameters = inspect.signature(cls).parameters
+        parameters = self._parameters[name]
         takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         for column, value in columns.items():
             if column != ENVIRONMENT_COLUMN and column not in args and (takes_all or column in parameters):

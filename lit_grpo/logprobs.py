@@ -234,9 +234,10 @@ class LogProbEngine:
         """The GRPO loss of the rows ``rows`` given their log-probs ``[n, C]`` (and entropy, for the
         statistics and ``top_entropy_quantile``; None skips both)."""
         hp = self.hp
-        micro = scored.rollout.select(rows)
         width = logps.size(1)
         loss_mask = scored.loss_mask[rows, :width]
+        sampling_logps = scored.rollout.sampling_logps  # [N, C] another engine's (vllm), or None
+        sampling_logps = sampling_logps[rows, :width] if sampling_logps is not None else None
         old_logps = scored.old_logps[rows, :width] if scored.old_logps is not None else logps.detach()
         ref_logps = scored.ref_logps[rows, :width] if scored.ref_logps is not None else None
         policy_mask = None
@@ -244,9 +245,9 @@ class LogProbEngine:
             all_entropies = gather_real_values(entropy.detach(), loss_mask, self.all_gather)
             policy_mask = algorithm.high_entropy_mask(entropy, loss_mask, hp.top_entropy_quantile, all_entropies)
         correction = None  # another engine sampled (vllm): its samples reweighted towards the trainer's policy
-        if micro.sampling_logps is not None and hp.vllm_importance_sampling_correction:
+        if sampling_logps is not None and hp.vllm_importance_sampling_correction:
             correction = sampling_correction(
-                old_logps, micro.sampling_logps[:, :width], loss_mask, hp.vllm_importance_sampling_mode,
+                old_logps, sampling_logps, loss_mask, hp.vllm_importance_sampling_mode,
                 hp.vllm_importance_sampling_clip_min, hp.vllm_importance_sampling_clip_max,
             )
         out = algorithm.grpo_loss(
@@ -273,15 +274,15 @@ class LogProbEngine:
         if entropy is None:
             return out.loss, {}
         stats = {
-            "entropy": algorithm.masked_mean(entropy, micro.policy_token_mask[:, :width]),  # tool tokens left out
+            "entropy": algorithm.masked_mean(entropy, scored.rollout.policy_token_mask[rows, :width]),  # tool tokens left out
             "clip_ratio/low_mean": out.clip.low,
             "clip_ratio/high_mean": out.clip.high,
             "clip_ratio/region_mean": out.clip.region,
         }
         if out.kl is not None:
             stats["kl"] = out.kl
-        if micro.sampling_logps is not None:
-            stats.update(sampling_statistics(old_logps, micro.sampling_logps[:, :width], loss_mask, correction))
+        if sampling_logps is not None:
+            stats.update(sampling_statistics(old_logps, sampling_logps, loss_mask, correction))
         return out.loss, stats
 
     def micro_batch_backward(

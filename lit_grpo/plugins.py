@@ -41,6 +41,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import itertools
 import os
 import re
 import sys
@@ -76,6 +77,7 @@ __all__ = [
     "get_rewards",
     "load_plugins",
     "register_plugin",
+    "register_functions",
     "reset_plugins",
     "unregister_plugin",
 ]
@@ -475,6 +477,35 @@ def register_plugin(plugin: Any, name: str | None = None, *, package: str | None
         new = [reg.failures[n][1] for n in reg.failures if n not in before]
         if new:
             raise PluginError(new[0])
+
+
+def register_functions(package: str, rewards: Mapping[str, Any] | None = None,
+                       environments: Mapping[str, Any] | None = None, version: str = "") -> Any:
+    """Register ``rewards`` (name -> function or class) and ``environments`` (name -> class) as one
+    plugin attributed to ``package``, without a distribution (notebooks, tests, benchmarks). Returns
+    the plugin module; :func:`unregister_plugin` undoes it."""
+    import types
+
+    from lit_grpo import hookimpl
+
+    module = types.ModuleType("lit_grpo_functions_" + re.sub(r"\W", "_", package) + f"_{next(_function_plugins)}")
+
+    @hookimpl
+    def register_rewards(register):
+        for name, obj in (rewards or {}).items():
+            register(obj, name=name)
+
+    @hookimpl
+    def register_environments(register):
+        for name, obj in (environments or {}).items():
+            register(obj, name=name)
+
+    module.register_rewards, module.register_environments = register_rewards, register_environments
+    register_plugin(module, package=package, version=version)
+    return module
+
+
+_function_plugins = itertools.count()
 
 
 def unregister_plugin(plugin: Any) -> None:

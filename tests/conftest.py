@@ -81,6 +81,23 @@ def logps_entropy_grads(module, rollout, **hparams):
 
 
 @pytest.fixture
+def fresh_cli(monkeypatch):
+    """The ``lit-grpo`` command as a user starts it: no arguments of pytest's in ``sys.argv`` (which
+    LightningCLI would warn about), no plugin filter or traceback switch from the environment, and
+    plugins discovered afresh."""
+    import sys
+
+    from lit_grpo import plugins
+
+    monkeypatch.setattr(sys, "argv", ["lit-grpo"])
+    monkeypatch.delenv("LIT_GRPO_PLUGINS", raising=False)
+    monkeypatch.delenv("LIT_GRPO_TRACEBACK", raising=False)
+    plugins.reset_plugins()
+    yield
+    plugins.reset_plugins()
+
+
+@pytest.fixture
 def fast_trainer():
     """``fast_trainer(**overrides) -> lightning Trainer``: :func:`cpu_trainer`."""
     return cpu_trainer
@@ -93,9 +110,6 @@ def reward_plugin(monkeypatch):
     They are registered with ``lit_grpo.plugins.register_plugin`` as a plugin module attributed to the
     package ``test-rewards``; the registry is reset before and after the test.
     """
-    import types
-
-    import lit_grpo
     from lit_grpo import plugins
 
     monkeypatch.delenv("LIT_GRPO_PLUGINS", raising=False)
@@ -103,17 +117,8 @@ def reward_plugin(monkeypatch):
     registered = []
 
     def register(**rewards):
-        module = types.ModuleType(f"lit_grpo_test_rewards_{len(registered)}")
-
-        @lit_grpo.hookimpl
-        def register_rewards(register):
-            for name, obj in rewards.items():
-                register(obj, name=name)
-
-        module.register_rewards = register_rewards
-        plugins.register_plugin(module, package="test-rewards")
-        registered.append(module)
-        return module
+        registered.append(plugins.register_functions("test-rewards", rewards))
+        return registered[-1]
 
     yield register
     for module in registered:

@@ -59,9 +59,6 @@ def fixed_generate_from_ids(model, prompt_ids, prompt_mask, prompt_truncated, nu
 def register_gated_reward() -> None:
     """``gated``: 0.5 for every completion of a prompt "Say x N:" with N a multiple of 3 (a group with
     no signal), otherwise the fraction of the completion's characters in a-m."""
-    import types
-
-    import lit_grpo
     from lit_grpo import plugins
 
     def gated(prompts, completions, **kwargs):
@@ -71,14 +68,7 @@ def register_gated_reward() -> None:
             values.append(0.5 if number % 3 == 0 else sum(c in "abcdefghijklm" for c in completion) / max(len(completion), 1))
         return values
 
-    module = types.ModuleType("distributed_worker_rewards")
-
-    @lit_grpo.hookimpl
-    def register_rewards(register):
-        register(gated)
-
-    module.register_rewards = register_rewards
-    plugins.register_plugin(module, package="distributed-worker")
+    plugins.register_functions("distributed-worker", {"gated": gated})
 
 
 def full_policy_state(module) -> dict[str, torch.Tensor]:

@@ -6,14 +6,12 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from lit_grpo import plugins
 from lit_grpo.cli import GRPOCLI, main, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,14 +38,7 @@ DESIGN_MODEL_KEYS = [
 DESIGN_DATA_KEYS = ["path", "data_files", "prompt_column", "batch_size"]
 
 
-@pytest.fixture(autouse=True)
-def fresh_registry(monkeypatch):
-    # LightningCLI(args=...) warns when sys.argv also holds arguments (pytest's own).
-    monkeypatch.setattr(sys, "argv", ["lit-grpo"])
-    monkeypatch.delenv("LIT_GRPO_PLUGINS", raising=False)
-    plugins.reset_plugins()
-    yield
-    plugins.reset_plugins()
+pytestmark = pytest.mark.usefixtures("fresh_cli")  # tests/conftest.py
 
 
 @pytest.fixture

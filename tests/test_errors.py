@@ -14,20 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lit_grpo import plugins
 from lit_grpo.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 LIT_GRPO = str(Path(sys.executable).with_name("lit-grpo"))
 
 
-@pytest.fixture(autouse=True)
-def fresh_registry(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["lit-grpo"])
-    monkeypatch.delenv("LIT_GRPO_TRACEBACK", raising=False)
-    plugins.reset_plugins()
-    yield
-    plugins.reset_plugins()
+pytestmark = pytest.mark.usefixtures("fresh_cli")  # tests/conftest.py
 
 
 @pytest.fixture

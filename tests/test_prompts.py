@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ import yaml
 from conftest import GSM8K_ROWS
 
 import lit_grpo.module
-from lit_grpo import plugins
 from lit_grpo.cli import main, run_cli
 from lit_grpo.data import GRPODataModule, PromptFormat
 
@@ -25,13 +23,7 @@ QWEN_SYSTEM = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You a
 THINKING_SWITCH = "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
 
 
-@pytest.fixture(autouse=True)
-def fresh_registry(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["lit-grpo"])
-    monkeypatch.delenv("LIT_GRPO_PLUGINS", raising=False)
-    plugins.reset_plugins()
-    yield
-    plugins.reset_plugins()
+pytestmark = pytest.mark.usefixtures("fresh_cli")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -79,3 +79,15 @@ def bystander():
     proc.kill()
     proc.wait()
     assert alive, "a bystander process of the machine was killed"
+
+
+def rss_kb() -> int:
+    """This process's resident memory in KiB (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0

@@ -20,7 +20,7 @@ import pytest
 
 from lit_grpo_rewards.code import code_execution, extract_code, parse_test_cases
 from lit_grpo_rewards.sandbox import UID_RANGE, run_in_sandbox, sandbox_layers
-from sandbox_fixtures import sandbox_tmp  # noqa: F401 - a fixture
+from sandbox_fixtures import rss_kb, sandbox_tmp  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the code sandbox needs Linux")
 
@@ -35,12 +35,6 @@ def layers() -> dict:
     return sandbox_layers()
 
 
-def _rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def chat(text):
@@ -243,9 +237,9 @@ def test_fork_bomb(sandbox_tmp):
     "code", ["x = bytearray(10 * 1024**3)", "l = []\nwhile True:\n    l.append(bytearray(10**8))"], ids=["10GB", "gradual"]
 )
 def test_memory_hog(sandbox_tmp, code):
-    rss = _rss_kb()
+    rss = rss_kb()
     assert _score_hostile(code, memory_mb=256) == 0.0
-    assert _rss_kb() - rss < 50 * 1024  # the test process did not pay for it
+    assert rss_kb() - rss < 50 * 1024  # the test process did not pay for it
 
 
 def test_home_is_the_throw_away_directory(sandbox_tmp):

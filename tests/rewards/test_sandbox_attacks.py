@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from sandbox_fixtures import bystander, sandbox_processes, sandbox_tmp  # noqa: F401 - fixtures
+from sandbox_fixtures import bystander, rss_kb, sandbox_processes, sandbox_tmp  # noqa: F401 - fixtures
 from lit_grpo_rewards.code import code_execution
 from lit_grpo_rewards.sandbox import run_in_sandbox, sandbox_layers
 
@@ -916,18 +916,12 @@ WORKED = HELD == 4
 def test_output_flood(without, succeeds):
     """1 MiB of output allowed; a stdin/stdout program writes 3 MiB and exits."""
     check_rows(("rlimits",), without, succeeds)
-    rss = _rss_kb()
+    rss = rss_kb()
     code = "import sys\nfor _ in range(48):\n    sys.stdout.write('x' * 65536)\nsys.stdout.flush()\n"
     result = run_in_sandbox(code, stdin=b"", timeout=TIMEOUT, audit_hook=False, max_output_bytes=1 << 20,
                             _disable_layers=without)
     assert len(result.stdout) <= 1 << 20
     assert (result.returncode == 0) == succeeds  # with the limit: killed by SIGXFSZ
-    assert _rss_kb() - rss < 50 * 1024  # the scoring process did not pay for it
+    assert rss_kb() - rss < 50 * 1024  # the scoring process did not pay for it
 
 
-def _rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
