@@ -15,7 +15,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import importlib
+import inspect
 import json
 import os
 import re
@@ -30,8 +33,10 @@ from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
 
 from lit_grpo import plugins
 from lit_grpo.checkpointing import configure_checkpointing, is_class_config
+from lit_grpo.config_files import config_files, find_key, find_syntax_error
 from lit_grpo.errors import ConfigError, UserError
 from lit_grpo.plugins import RewardInfo
+from lit_grpo.trl_names import trl_hint
 
 # Where a run without a logger of its own logs: ``<trainer.default_root_dir or runs>/lit-grpo/version_N``.
 DEFAULT_LOG_ROOT = "runs"
@@ -141,24 +146,57 @@ def use_step_progress_bar(trainer_config) -> None:
 
 
 def explain_parse_error(message: str, parser, args: list[str] | None) -> str:
-    """A parse error as one line that names the key, and for an unknown key the closest real one."""
-    subcommand = next((word for word in (args or sys.argv[1:]) if word in ("fit", "validate")), None)
+    """A parse error as one line that names the key and where it is (``file:line``), and for an
+    unknown key what was meant: TRL's name for a lit-grpo setting (:mod:`lit_grpo.trl_names`),
+    else the closest real key."""
+    words = list(args or sys.argv[1:])
+    files = config_files(words)
+    subcommand = next((word for word in words if word in ("fit", "validate")), None)
     action = getattr(parser, "_subcommands_action", None)
     keys_parser = action._name_parser_map.get(subcommand, parser) if action is not None and subcommand else parser
     keys = [a.dest for a in keys_parser._actions if not a.dest.endswith(".help") and "." in a.dest]
-    unknown = re.match(r"Subcommand '\w+' does not accept option '([^']+)'", message)  # a key in a config file
+    if '"<unicode string>"' in message:  # jsonargparse read a text that is not YAML
+        return find_syntax_error(files) or " ".join(message.replace('"<unicode string>"', "the command line").split())
+    unknown = re.match(r"(?:Subcommand '\w+' does not accept option|Option) '([^']+)'", message)  # in a config file
     if unknown:
         key = unknown.group(1)
-        where = config_file_with_key(key, args) or "a config file"
-        return f"unknown key {key}{closest(key, keys)} ({where})"
+        found = find_key(files, key)
+        return f"unknown key {key}{what_was_meant(key, keys)} ({found.where if found else 'a config file'})"
     unknown = re.match(r"unrecognized arguments: (--\S+)", message)  # an option on the command line
     if unknown:
         key = unknown.group(1).removeprefix("--").split("=", 1)[0]
-        return f"unknown option --{key}{closest(key, keys, prefix='--')} (command line; options are never abbreviated)"
+        meant = what_was_meant(key, keys, prefix="--")
+        return f"unknown option --{key}{meant} (command line; options are never abbreviated)"
     keyed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.DOTALL)
     if keyed:
-        return f"{' '.join(keyed.group(2).split())} ({keyed.group(1)})"
+        return explain_entry_error(keyed.group(1), keyed.group(2), files)
     return " ".join(message.split())
+
+
+def explain_entry_error(key: str, problem: str, files: list[str]) -> str:
+    """jsonargparse's ``problem`` with the value of ``key``; for an entry of a class or dataclass
+    (a ``model.rewards`` entry, an ``optimizer``'s ``init_args``), the key inside it at fault."""
+    unknown = re.search(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", problem)
+    if unknown:
+        class_path, name = unknown.groups()
+        found = find_key(files, key, inside=name)
+        full_key, where = (found.key, found.where) if found else (f"{name} in {key}", "command line")
+        return f"unknown key {full_key}{what_was_meant(name, parameter_names(class_path))} ({where})"
+    invalid = re.search(r"class_path '[\w.]+':\s*Parser key \"(\w+)\":\s*(.+?)(?:\n\s*- |\Z)", problem, re.DOTALL)
+    if invalid:
+        name, detail = invalid.groups()
+        value = re.search(r"Got value: (.+)", detail)
+        found = find_key(files, key, inside=name, value=value.group(1).strip() if value else None)
+        found = found or find_key(files, key, inside=name)
+        if found:
+            return f"{' '.join(detail.split())} ({found.key}, {found.where})"
+    return f"{' '.join(problem.split())} ({key})"
+
+
+def what_was_meant(key: str, keys: list[str], prefix: str = "") -> str:
+    """``"; TRL's X is Y"`` for one of TRL's names, else ``"; did you mean X?"`` (:func:`closest`)."""
+    hint = trl_hint(key)
+    return f"; {hint}" if hint else closest(key, keys, prefix)
 
 
 def closest(key: str, keys: list[str], prefix: str = "") -> str:
@@ -171,28 +209,18 @@ def closest(key: str, keys: list[str], prefix: str = "") -> str:
     return f"; did you mean {prefix}{match[0]}?" if match else ""
 
 
-def config_file_with_key(key: str, args: list[str] | None) -> str | None:
-    """``file:line`` of the dotted ``key`` in the ``--config`` files of ``args``."""
-    import yaml
-
-    words = list(args or sys.argv[1:])
-    files = [words[i + 1] for i, word in enumerate(words[:-1]) if word in ("--config", "-c")]
-    files += [word.split("=", 1)[1] for word in words if word.startswith("--config=")]
-    for file in reversed(files):  # the last file that sets it is the one that counts
-        try:
-            node = yaml.compose(Path(file).read_text())
-        except (OSError, yaml.YAMLError):
-            continue
-        line = None
-        for part in key.split("."):
-            entries = node.value if isinstance(node, yaml.MappingNode) else []
-            match = next(((k, v) for k, v in entries if getattr(k, "value", None) == part), None)
-            if match is None:
-                break
-            line, node = match[0].start_mark.line + 1, match[1]
-        else:
-            return f"{file}:{line}"
-    return None
+def parameter_names(class_path: str) -> list[str]:
+    """The keys an entry of ``class_path`` takes: a dataclass's fields, else its constructor's
+    parameters (``[]`` when it cannot be imported)."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    if dataclasses.is_dataclass(cls):
+        return [field.name for field in dataclasses.fields(cls)]
+    parameters = inspect.signature(cls).parameters.values()
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 LIGHTNING_MODEL_PARALLEL = {

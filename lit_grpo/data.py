@@ -91,6 +91,12 @@ class PromptFormat:
                 )
         return list(dict.fromkeys(fields))
 
+    def passed_columns(self, column_names: list[str]) -> list[str]:
+        """The columns that travel with each prompt to the rewards and environments: all but the
+        prompt column (with a template, all of them)."""
+        prompt_column = self.prompt_column if self.prompt_template is None else None
+        return [column for column in column_names if column != prompt_column]
+
     @property
     def makes_conversations(self) -> bool:
         return self.conversational or self.system_prompt is not None
@@ -323,6 +329,17 @@ class GRPODataModule(pl.LightningDataModule):
             collate_fn=functools.partial(collate_prompt_batch, prompt_format=self.prompt_format),
         )
 
+    def passed_columns(self, split: str) -> tuple[str, list[str]] | None:
+        """``(source, columns)`` of the ``train`` or ``val`` split: how messages name it, and the
+        columns its prompts carry to the rewards and environments; None until :meth:`setup` loads it."""
+        if split == "train" and self.train_dataset is not None:
+            source = _describe_source(self.path, self.name, self.data_files, self.split)
+            return source, self.prompt_format.passed_columns(self.train_dataset.column_names)
+        if split == "val" and self.val_dataset is not None:
+            source = _describe_source(self.path, self.name, self._val_source_files(), self.val_split)
+            return source, self.prompt_format.passed_columns(self.val_dataset.column_names)
+        return None
+
     def _load_train(self) -> datasets.Dataset:
         return _load_split(self.path, name=self.name, data_files=self.data_files, split=self.split)
 
@@ -341,8 +358,7 @@ def collate_prompt_batch(rows: list[dict[str, Any]], prompt_format: PromptFormat
     template, every column: the ones it uses too)."""
     if isinstance(prompt_format, str):
         prompt_format = PromptFormat(prompt_column=prompt_format)
-    prompt_column = prompt_format.prompt_column if prompt_format.prompt_template is None else None
-    other_columns = [column for column in rows[0] if column != prompt_column]
+    other_columns = prompt_format.passed_columns(list(rows[0]))
     return PromptBatch(
         prompts=[prompt_format(row) for row in rows],
         columns={column: [row[column] for row in rows] for column in other_columns},

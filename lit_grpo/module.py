@@ -74,7 +74,7 @@ from lit_grpo.rollout import (
     rollout_statistics,
     score_groups,
 )
-from lit_grpo.scoring import RewardScorer, RewardSpec
+from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
 from lit_grpo.vllm_backend import VLLMSampler, VLLMSettings, require_vllm
 
 __all__ = ["GRPOModule"]
@@ -263,7 +263,7 @@ class GRPOModule(pl.LightningModule):
         # what the run knows that a reward may ask for by name (DAPO's soft_overlong_punishment)
         run_settings = {"max_completion_len": max_completion_length}
         self.scorer = RewardScorer(rewards, run_settings)
-        self.eval_scorer = RewardScorer(eval_rewards, run_settings) if eval_rewards else self.scorer
+        self.eval_scorer = RewardScorer(eval_rewards, run_settings, key="model.eval_rewards") if eval_rewards else self.scorer
         self.tool_use = ToolUse.from_settings(self.hparams)  # multi-turn rollouts with tools, or None
         clash = set(self.tool_use.reward_names if self.tool_use else []) & set(self.scorer.names)
         if clash:
@@ -352,6 +352,7 @@ class GRPOModule(pl.LightningModule):
                 self.hparams.steps_per_generation,
                 self.hparams.micro_batch_size,
             )
+        check_data_columns(datamodule, self.scorer, self.eval_scorer, self.tool_use and self.tool_use.environments)
 
     def on_train_start(self) -> None:
         """``dynamic_sampling`` draws prompt batches through the fit loop's data fetcher (no public

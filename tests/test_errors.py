@@ -90,6 +90,52 @@ def test_a_misspelt_key_in_yaml_names_the_file_line_and_the_closest_key(config, 
     )
 
 
+def test_a_mistake_inside_a_reward_entry_names_the_file_line_and_the_closest_key(config, tmp_path, capsys):
+    base = str(config())
+    entry = tmp_path / "entry.yaml"
+    entry.write_text("model:\n  rewards:\n    - name: char_fraction\n      wieght: 2\n")
+    assert error_line(capsys, "fit", "--config", base, "--config", str(entry)) == (
+        f"unknown key model.rewards[0].wieght; did you mean weight? ({entry}:4)"
+    )
+    entry.write_text("model:\n  eval_rewards:\n    - {name: char_fraction}\n    - {name: think_format, on_eror: zero}\n")
+    assert error_line(capsys, "fit", "--config", base, "--config", str(entry)) == (
+        f"unknown key model.eval_rewards[1].on_eror; did you mean on_error? ({entry}:4)"
+    )
+    entry.write_text("model:\n  rewards:\n    - {name: char_fraction, weight: 1}\n    - {name: think_format, weight: heavy}\n")
+    assert error_line(capsys, "fit", "--config", base, "--config", str(entry)) == (
+        f"Expected a <class 'float'>. Got value: heavy (model.rewards[1].weight, {entry}:4)"
+    )
+
+
+def test_a_yaml_syntax_error_names_the_file_line_and_the_key_before_it(config, tmp_path, capsys):
+    base = str(config())
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model:\n  beta: 0.0\n   num_generations: 4\n")
+    assert error_line(capsys, "fit", "--config", base, "--config", str(broken)) == (
+        f"invalid YAML: mapping values are not allowed here at column 19, after key model.beta ({broken}:3)"
+    )
+    broken.write_text("model:\n  rewards: [{name: char_fraction, weight: 2}\n  beta: 0.0\n")
+    assert error_line(capsys, "fit", "--config", base, "--config", str(broken)) == (
+        "invalid YAML: expected ',' or ']', but got '<scalar>' at column 3 (while parsing a flow sequence that starts at "
+        f"line 2), after key model.rewards[0].weight ({broken}:3)"
+    )
+
+
+def test_a_column_a_reward_takes_is_checked_before_any_model_is_loaded(config, tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text("def graded(completions, answer, **kwargs):\n    return [0.0] * len(completions)\n")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the data's columns were checked")
+
+    monkeypatch.setattr("lit_grpo.models.build_policy", no_model)
+    path = config(model={"rewards": [{"name": "char_fraction"}, {"name": "my_rewards.py:graded"}]})
+    assert error_line(capsys, "fit", "--config", str(path)) == (
+        f"Reward '{tmp_path}/my_rewards.py:graded' ({tmp_path}/my_rewards.py) takes 'answer', a parameter without a "
+        f"default, but the dataset path='json' (data_files='{REPO}/configs/data/quickstart.jsonl', split='train') has no "
+        "column 'answer'; the columns it passes on to rewards and environments: target (model.rewards[1])"
+    )
+
+
 def test_a_misspelt_or_abbreviated_option_is_refused_with_the_closest_key(config, capsys):
     base = str(config())
     assert error_line(capsys, "fit", "--config", base, "--model.num_generation", "4") == (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import types
@@ -12,6 +13,7 @@ import torch
 
 import lit_grpo
 from lit_grpo import plugins
+from lit_grpo.errors import DataError
 from lit_grpo.plugins import RewardArgumentError, UnknownRewardError
 from lit_grpo.scoring import RewardError, RewardScorer, RewardSpec
 
@@ -88,6 +90,27 @@ def picky(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
+def deep(completions, depth=7, **kwargs):
+    if depth == 0:
+        raise KeyError("bottom")
+    return deep(completions, depth - 1)
+
+
+def batch_only(completions, **kwargs):
+    if len(completions) > 1:
+        raise RuntimeError(f"{len(completions)} at once")
+    return [1.0]
+
+
+def graded(completions, answer, level=1, **kwargs):
+    """Takes the column ``answer``; ``level`` is optional."""
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def above(completions, threshold, **kwargs):
+    return [float(len(c) > threshold) for c in completions]
+
+
 def nan_for_bad(completions, **kwargs):
     if len(completions) > 1:
         raise RuntimeError("batch failed")
@@ -103,7 +126,8 @@ def registry(monkeypatch):
     rewards = {
         f.__name__: f
         for f in (length, none_for_odd, recorder, scaled, divides, short, scalar, with_nan, with_string,
-                  with_inf, as_tensor, as_matrix, as_ndarray, as_mixed, picky, nan_for_bad)
+                  with_inf, as_tensor, as_matrix, as_ndarray, as_mixed, picky, nan_for_bad, deep, batch_only,
+                  graded, above)
     }
 
     @lit_grpo.hookimpl
@@ -181,19 +205,62 @@ def test_zero_completions_returns_empty_matrix_without_calling():
 # --------------------------------------------------------------------------------------------------
 
 
-def test_reward_that_raises_names_reward_shows_first_sample_and_chains():
+def line_of(function, text: str) -> int:
+    """The line number of ``text`` in ``function``'s source."""
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_reward_that_raises_names_the_failing_sample_its_own_frames_and_on_error():
     long_prompt = "Q" * 1000
     with pytest.raises(RewardError) as excinfo:
-        score(["length", "divides"], ["first answer", "second"], prompts=[long_prompt, "other"])
-    message = str(excinfo.value)
-    assert message.startswith(f"Reward 'divides' ({PLUGIN}) raised ZeroDivisionError: division by zero")
-    assert "while scoring 2 completions" in message
-    assert "completion: 'first answer'" in message
-    prompt_line = next(line for line in message.splitlines() if "prompt:" in line)
-    assert prompt_line.strip().startswith("prompt:     'QQQ")
-    assert prompt_line.endswith("...") and len(prompt_line) < 230  # truncated to ~200 chars
-    assert "other" not in message and "second" not in message
-    assert isinstance(excinfo.value.__cause__, ZeroDivisionError)
+        score(["length", "picky"], ["first answer", "a bad one"], prompts=["other", long_prompt])
+    lines = str(excinfo.value).splitlines()
+    assert lines[0] == f"Reward 'picky' ({PLUGIN}) raised ValueError: cannot parse 'a bad one'"
+    assert lines[1] == "  while scoring sample 1 of 2 (found by calling the reward again with each sample alone)"
+    assert lines[2].startswith("  prompt:     'QQQ") and lines[2].endswith("...") and len(lines[2]) < 230  # ~200 chars
+    assert lines[3] == "  completion: 'a bad one'"
+    assert lines[4:-1] == [  # the reward's frames, none of lit-grpo's
+        "  Traceback (most recent call last):",
+        f'    File "{__file__}", line {line_of(picky, "raise ValueError")}, in picky',
+        '      raise ValueError(f"cannot parse {c!r}")',
+        "  ValueError: cannot parse 'a bad one'",
+    ]
+    assert lines[-1] == (
+        "To keep training, set model.rewards[1].on_error: none (or zero): the samples it fails on then score None "
+        "(or 0.0), each failure is logged, and they are counted in rewards/<name>/errors."
+    )
+    assert "other" not in str(excinfo.value) and "first answer" not in str(excinfo.value)
+    assert isinstance(excinfo.value.__cause__, ValueError) and str(excinfo.value.__cause__) == "cannot parse 'a bad one'"
+
+
+def test_a_failure_deep_in_the_reward_shows_its_last_frames():
+    with pytest.raises(RewardError) as excinfo:
+        score(["deep"], ["abc"])
+    lines = str(excinfo.value).splitlines()
+    traceback = lines[lines.index("  Traceback (most recent call last):") : -1]
+    assert traceback[1] == "    ... 3 earlier frames of the reward"
+    assert traceback[2:] == [
+        f'    File "{__file__}", line {line_of(deep, "return deep(")}, in deep',
+        "      return deep(completions, depth - 1)",
+    ] * 4 + [
+        f'    File "{__file__}", line {line_of(deep, "raise KeyError")}, in deep',
+        '      raise KeyError("bottom")',
+        "  KeyError: 'bottom'",
+    ]
+
+
+def test_a_reward_that_fails_only_on_the_whole_batch_says_so():
+    with pytest.raises(RewardError) as excinfo:
+        score(["batch_only"], ["a", "b", "c"])
+    lines = str(excinfo.value).splitlines()
+    assert lines[:2] == [
+        f"Reward 'batch_only' ({PLUGIN}) raised RuntimeError: 3 at once",
+        "  while scoring 3 completions in one call; called again with each sample alone, it failed on none",
+    ]
+    assert f"line {line_of(batch_only, 'raise RuntimeError')}, in batch_only" in lines[3]
+    assert lines[-1].startswith("To keep training, set model.rewards[0].on_error: none (or zero)")
+    assert isinstance(excinfo.value.__cause__, RuntimeError)
 
 
 def test_missing_column_is_reported_as_reward_error():
@@ -382,7 +449,7 @@ def test_invalid_values_are_errors_whatever_on_error():
 def test_on_error_raise_is_the_default_and_counts_nothing():
     scorer = RewardScorer([RewardSpec("picky")])
     assert scorer.specs[0].on_error == "raise"
-    with pytest.raises(RewardError, match=r"^Reward 'picky' .* raised ValueError: cannot parse 'bad'\n  while scoring 2"):
+    with pytest.raises(RewardError, match=r"^Reward 'picky' .* raised ValueError: cannot parse 'bad'\n  while scoring sample 1 of 2"):
         scorer(["p", "p"], ["ok", "bad"], [[], []], {})
 
 
@@ -401,3 +468,59 @@ def test_scorer_pickles_and_deep_copies():
         assert clone.specs == scorer.specs and clone.modes == ["local", "local"]
         assert clone(["p"], ["OK"], [[]], {}).tolist() == [[1.0, 1.0]]
         clone.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# The columns rewards and environments take, checked before the run
+# --------------------------------------------------------------------------------------------------
+
+
+def test_columns_a_reward_takes_are_checked_against_the_data():
+    # graded takes answer (level has a default); length takes what there is (**kwargs); recorder only
+    # the arguments every reward gets; above's threshold is bound by its args
+    scorer = RewardScorer(["graded", "length", "recorder", {"name": "above", "args": {"threshold": 2}}])
+    scorer.check_columns(["answer"], "dataset path='json' (split='train')")
+    with pytest.raises(DataError) as error:
+        scorer.check_columns(["answr", "level"], "dataset path='json' (split='train')")
+    assert str(error.value) == (
+        f"Reward 'graded' ({PLUGIN}) takes 'answer', a parameter without a default, but the dataset path='json' "
+        "(split='train') has no column 'answer' (did you mean 'answr'?); the columns it passes on to rewards and "
+        "environments: answr, level (model.rewards[0])"
+    )
+    with pytest.raises(DataError, match=r"^Reward 'above' .* takes 'threshold', .* no column 'threshold'; .*: none \(model.rewards\[0\]\)$"):
+        RewardScorer(["above"]).check_columns([], "dataset path='json' (split='train')")
+
+
+class Shop:
+    """An environment built from the sample's ``store`` and ``budget`` columns (or args)."""
+
+    def __init__(self, store, budget):
+        self.store, self.budget = store, budget
+
+
+def test_each_split_is_checked_with_its_rewards_and_the_environments(write_jsonl):
+    from lit_grpo.data import GRPODataModule
+    from lit_grpo.environments import Environments
+    from lit_grpo.scoring import check_data_columns
+
+    train = write_jsonl([{"prompt": "p", "answer": "a", "store": "s"}] * 2, "train.jsonl")
+    val = write_jsonl([{"prompt": "p", "store": "s", "budget": 3}] * 2, "val.jsonl")
+    data = GRPODataModule("json", data_files=str(train), val_split="train", val_data_files=str(val), batch_size=1)
+    data.setup("fit")
+    scorer = RewardScorer(["graded"])
+    with pytest.raises(DataError, match=rf"^Reward 'graded' .* the dataset path='json' \(data_files='{val}', split='train'\) "
+                                        r"has no column 'answer'; the columns it passes on .*: store, budget \(model.rewards\[0\]\)$"):
+        check_data_columns(data, scorer, scorer, None)
+    eval_scorer = RewardScorer(["length"], key="model.eval_rewards")
+    check_data_columns(data, scorer, eval_scorer, None)
+
+    shop = Environments([{"name": "shop"}], get_environment=lambda name: Shop, shared_tools=[])
+    with pytest.raises(DataError) as error:
+        check_data_columns(data, scorer, eval_scorer, shop)
+    assert str(error.value) == (
+        f"environment 'shop' takes 'budget', a parameter without a default, but the dataset path='json' "
+        f"(data_files='{train}', split='train') has no column 'budget'; the columns it passes on to rewards and "
+        "environments: answer, store (model.environment)"
+    )
+    shop = Environments([{"name": "shop", "args": {"budget": 5}}], get_environment=lambda name: Shop, shared_tools=[])
+    check_data_columns(data, scorer, eval_scorer, shop)

@@ -3,6 +3,9 @@
 A function's ``args`` become bound keyword arguments (which win over a dataset column of the same
 name); a class is instantiated with them. Arguments the reward cannot take, or that the trainer
 supplies itself (``prompts``, ``completions``, ``completion_ids``), are errors naming the reward.
+
+What is left for the data to give, :func:`needed_columns`, is checked against the dataset's columns
+before the run (:func:`check_columns`).
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from lit_grpo.errors import DataError
 from lit_grpo.plugins import RESERVED_ARGS, RewardArgumentError, RewardInfo, get_reward
 
-__all__ = ["build_reward"]
+__all__ = ["build_reward", "check_columns", "needed_columns"]
 
 
 class _BoundReward(functools.partial):
@@ -130,5 +134,40 @@ def build_reward(
 
 
 # --------------------------------------------------------------------------------------------------
-# Listing (``lit-grpo rewards [--json]``)
+# What the data must give
 # --------------------------------------------------------------------------------------------------
+
+
+def needed_columns(obj: Any, given: Iterable[str] = ()) -> list[str]:
+    """The parameters of ``obj`` (a built reward, or an environment class) that only a dataset
+    column can fill: the named ones without a default, other than the arguments every reward call
+    gets (``prompts``, ``completions``, ``completion_ids``) and ``given`` (YAML ``args``). Bound
+    ``args`` of a function count as defaults; a ``**kwargs`` takes whatever columns there are."""
+    sig = _signature(obj)
+    if sig is None:
+        return []
+    return [
+        p.name
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.default is p.empty
+        and p.name not in RESERVED_ARGS
+        and p.name not in given
+    ]
+
+
+def check_columns(
+    who: str, obj: Any, columns: Sequence[str], source: str, where: str, given: Iterable[str] = ()
+) -> None:
+    """Raise :class:`DataError` naming the column ``obj`` (``who``, configured at ``where``) needs
+    and the ``columns`` the ``source`` dataset has (those it passes on to rewards and environments)."""
+    missing = [name for name in needed_columns(obj, given) if name not in columns]
+    if not missing:
+        return
+    close = difflib.get_close_matches(missing[0], [*columns, *RESERVED_ARGS], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise DataError(
+        f"{who} takes {missing[0]!r}, a parameter without a default, but the {source} has no column "
+        f"{missing[0]!r}{hint}; the columns it passes on to rewards and environments: "
+        f"{', '.join(columns) or 'none'} ({where})"
+    )

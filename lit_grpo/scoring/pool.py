@@ -1,7 +1,7 @@
 """Worker processes for rewards configured with ``num_workers > 0`` (used by :mod:`lit_grpo.scoring`).
 
-Standard-library only on purpose: a worker process imports this module, and a pool worker should
-start in milliseconds, not re-import torch.
+Standard-library only on purpose (and :mod:`lit_grpo.scoring.failures`, which is too): a worker
+process imports this module, and a pool worker should start in milliseconds, not re-import torch.
 
 Why not ``concurrent.futures.ProcessPoolExecutor`` or ``multiprocessing.Pool``? Neither can stop one
 running task: a sample that hangs would hold its worker forever, and a worker that dies takes every
@@ -15,7 +15,7 @@ Protocol (every message is a ``pickle`` of a tuple, sent with ``send_bytes``)::
     worker -> pool   ("ready", None)                       reward unpickled, waiting for work
                      ("init_error", traceback_text)        the reward could not be unpickled
                      ("ok", task_id, value)                the reward returned ``value``
-                     ("error", task_id, (type, message, traceback_text))
+                     ("error", task_id, (type, message, traceback_text))   the reward's frames only
     pool -> worker   (task_id, kwargs)                     call ``reward(**kwargs)``
                      None                                  exit
 """
@@ -35,6 +35,8 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from lit_grpo.scoring.failures import reward_traceback
 
 # How long a new worker may take to import the reward's module before the pool gives up on it.
 STARTUP_TIMEOUT = 300.0
@@ -105,7 +107,7 @@ def worker_main(conn: Any, payload: bytes) -> None:
             data = pickle.dumps(("ok", task_id, value), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as exc:  # noqa: BLE001  (SystemExit from a reward is a failed sample too)
             data = pickle.dumps(
-                ("error", task_id, (type(exc).__name__, str(exc), traceback.format_exc())),
+                ("error", task_id, (type(exc).__name__, str(exc), reward_traceback(exc))),
                 protocol=pickle.HIGHEST_PROTOCOL,
             )
         conn.send_bytes(data)

@@ -46,13 +46,15 @@ a configuration error.
 ``on_error`` (``raise`` | ``none`` | ``zero``) says what a reward that raises, times out, or whose
 worker process dies does to the step:
 
-* ``raise`` (default): :class:`RewardError` naming the reward and showing the sample, with the
-  traceback (chained, or as text from a worker process);
-* ``none`` / ``zero``: only the failing samples score ``None`` (NaN) / ``0.0``. After a failed
-  batch call, an in-process or async reward is called again one sample at a time to find them.
-  Failures are logged (one warning per reward per call, the first traceback of each error type
-  in full) and counted in :attr:`RewardScorer.last_error_counts`, which the module logs as
-  ``rewards/<name>/errors``.
+* ``raise`` (default): :class:`RewardError` naming the reward and the sample it failed on (its
+  index, prompt and completion), with the reward's own frames of the traceback and the ``on_error``
+  setting that would keep training (:mod:`lit_grpo.scoring.failures`);
+* ``none`` / ``zero``: only the failing samples score ``None`` (NaN) / ``0.0``. Failures are logged
+  (one warning per reward per call, the first traceback of each error type) and counted in
+  :attr:`RewardScorer.last_error_counts`, which the module logs as ``rewards/<name>/errors``.
+
+Either way, after a failed batch call an in-process or async reward is called again one sample at a
+time to find the samples it fails on.
 
 Return values that break the rules above are a :class:`RewardError` whatever ``on_error`` says:
 they are bugs in the reward, which would misbehave the same way on every batch, not failures of
@@ -71,7 +73,6 @@ import math
 import numbers
 import pickle
 import threading
-import traceback
 import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -82,16 +83,17 @@ import torch
 
 from lit_grpo import plugins
 from lit_grpo.errors import ConfigError
-from lit_grpo.scoring.arguments import build_reward
+from lit_grpo.scoring.arguments import build_reward, check_columns
 from lit_grpo.scoring.pool import PoolCancelled, PoolInitError, WorkerPool
-from lit_grpo.scoring.specs import RewardError, RewardSpec, as_spec, check_spec, preview
+from lit_grpo.scoring.failures import SampleFailure, indent, keep_training_hint, preview, sample_lines
+from lit_grpo.scoring.specs import RewardError, RewardSpec, as_spec, check_spec, metric_names
 
 try:  # numpy comes with torch in practice, but the scorer does not require it
     import numpy as np
 except ImportError:  # pragma: no cover
     np = None
 
-__all__ = ["RewardScorer"]
+__all__ = ["RewardScorer", "check_data_columns"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,41 +108,12 @@ def _one(kwargs: dict[str, Any], i: int) -> dict[str, Any]:
     return {key: values[i : i + 1] for key, values in kwargs.items()}
 
 
-def _format_exception(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-
-
-def _indent(text: str, prefix: str = "    ") -> str:
-    return "\n".join(prefix + line for line in text.rstrip().splitlines())
-
-
-@dataclass
-class _SampleError:
-    """One sample a reward failed on. ``kind``: ``exception``, ``timeout`` or ``crash``."""
-
-    index: int
-    kind: str
-    type_name: str
-    message: str
-    traceback: str = ""
-
-    @classmethod
-    def from_exception(cls, index: int, exc: BaseException) -> _SampleError:
-        if isinstance(exc, _CallTimeout):
-            return cls(index, "timeout", "TimeoutError", str(exc))
-        return cls(index, "exception", type(exc).__name__, str(exc), _format_exception(exc))
-
-    @property
-    def summary(self) -> str:
-        return f"{self.type_name}: {self.message}" if self.message else self.type_name
-
-
 @dataclass
 class _Scored:
     """What one reward gave for a batch: one float per sample (NaN for None) and its failures."""
 
     values: list[float]
-    errors: list[_SampleError]
+    errors: list[SampleFailure]
 
 
 class _CallTimeout(Exception):
@@ -149,6 +122,10 @@ class _CallTimeout(Exception):
     def __init__(self, timeout: float):
         super().__init__(f"no result within the {timeout:g} s timeout")
         self.timeout = timeout
+
+
+def _failure(index: int | None, exc: BaseException) -> SampleFailure:
+    return SampleFailure.from_exception(index, exc, timed_out=isinstance(exc, _CallTimeout))
 
 
 async def _await_call(reward: Any, kwargs: dict[str, Any], timeout: float | None) -> Any:
@@ -247,44 +224,50 @@ class RewardScorer:
     event-loop thread; both start on first use and stop with :meth:`close` (also called when the
     scorer is garbage-collected and at interpreter exit). Pickling or deep-copying a scorer leaves
     them behind: the copy starts its own. ``run_settings`` (e.g. ``{"max_completion_len": 256}``) fill
-    parameters of those names that a reward's ``args`` leave out.
+    parameters of those names that a reward's ``args`` leave out. ``key`` is the config key of
+    ``specs``, which messages name (``model.rewards`` or ``model.eval_rewards``).
+
+    ``names`` are the rewards' names in metrics and logs (:func:`~lit_grpo.scoring.specs.metric_names`:
+    a function's name, a plugin's registered name); messages name a reward as configured.
     """
 
-    def __init__(self, specs: Sequence[RewardSpec | Mapping[str, Any]], run_settings: Mapping[str, Any] | None = None):
+    def __init__(self, specs: Sequence[RewardSpec | Mapping[str, Any]], run_settings: Mapping[str, Any] | None = None,
+                 key: str = "model.rewards"):
         self._pools: dict[int, WorkerPool] = {}
         self._loop: _EventLoopThread | None = None
-        specs = [as_spec(spec, i) for i, spec in enumerate(specs or [])]
+        self.key = key
+        specs = [as_spec(spec, f"{key}[{i}]") for i, spec in enumerate(specs or [])]
         if not specs:
             raise ConfigError(
-                "model.rewards is empty: configure at least one reward, e.g. "
+                f"{key} is empty: configure at least one reward, e.g. "
                 "`rewards: [{name: char_fraction, args: {chars: 'a'}}]`; "
                 "run `lit-grpo rewards` to list the installed ones"
             )
         first_index: dict[str, int] = {}
         for i, spec in enumerate(specs):
             if not isinstance(spec.name, str) or not spec.name:
-                raise ConfigError(f"model.rewards[{i}].name must be a non-empty string, got {spec.name!r}")
+                raise ConfigError(f"{key}[{i}].name must be a non-empty string, got {spec.name!r}")
             if spec.name in first_index:
                 raise ConfigError(
-                    f"reward {spec.name!r} is configured twice in model.rewards (entries "
+                    f"reward {spec.name!r} is configured twice in {key} (entries "
                     f"{first_index[spec.name]} and {i}); each reward may appear once, since its "
                     "name keys its metrics (rewards/<name>/mean)"
                 )
             first_index[spec.name] = i
             if isinstance(spec.weight, bool) or not isinstance(spec.weight, numbers.Real) or not math.isfinite(spec.weight):
                 raise ConfigError(
-                    f"model.rewards[{i}] ({spec.name!r}): weight must be a finite number, got {spec.weight!r}"
+                    f"{key}[{i}] ({spec.name!r}): weight must be a finite number, got {spec.weight!r}"
                 )
-            check_spec(i, spec)
+            check_spec(f"{key}[{i}]", spec)
         self.specs: list[RewardSpec] = specs
-        self.names: list[str] = [spec.name for spec in specs]
+        self.names: list[str] = metric_names([spec.name for spec in specs])
         self.infos: list[plugins.RewardInfo] = [plugins.get_reward(spec.name) for spec in specs]
         self.rewards: list[Any] = []
         for i, spec in enumerate(specs):
             try:
                 self.rewards.append(build_reward(spec.name, spec.args, run_settings))
             except plugins.RewardArgumentError as error:
-                raise plugins.RewardArgumentError(f"{error} (model.rewards[{i}].args)") from None
+                raise plugins.RewardArgumentError(f"{error} ({key}[{i}].args)") from None
         self.weights: torch.Tensor = torch.tensor([float(spec.weight) for spec in specs], dtype=torch.float32)  # [K]
         # How each reward runs: "pool" (num_workers > 0), "async" (awaited) or "local" (called here).
         self.modes: list[str] = []
@@ -296,7 +279,7 @@ class RewardScorer:
                     self._payloads[k] = pickle.dumps(reward, protocol=pickle.HIGHEST_PROTOCOL)
                 except Exception as exc:
                     raise ConfigError(
-                        f"model.rewards[{k}].num_workers ({spec.name!r}): {self._who(k)} cannot run in worker "
+                        f"{key}[{k}].num_workers ({spec.name!r}): {self._who(k)} cannot run in worker "
                         f"processes because it cannot be pickled ({type(exc).__name__}: {exc}). Functions and "
                         "classes defined at the top level of an importable module pickle; lambdas, closures and "
                         "functions defined inside other functions do not. Use num_workers: 0 for this reward."
@@ -307,7 +290,7 @@ class RewardScorer:
                 self.modes.append("local")
                 if spec.timeout is not None:
                     raise ConfigError(
-                        f"model.rewards[{k}].timeout ({spec.name!r}): a timeout needs num_workers > 0 (or an async "
+                        f"{key}[{k}].timeout ({spec.name!r}): a timeout needs num_workers > 0 (or an async "
                         "reward); a synchronous reward called in the training process cannot be interrupted. Set "
                         "num_workers: 1 or more, or remove timeout."
                     )
@@ -321,6 +304,12 @@ class RewardScorer:
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}*{w:g}" for n, w in zip(self.names, self.weights.tolist()))
         return f"RewardScorer({parts})"
+
+    def check_columns(self, columns: Sequence[str], source: str) -> None:
+        """Before the run: every parameter that only a dataset column can fill names one of
+        ``columns`` (those the ``source`` dataset passes to rewards), else a ``DataError`` naming both."""
+        for k, reward in enumerate(self.rewards):
+            check_columns(self._who(k), reward, columns, source, f"{self.key}[{k}]")
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle: worker pools and the event-loop thread
@@ -453,33 +442,36 @@ class RewardScorer:
     # In-process rewards
     # ---------------------------------------------------------------------------------------------
 
-    def call_reward(self, k: int, kwargs: dict[str, Any]) -> Any:
-        """Call reward ``k`` with the shared keyword arguments; wraps any exception in RewardError."""
-        try:
-            return self.rewards[k](**kwargs)
-        except Exception as exc:
-            raise self._batch_error(k, f"raised {type(exc).__name__}: {exc}", kwargs) from exc
-
     def _score_local(self, k: int, kwargs: dict[str, Any]) -> _Scored:
         prompts, completions = kwargs["prompts"], kwargs["completions"]
-        if self.specs[k].on_error == "raise":
-            return _Scored(self.validate(k, self.call_reward(k, kwargs), prompts, completions), [])
         try:
             raw = self.rewards[k](**kwargs)
-        except Exception:
+        except Exception as exc:
+            if self.specs[k].on_error == "raise":
+                raise self._stop(k, self._first_failure(k, kwargs), _failure(None, exc), kwargs)
             return self._score_local_per_sample(k, kwargs)
         return _Scored(self.validate(k, raw, prompts, completions), [])
+
+    def _first_failure(self, k: int, kwargs: dict[str, Any]) -> SampleFailure | None:
+        """After a failed batch call (``on_error: raise``): the first sample reward ``k`` fails on when
+        called with that sample alone; None if it fails on none."""
+        for i in range(len(kwargs["completions"])):
+            try:
+                self.rewards[k](**_one(kwargs, i))
+            except Exception as exc:
+                return _failure(i, exc)
+        return None
 
     def _score_local_per_sample(self, k: int, kwargs: dict[str, Any]) -> _Scored:
         """After a failed batch call: call reward ``k`` once per sample to find the failing ones."""
         values: list[float] = []
-        errors: list[_SampleError] = []
+        errors: list[SampleFailure] = []
         for i in range(len(kwargs["completions"])):
             one = _one(kwargs, i)
             try:
                 raw = self.rewards[k](**one)
             except Exception as exc:
-                errors.append(_SampleError.from_exception(i, exc))
+                errors.append(_failure(i, exc))
                 values.append(self._fill(k))
                 continue
             values.extend(self.validate(k, raw, one["prompts"], one["completions"], sample=i))
@@ -513,7 +505,7 @@ class RewardScorer:
         except PoolCancelled:
             raise
         values: list[float] = []
-        errors: list[_SampleError] = []
+        errors: list[SampleFailure] = []
         for i, result in enumerate(results):
             if result is None:  # not scored: the run stopped at the first failure (on_error: raise)
                 values.append(float("nan"))
@@ -522,10 +514,10 @@ class RewardScorer:
             if status == "ok":
                 values.extend(self.validate(k, payload, prompts[i : i + 1], completions[i : i + 1], sample=i))
             else:
-                errors.append(_SampleError(i, payload.kind, payload.type_name, payload.message, payload.traceback))
+                errors.append(SampleFailure(i, payload.kind, payload.type_name, payload.message, payload.traceback))
                 values.append(self._fill(k))
         if errors and spec.on_error == "raise":
-            raise self._sample_error(k, errors[0], kwargs)
+            raise self._stop(k, errors[0], None, kwargs)
         return _Scored(values, errors)
 
     # ---------------------------------------------------------------------------------------------
@@ -542,11 +534,11 @@ class RewardScorer:
         try:
             raw = await _await_call(self.rewards[k], kwargs, spec.timeout)
         except Exception as exc:
+            scored = await self._score_async_per_sample(k, kwargs)
             if spec.on_error == "raise":
-                if isinstance(exc, _CallTimeout):
-                    raise self._batch_error(k, f"timed out after {spec.timeout:g} s", kwargs) from None
-                raise self._batch_error(k, f"raised {type(exc).__name__}: {exc}", kwargs) from exc
-            return await self._score_async_per_sample(k, kwargs)
+                first = scored.errors[0] if scored.errors else None
+                raise self._stop(k, first, _failure(None, exc), kwargs)
+            return scored
         return _Scored(self.validate(k, raw, prompts, completions), [])
 
     async def _score_async_per_sample(self, k: int, kwargs: dict[str, Any]) -> _Scored:
@@ -561,10 +553,10 @@ class RewardScorer:
 
         results = await asyncio.gather(*(one(i) for i in range(len(kwargs["completions"]))))
         values: list[float] = []
-        errors: list[_SampleError] = []
+        errors: list[SampleFailure] = []
         for i, (raw, exc) in enumerate(results):
             if exc is not None:
-                errors.append(_SampleError.from_exception(i, exc))
+                errors.append(_failure(i, exc))
                 values.append(self._fill(k))
             else:
                 values.extend(self.validate(k, raw, kwargs["prompts"][i : i + 1], kwargs["completions"][i : i + 1], sample=i))
@@ -574,43 +566,34 @@ class RewardScorer:
     # Errors and warnings
     # ---------------------------------------------------------------------------------------------
 
-    def _batch_error(self, k: int, what: str, kwargs: dict[str, Any]) -> RewardError:
-        """A whole-batch call of reward ``k`` failed (``what``: "raised ValueError: ...")."""
-        prompts, completions = kwargs["prompts"], kwargs["completions"]
-        return RewardError(
-            f"{self._who(k)} {what}\n"
-            f"  while scoring {len(completions)} completions; the first was\n"
-            f"  prompt:     {preview(prompts[0])}\n"
-            f"  completion: {preview(completions[0])}"
-        )
-
-    def _sample_error(self, k: int, error: _SampleError, kwargs: dict[str, Any]) -> RewardError:
-        """Reward ``k`` failed on one sample in a worker process, with ``on_error: raise``."""
-        spec = self.specs[k]
+    def _stop(self, k: int, failure: SampleFailure | None, batch_failure: SampleFailure | None,
+              kwargs: dict[str, Any]) -> RewardError:
+        """The error that stops the run when reward ``k`` (``on_error: raise``) failed on the sample of
+        ``failure``. ``batch_failure``: how a call with the whole batch failed, for a reward called
+        with the batch; ``failure`` then comes from calling it again with each sample alone, and is
+        None where it fails on none. The error's cause is the failing call's exception."""
+        spec, n = self.specs[k], len(kwargs["completions"])
         who = self._who(k)
-        if error.kind == "timeout":
-            head = f"{who} timed out after {spec.timeout:g} s"
-        elif error.kind == "crash":
-            head = f"{who} failed: {error.message}"
+        if failure is None:
+            lines = [batch_failure.headline(who, spec.timeout),
+                     f"  while scoring {n} completions in one call; called again with each sample alone, "
+                     "it failed on none"]
         else:
-            head = f"{who} raised {error.summary}"
-        lines = [
-            head,
-            f"  while scoring sample {error.index} of {len(kwargs['completions'])} in a worker process "
-            f"(num_workers={spec.num_workers})",
-            f"  prompt:     {preview(kwargs['prompts'][error.index])}",
-            f"  completion: {preview(kwargs['completions'][error.index])}",
-        ]
-        if error.traceback:
-            lines += ["  worker traceback:", _indent(error.traceback)]
-        lines.append(
-            f"Set model.rewards[{k}].on_error to none or zero to score failing samples as None or 0.0 "
-            "instead of stopping."
-        )
-        return RewardError("\n".join(lines))
+            how = ("(found by calling the reward again with each sample alone)" if batch_failure is not None
+                   else f"in a worker process (num_workers={spec.num_workers})")
+            lines = [failure.headline(who, spec.timeout), f"  while scoring sample {failure.index} of {n} {how}",
+                     *sample_lines(failure.index, kwargs["prompts"], kwargs["completions"])]
+        shown = failure or batch_failure
+        if shown.traceback:
+            lines.append(indent(shown.traceback, "  "))
+        lines.append(keep_training_hint(f"{self.key}[{k}]"))
+        error = RewardError("\n".join(lines))
+        error.__cause__ = shown.exception
+        return error
 
-    def _warn(self, k: int, errors: list[_SampleError], kwargs: dict[str, Any]) -> None:
-        """One warning per reward per call; the first traceback of each error type is shown in full."""
+    def _warn(self, k: int, errors: list[SampleFailure], kwargs: dict[str, Any]) -> None:
+        """One warning per reward per call; the first traceback of each error type is shown (the
+        reward's own frames)."""
         spec = self.specs[k]
         first = errors[0]
         kinds = Counter(error.type_name for error in errors)
@@ -619,13 +602,12 @@ class RewardScorer:
             f"{self._who(k)} failed on {len(errors)} of {len(kwargs['completions'])} samples "
             f"({', '.join(f'{count} {name}' for name, count in kinds.most_common())}); they score {fill} "
             f"(on_error: {spec.on_error}). First, sample {first.index}: {first.summary}\n"
-            f"  prompt:     {preview(kwargs['prompts'][first.index])}\n"
-            f"  completion: {preview(kwargs['completions'][first.index])}"
         )
+        text += "\n".join(sample_lines(first.index, kwargs["prompts"], kwargs["completions"]))
         key = (k, first.type_name)
         if first.traceback and key not in self._tracebacks_shown:
             self._tracebacks_shown.add(key)
-            text += "\n" + _indent(first.traceback)
+            text += "\n" + indent(first.traceback)
         logger.warning(text)
 
     # ---------------------------------------------------------------------------------------------
@@ -691,5 +673,22 @@ class RewardScorer:
         return number
 
     def _who(self, k: int) -> str:
-        info = self.infos[k]
-        return f"Reward '{self.names[k]}' ({info.label})"
+        """``Reward 'name' (package)``, the reward named as configured."""
+        return f"Reward '{self.specs[k].name}' ({self.infos[k].label})"
+
+
+def check_data_columns(datamodule: Any, scorer: RewardScorer, eval_scorer: RewardScorer, environments: Any) -> None:
+    """Before the run: each parameter that only a dataset column can fill, of the rewards (``eval_scorer``'s
+    for the validation split) and of the environments (``lit_grpo.environments.Environments``), names a
+    column of each split the data module has loaded (its ``passed_columns``), else a ``DataError`` naming both."""
+    if not hasattr(datamodule, "passed_columns"):
+        return
+    for split, split_scorer in (("train", scorer), ("val", eval_scorer)):
+        passed = datamodule.passed_columns(split)  # None: a split this run does not load
+        if passed is None:
+            continue
+        source, columns = passed
+        split_scorer.check_columns(columns, source)
+        for spec in getattr(environments, "specs", []):
+            environment = environments.get_environment(spec.name)
+            check_columns(f"environment {spec.name!r}", environment, columns, source, "model.environment", spec.args)

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 from lit_grpo.config import AsWritten
 from lit_grpo.errors import ConfigError, UserError
 
-__all__ = ["ON_ERROR", "RewardError", "RewardSpec", "as_spec", "check_spec", "preview"]
+__all__ = ["ON_ERROR", "RewardError", "RewardSpec", "as_spec", "check_spec", "metric_names"]
 
-_PREVIEW_CHARS = 200
 ON_ERROR = ("raise", "none", "zero")
 _SPEC_KEYS = ("name", "weight", "args", "on_error", "num_workers", "timeout")
 
@@ -43,12 +44,8 @@ class RewardSpec:
     timeout: float | None = None
 
 
-def preview(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _PREVIEW_CHARS else text[: _PREVIEW_CHARS - 3] + "..."
-
-
-def as_spec(spec: Any, index: int) -> RewardSpec:
+def as_spec(spec: Any, where: str) -> RewardSpec:
+    """``spec`` (a mapping or a name) as a :class:`RewardSpec`; ``where`` names its entry (``model.rewards[0]``)."""
     if isinstance(spec, RewardSpec):
         return spec
     if isinstance(spec, Mapping):
@@ -56,7 +53,7 @@ def as_spec(spec: Any, index: int) -> RewardSpec:
         if unknown or "name" not in spec:
             problem = f"unknown key {unknown[0]!r}" if unknown else "no 'name'"
             raise ConfigError(
-                f"model.rewards[{index}] must look like {{name: ..., weight: 1.0, args: {{...}}}} "
+                f"{where} must look like {{name: ..., weight: 1.0, args: {{...}}}} "
                 "(optional: on_error: raise|none|zero, num_workers: 0, timeout: null); "
                 f"got {dict(spec)!r} ({problem})"
             )
@@ -70,12 +67,12 @@ def as_spec(spec: Any, index: int) -> RewardSpec:
         )
     if isinstance(spec, str):
         return RewardSpec(name=spec)
-    raise ConfigError(f"model.rewards[{index}] must be a mapping with a 'name', got {spec!r}")
+    raise ConfigError(f"{where} must be a mapping with a 'name', got {spec!r}")
 
 
-def check_spec(i: int, spec: RewardSpec) -> None:
-    """Raise ValueError for an ``on_error``, ``num_workers`` or ``timeout`` the scorer cannot use."""
-    where = f"model.rewards[{i}]"
+def check_spec(where: str, spec: RewardSpec) -> None:
+    """Raise ValueError for an ``on_error``, ``num_workers`` or ``timeout`` the scorer cannot use
+    (``where``: the entry, ``model.rewards[0]``)."""
     if not isinstance(spec.on_error, str) or spec.on_error not in ON_ERROR:
         hint = " (YAML null is not the string 'none': write on_error: none)" if spec.on_error is None else ""
         raise ConfigError(
@@ -94,3 +91,38 @@ def check_spec(i: int, spec: RewardSpec) -> None:
         raise ConfigError(
             f"{where}.timeout ({spec.name!r}) must be a number of seconds > 0, or null for no limit; got {timeout!r}"
         )
+
+
+def metric_names(names: Sequence[str]) -> list[str]:
+    """What the rewards configured as ``names`` are called in the metrics (``rewards/<name>/mean``),
+    the completions table and ``completions.jsonl``: a plugin by its registered name, a function
+    (``path/to/file.py:function``, ``package.module:function``) by the function's name, as TRL
+    calls them.
+
+    Only names that would clash are told apart, each step only for the rewards still clashing:
+
+    1. a function gets its file's stem or its module in front, ``file:function`` or
+       ``package.module:function`` (a plugin keeps its name, unique among plugins);
+    2. should that clash too (two files of the same name), each keeps its name as configured.
+    """
+    chosen = [_function_name(name) for name in names]
+    for rename in (_qualified_name, str):
+        counts = Counter(chosen)
+        chosen = [rename(name) if counts[current] > 1 else current for name, current in zip(names, chosen)]
+    return chosen
+
+
+def _function_name(name: str) -> str:
+    """``accuracy`` for ``my_rewards.py:accuracy``, ``pkg.rewards:accuracy`` and the plugin ``accuracy``."""
+    return name.rpartition(":")[2]
+
+
+def _qualified_name(name: str) -> str:
+    """``my_rewards:accuracy`` for ``path/to/my_rewards.py:accuracy``, ``pkg.rewards:accuracy`` as it
+    is, and a plugin's name as it is."""
+    where, colon, function = name.rpartition(":")
+    if not colon:
+        return name
+    if where.endswith(".py") or "/" in where:  # a file, as lit_grpo.plugins.load_object tells
+        where = PurePath(where).stem
+    return f"{where}:{function}"
