@@ -4,7 +4,9 @@
 environments once (a bad name fails before any model is loaded), starts one conversation per
 completion row (the prompt rendered with the tools' schemas), runs the rollouts through the
 module's sampler, and turns the conversations into a :class:`~lit_grpo.rollout.Rollout`, the
-environments' reward columns and the ``tools/*`` and ``turns/*`` metrics.
+environments' reward columns and the ``tools/*`` and ``turns/*`` metrics. Each rollout's
+environment lives from :meth:`ToolUse.start` to the end of :meth:`ToolUse.rollout`: its reward is
+read when the rollout ends, then it is closed, also when something failed on the way.
 """
 
 from __future__ import annotations
@@ -21,20 +23,17 @@ from lit_grpo.errors import ConfigError
 from lit_grpo.generation import tokenize_prompts
 from lit_grpo.multi_turn import Conversation, TurnOutput, conversation_statistics, render, run_conversations, to_rollout
 from lit_grpo.rollout import Rollout, is_conversational
-from lit_grpo.tools import Tool, make_tool, parse_hermes
+from lit_grpo.tools import TOOL_CALL_PARSERS, Tool, make_tool
 
 __all__ = ["ToolUse"]
-
-# model.tool_call_parser names that need no import
-TOOL_CALL_PARSERS = {"hermes": parse_hermes}
 
 
 class ToolUse:
     """``model.tools``, ``model.environment``, ``max_tool_calling_iterations``, ``tool_timeout``,
-    ``tool_call_parser``."""
+    ``tool_call_parser``, ``max_tool_result_length``."""
 
     def __init__(self, tools: Sequence[str] | None, environment: Any, max_tool_calling_iterations: int | None,
-                 tool_timeout: float | None, tool_call_parser: str | None) -> None:
+                 tool_timeout: float | None, tool_call_parser: str | None, max_tool_result_length: int | None = None) -> None:
         self.tools: list[Tool] = []
         for index, spec in enumerate(tools or []):
             where = f"model.tools[{index}] {spec!r}"
@@ -48,6 +47,7 @@ class ToolUse:
         self.environments = Environments(environment, plugins.get_environment, self.tools)
         self.max_tool_calling_iterations = max_tool_calling_iterations
         self.tool_timeout = tool_timeout
+        self.max_tool_result_length = max_tool_result_length
         if tool_call_parser is None or tool_call_parser in TOOL_CALL_PARSERS:
             self.parser: Callable | None = TOOL_CALL_PARSERS.get(tool_call_parser)
         else:
@@ -59,7 +59,7 @@ class ToolUse:
         if not hp.get("tools") and not hp.get("environment"):
             return None
         return cls(hp.get("tools"), hp.get("environment"), hp.get("max_tool_calling_iterations"),
-                   hp.get("tool_timeout"), hp.get("tool_call_parser"))
+                   hp.get("tool_timeout"), hp.get("tool_call_parser"), hp.get("max_tool_result_length"))
 
     @property
     def reward_names(self) -> list[str]:
@@ -77,30 +77,56 @@ class ToolUse:
                 f"model.tools / model.environment need a chat template to show the tools to the model, and the tokenizer "
                 f"of {getattr(tokenizer, 'name_or_path', '?')!r} has none (set model.chat_template or use a chat model)"
             )
-        conversations = []
-        for index, prompt in enumerate(prompts):
-            messages = prompt if is_conversational(prompt) else [{"role": "user", "content": prompt}]
-            row_columns = {name: values[index] for name, values in columns.items()}
-            rendered: dict[tuple[str, ...], tuple[list[int], bool]] = {}  # the G rows share their tools
-            for _ in range(num_generations):
-                name, instance, tools = self.environments.build(row_columns, index)
-                if tuple(tools) not in rendered:
-                    schemas = [tool.schema for tool in tools.values()]
-                    text = render(tokenizer, messages, schemas, True, dict(chat_template_kwargs or {}))
-                    ids, mask, cut = tokenize_prompts(tokenizer, [text], max_prompt_length, torch.device("cpu"))
-                    rendered[tuple(tools)] = ids[0][mask[0].bool()].tolist(), bool(cut[0])
-                prompt_ids, truncated = rendered[tuple(tools)]
-                conversations.append(Conversation(
-                    prompt=messages, prompt_ids=list(prompt_ids), prompt_truncated=truncated,
-                    tools=tools, environment=name, environment_instance=instance,
-                ))
+        conversations: list[Conversation] = []
+        try:
+            for index, prompt in enumerate(prompts):
+                messages = prompt if is_conversational(prompt) else [{"role": "user", "content": prompt}]
+                row_columns = {name: values[index] for name, values in columns.items()}
+                rendered: dict[tuple[str, ...], tuple[list[int], bool]] = {}  # the G rows share their tools
+                for _ in range(num_generations):
+                    name, instance, tools = self.environments.build(row_columns, index)
+                    conversations.append(Conversation(prompt=messages, prompt_ids=[], prompt_truncated=False, tools=tools,
+                                                      environment=name, environment_instance=instance))
+                    if tuple(tools) not in rendered:
+                        schemas = [tool.schema for tool in tools.values()]
+                        text = render(tokenizer, messages, schemas, True, dict(chat_template_kwargs or {}))
+                        ids, mask, cut = tokenize_prompts(tokenizer, [text], max_prompt_length, torch.device("cpu"))
+                        rendered[tuple(tools)] = ids[0][mask[0].bool()].tolist(), bool(cut[0])
+                    prompt_ids, truncated = rendered[tuple(tools)]
+                    conversations[-1].prompt_ids, conversations[-1].prompt_truncated = list(prompt_ids), truncated
+        except BaseException:
+            self.close(conversations)  # the environments built before the failure
+            raise
         return conversations
 
     def rollout(self, conversations: list[Conversation], generate_ids: Callable, tokenizer, config,
                 max_completion_length: int, chat_template_kwargs: Mapping[str, Any] | None,
-                any_rank_active: Callable[[bool], bool] | None, device: torch.device) -> Rollout:
+                any_rank_active: Callable[[bool], bool] | None, device: torch.device,
+                max_sequence_length: int | None = None) -> Rollout:
         """Run the conversations with ``generate_ids(prompt_ids, prompt_mask, config) -> Rollout | None``
-        (the module's sampler, one completion per row) and return them as a rollout."""
+        (the module's sampler, one completion per row) and return them as a rollout; then read the
+        environments' rewards and close them (closed also when anything failed).
+        ``max_sequence_length``: the longest prompt + completion the sampler takes (the model's or the
+        engine's context), which tool results may not overflow."""
+        try:
+            rollout = self._run(conversations, generate_ids, tokenizer, config, max_completion_length,
+                                chat_template_kwargs, any_rank_active, device, max_sequence_length)
+            self.read_environment_rewards(conversations)
+        finally:
+            self.close(conversations)
+        return rollout
+
+    def close(self, conversations: Sequence[Conversation]) -> None:
+        """Close every conversation's environment (``close()``, where it has one), once."""
+        for conversation in conversations:
+            instance, conversation.environment_instance = conversation.environment_instance, None
+            if instance is not None:
+                self.environments.close(conversation.environment, instance)
+
+    def _run(self, conversations: list[Conversation], generate_ids: Callable, tokenizer, config,
+             max_completion_length: int, chat_template_kwargs: Mapping[str, Any] | None,
+             any_rank_active: Callable[[bool], bool] | None, device: torch.device,
+             max_sequence_length: int | None) -> Rollout:
         eos = config.eos_token_id
         eos = set([] if eos is None else [eos] if isinstance(eos, int) else eos)
         engine_logps = []  # whether the sampler returned its own log-probs (vLLM)
@@ -123,33 +149,47 @@ class ToolUse:
                 row_mask = rollout.completion_mask[row].bool()
                 tokens = rollout.completion_ids[row][row_mask].tolist()
                 logps = rollout.sampling_logps[row][row_mask].tolist() if rollout.sampling_logps is not None else None
-                outputs.append(TurnOutput(tokens, logps, bool(tokens) and tokens[-1] in eos))
+                outputs.append(TurnOutput(tokens, logps, bool(tokens) and not bool(rollout.is_truncated[row])))
             return outputs
 
         run_conversations(
             conversations, generate_turn, tokenizer, max_completion_length, self.max_tool_calling_iterations,
             self.tool_timeout, self.parser, dict(chat_template_kwargs or {}), any_rank_active,
+            max_tool_result_length=self.max_tool_result_length, max_sequence_length=max_sequence_length,
+            stop_token_ids=sorted(eos) or None,
         )
         rollout = to_rollout(conversations, tokenizer.pad_token_id, device, with_sampling_logps=any(engine_logps))
         rollout.conversations = list(conversations)
         return rollout
 
+    def read_environment_rewards(self, conversations: Sequence[Conversation]) -> None:
+        """Read each ended rollout's environment reward into its conversation (``environment_reward``)."""
+        for row, conversation in enumerate(conversations):
+            if conversation.environment is not None and conversation.environment_instance is not None:
+                conversation.environment_reward = self.environments.reward(
+                    conversation.environment, conversation.environment_instance, row)
+
     def environment_rewards(self, conversations: Sequence[Conversation]) -> torch.Tensor:
         """``[N, E]`` the environments' ``get_reward()`` (NaN: None, or another environment's row)."""
-        columns = self.environments.reward_columns(
-            [c.environment for c in conversations], [c.environment_instance for c in conversations]
-        )
-        values = [[float("nan") if value is None else value for value in column] for column in columns.values()]
-        return torch.tensor(values, dtype=torch.float32).T.reshape(len(conversations), len(columns))
+        names = self.reward_names
+        values = torch.full((len(conversations), len(names)), float("nan"))
+        for row, conversation in enumerate(conversations):
+            if conversation.environment in names and conversation.environment_reward is not None:
+                values[row, names.index(conversation.environment)] = conversation.environment_reward
+        return values
 
     @staticmethod
     def metrics(conversations: Sequence[Conversation], reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``tools/calls_per_rollout``, ``tools/failure_frac`` and ``turns/mean`` over every rank."""
+        """``tools/calls_per_rollout``, ``tools/failure_frac``, ``tools/truncated_frac``,
+        ``tools/dropped_frac`` and ``turns/mean`` over every rank."""
         totals = {name: reduce_sum(value) for name, value in conversation_statistics(conversations).items()}
         rollouts = totals["rollouts"].clamp(min=1.0)
+        calls = totals["tool_calls"].clamp(min=1.0)
         return {
             "tools/calls_per_rollout": totals["tool_calls"] / rollouts,
-            "tools/failure_frac": totals["tool_failures"] / totals["tool_calls"].clamp(min=1.0),
+            "tools/failure_frac": totals["tool_failures"] / calls,
+            "tools/truncated_frac": totals["tool_results_truncated"] / calls,  # cut to max_tool_result_length
+            "tools/dropped_frac": totals["tool_results_dropped"] / calls,  # would have overflowed the context
             "turns/mean": totals["turns"] / rollouts,
         }
 

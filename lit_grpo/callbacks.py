@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_warn
 
-__all__ = ["StepProgressBar", "ValidateBeforeTraining"]
+__all__ = ["StepProgressBar", "ValidateBeforeTraining", "ignore_expected_lightning_warnings"]
+
+
+def ignore_expected_lightning_warnings() -> None:
+    """Validation is optional (``data.val_split``): without it Lightning skips the loop, as intended,
+    so its warning about a ``validation_step`` without a ``val_dataloader`` is noise."""
+    warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
 
 
 class ValidateBeforeTraining(pl.Callback):

@@ -64,6 +64,8 @@ def check_settings(hp, generation_backends: tuple[str, ...]) -> None:
             raise ConfigError(f"model.{key} must be at least 1 or null, got {hp[key]}")
     if hp.get("max_tool_calling_iterations") is not None and hp.max_tool_calling_iterations < 0:
         raise ConfigError(f"model.max_tool_calling_iterations must be at least 0 or null, got {hp.max_tool_calling_iterations}")
+    if hp.get("max_tool_result_length") is not None and hp.max_tool_result_length < 1:
+        raise ConfigError(f"model.max_tool_result_length must be at least 1 token or null, got {hp.max_tool_result_length}")
     if hp.get("tool_timeout") is not None and hp.tool_timeout <= 0:
         raise ConfigError(f"model.tool_timeout must be above 0 seconds or null, got {hp.tool_timeout}")
     if hp.generation_backend not in generation_backends:

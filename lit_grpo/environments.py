@@ -10,7 +10,9 @@ a class:
 * whose public methods are the tools the policy may call (type hints and a docstring with
   ``Args:``, as for ``model.tools``): they read and change the instance's state;
 * which may define ``get_reward() -> float | None``, read after the rollout ends; it is logged as
-  ``rewards/<environment name>/...`` and added to the reward with ``model.environment.weight``.
+  ``rewards/<environment name>/...`` and added to the reward with ``model.environment.weight``;
+* and ``close()``, called once the rollout is over and its reward read (also when the rollout
+  failed): release processes, sandboxes or files there.
 
 ``model.environment: {name: ..., args: {...}, weight: 1.0}`` picks one for every sample; a dataset
 column ``environment`` picks one per sample by name (an empty value: the configured one, or none).
@@ -19,6 +21,7 @@ column ``environment`` picks one per sample by name (an empty value: the configu
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +79,7 @@ class Environments:
         self._classes: dict[str, type] = {}
         self._method_schemas: dict[str, dict[str, dict]] = {}
         self._parameters: dict[str, Mapping[str, inspect.Parameter]] = {}
+        self._close_failures: set[str | None] = set()
         for spec in self.specs:
             self._load(spec.name)
 
@@ -134,23 +138,30 @@ class Environments:
             tools[method] = Tool(method, getattr(instance, method), schema)
         return name, instance, tools
 
-    def reward_columns(self, names: Sequence[str | None], instances: Sequence[Any]) -> dict[str, list[float | None]]:
-        """One column per environment of :attr:`reward_names`: its instances' rewards, None on the
-        rows of other environments."""
-        columns: dict[str, list[float | None]] = {}
-        for name in self.reward_names:
-            values: list[float | None] = []
-            for row, (row_name, instance) in enumerate(zip(names, instances)):
-                if row_name != name:
-                    values.append(None)
-                    continue
-                value = instance.get_reward()
-                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                    raise DataError(f"environment {name!r}: get_reward() returned {value!r} for rollout {row}; "
-                                    "it returns a number or None")
-                values.append(None if value is None else float(value))
-            columns[name] = values
-        return columns
+    def reward(self, name: str, instance: Any, row: int) -> float | None:
+        """``instance.get_reward()`` of environment ``name`` for rollout ``row`` (None where the class has
+        no ``get_reward``), checked to be a number or None."""
+        if name not in self.reward_names:
+            return None
+        value = instance.get_reward()
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise DataError(f"environment {name!r}: get_reward() returned {value!r} for rollout {row}; "
+                            "it returns a number or None")
+        return None if value is None else float(value)
+
+    def close(self, name: str | None, instance: Any) -> None:
+        """``instance.close()`` where the environment defines one. A failing close is warned about (once
+        per environment), not raised: the rollout it served is complete, and training goes on."""
+        close = getattr(instance, "close", None)
+        if not callable(close):
+            return
+        try:
+            close()
+        except Exception as error:  # noqa: BLE001
+            if name not in self._close_failures:
+                self._close_failures.add(name)
+                warnings.warn(f"environment {name!r}: close() raised {type(error).__name__}: {error} "
+                              "(said once per environment; training goes on)", stacklevel=2)
 
     @property
     def reward_weights(self) -> list[float]:

@@ -27,7 +27,6 @@ signal (:mod:`lit_grpo.dynamic_sampling`).
 from __future__ import annotations
 
 import time
-import warnings
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -41,7 +40,7 @@ from transformers import GenerationConfig
 
 from lit_grpo import algorithm, cpu, models
 from lit_grpo.agent import ToolUse
-from lit_grpo.callbacks import ValidateBeforeTraining
+from lit_grpo.callbacks import ValidateBeforeTraining, ignore_expected_lightning_warnings
 from lit_grpo.checkpointing import RNGStateCheckpoint, check_no_weight_left_behind
 from lit_grpo.completions import log_step_completions, run_directory
 from lit_grpo.config import AsWritten, check_batch_sizes, check_settings
@@ -84,12 +83,6 @@ def _without_frozen_policy_weights(module: "GRPOModule", state_dict: dict, prefi
     """State-dict post-hook of a LoRA module: drops the policy's frozen base weights."""
     if module.policy is not None:
         models.drop_frozen_weights(state_dict, module.policy, prefix=prefix + "policy.")
-
-
-def ignore_expected_lightning_warnings() -> None:
-    """Validation is optional (``data.val_split``): without it Lightning skips the loop, as intended,
-    so its warning about a ``validation_step`` without a ``val_dataloader`` is noise."""
-    warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
 
 
 ignore_expected_lightning_warnings()
@@ -159,7 +152,7 @@ class GRPOModule(pl.LightningModule):
         vllm_gpu_memory_utilization: GPU memory share of the colocated engine (weights and KV cache).
         vllm_enable_sleep_mode: release the engine's GPU memory while the trainer trains.
         vllm_tensor_parallel_size: the engine's tensor-parallel degree (1 for now).
-        vllm_max_model_length: the engine's longest sequence; None: prompt + completion maximum.
+        vllm_max_model_length: the engine's longest sequence; None: prompt + completion maximum (tools: the model's).
         vllm_importance_sampling_correction: reweight the engine's samples by trainer / engine probability,
             ``vllm_importance_sampling_mode`` (``token|sequence`` x ``truncate|mask``) within
             [``vllm_importance_sampling_clip_min``, ``vllm_importance_sampling_clip_max``] (TRL 1.16).
@@ -169,8 +162,9 @@ class GRPOModule(pl.LightningModule):
             them), stateful tools from a plugin (``lit_grpo.environments``, ``lit-grpo environments``).
         max_tool_calling_iterations: rounds of tool results per rollout; None: until the completion budget.
         tool_timeout: seconds a tool call may take before the model reads a timeout error; None: no limit.
-        tool_call_parser: how tool calls are read: None (the tokenizer's parser, else ``hermes``),
-            ``hermes``, or ``package.module:function`` returning ``[{name, arguments}]``.
+        tool_call_parser: None (the tokenizer's parser, else its chat template's format), ``hermes``,
+            ``llama3_json``, ``mistral``, or ``package.module:function`` returning ``[{name, arguments}]``.
+        max_tool_result_length: tokens of one tool result (a longer one keeps both ends); None: no limit.
         optimizer: the ``optimizer:`` block, built once the policy exists; None: AdamW at lr 1e-6 (TRL's).
         lr_scheduler: the ``lr_scheduler:`` block; stepped after every optimizer step.
     """
@@ -242,6 +236,7 @@ class GRPOModule(pl.LightningModule):
         max_tool_calling_iterations: int | None = None,
         tool_timeout: float | None = 30.0,
         tool_call_parser: str | None = None,
+        max_tool_result_length: int | None = 1024,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
     ):
@@ -322,7 +317,8 @@ class GRPOModule(pl.LightningModule):
                 hp.vllm_gpu_memory_utilization, hp.vllm_enable_sleep_mode, hp.vllm_tensor_parallel_size, hp.vllm_max_model_length
             )
             dtype = models.compute_dtype(precision) or torch.float32
-            self.vllm = VLLMSampler(hp.model_name_or_path, dtype, settings, hp.max_prompt_length, hp.max_completion_length)
+            self.vllm = VLLMSampler(hp.model_name_or_path, dtype, settings, hp.max_prompt_length, hp.max_completion_length,
+                                    grows_with_tools=self.tool_use is not None)
         if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: shard with FSDP2
             mesh = data_parallel_mesh(self.device_mesh)
             mp_policy = mixed_precision_policy(precision)  # float32 shards, half-precision compute
@@ -593,8 +589,10 @@ class GRPOModule(pl.LightningModule):
                                                 hp.chat_template_kwargs)
             any_rank_active = lambda local: bool(self.trainer.strategy.reduce(  # noqa: E731
                 torch.tensor(float(local), device=self.device), reduce_op="max")) if self._trainer is not None else local
+            # the longest sequence the sampler takes, which tool results may not overflow
+            max_length = self.vllm.max_sequence_length() if self.vllm else getattr(self.policy.config, "max_position_embeddings", None)
             return self.tool_use.rollout(conversations, self._generate_ids, self.tokenizer, config, hp.max_completion_length,
-                                         hp.chat_template_kwargs, any_rank_active, self.device)
+                                         hp.chat_template_kwargs, any_rank_active, self.device, max_length)
         texts = render_prompts(self.tokenizer, prompts, hp.chat_template_kwargs)
         ids, mask, cut = tokenize_prompts(self.tokenizer, texts, hp.max_prompt_length, self.device)
         return self._generate_ids(ids, mask, config, G, cut)

@@ -507,6 +507,23 @@ def sample(
     return result
 
 
+def completion_tensors(output: EngineOutput, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``output`` as right-padded ``completion_ids``, ``completion_mask``, ``sampling_logps`` ``[N, C]``
+    and ``is_truncated`` ``[N]``, from the engine's own lengths and finish reasons: never by looking for
+    EOS ids in the padded tensor, where a pad id that is also an EOS id (Qwen's ``<|endoftext|>``)
+    would end a row that stopped at its length limit with a token it never sampled."""
+    width = max(1, max((len(ids) for ids in output.completion_ids), default=0))
+    completion_ids = torch.full((len(output.completion_ids), width), pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros(completion_ids.shape, dtype=torch.long)
+    sampling_logps = torch.zeros(completion_ids.shape, dtype=torch.float32)
+    for row, (ids, logps) in enumerate(zip(output.completion_ids, output.logprobs)):
+        completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        completion_mask[row, : len(ids)] = 1
+        sampling_logps[row, : len(logps)] = torch.tensor(logps, dtype=torch.float32)
+    is_truncated = torch.tensor([reason != "stop" for reason in output.finish_reasons], dtype=torch.bool)
+    return completion_ids, completion_mask, sampling_logps, is_truncated
+
+
 def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
     """The log-prob of each sampled token: the first entry of each position (vLLM puts the sampled
     token first, then the top-k; with logprobs=0 it is the only one)."""
@@ -571,13 +588,15 @@ class VLLMSampler:
     """
 
     def __init__(self, model_name_or_path: str, dtype: torch.dtype, settings: VLLMSettings, max_prompt_length: int | None,
-                 max_completion_length: int) -> None:
+                 max_completion_length: int, grows_with_tools: bool = False) -> None:
         require_vllm()  # fail at construction, naming the extra, not at the first step
         self.model_name_or_path = model_name_or_path
         self.dtype = dtype
         self.settings = settings
+        # The engine's longest sequence. Tool results lengthen a multi-turn rollout beyond prompt +
+        # completion: then the model's own maximum (None: vLLM reads it from the model's config).
         self.max_model_length = settings.max_model_length or (
-            max_prompt_length + max_completion_length if max_prompt_length is not None else None
+            max_prompt_length + max_completion_length if max_prompt_length is not None and not grows_with_tools else None
         )
         self.llm = None
         self.pushed_version: Any = None  # the policy version the engine holds (None: none pushed)
@@ -595,6 +614,10 @@ class VLLMSampler:
             )
         return self.llm
 
+    def max_sequence_length(self) -> int:
+        """The longest prompt + completion the engine takes (its ``max_model_len``)."""
+        return int(self.engine().llm_engine.model_config.max_model_len)
+
     def sync_weights(self, policy: torch.nn.Module, version: Any) -> float:
         """Push ``policy``'s weights (a collective under FSDP2: every rank calls it) unless the engine
         already holds ``version`` of them; returns the seconds it took (0 when nothing was pushed)."""
@@ -610,7 +633,6 @@ class VLLMSampler:
                  num_generations: int, config, pad_token_id: int):
         """G completions for each left-padded prompt ``[B, P]`` with the sampling settings of
         ``config`` (a ``GenerationConfig``; greedy without ``do_sample``), as a ``Rollout``."""
-        from lit_grpo.algorithm import completion_mask_from_ids
         from lit_grpo.rollout import Rollout
 
         llm = self.engine()
@@ -633,20 +655,13 @@ class VLLMSampler:
         )
         if sleep(llm, level=2):  # the weights are gone: push them again before the next generation
             self.pushed_version = None
-        device = prompt_ids.device
-        width = max(1, max(len(ids) for ids in output.completion_ids))
-        completion_ids = torch.full((len(output.completion_ids), width), pad_token_id, dtype=torch.long)
-        sampling_logps = torch.zeros(completion_ids.shape, dtype=torch.float32)
-        for row, (ids, logps) in enumerate(zip(output.completion_ids, output.logprobs)):
-            completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            sampling_logps[row, : len(logps)] = torch.tensor(logps, dtype=torch.float32)
-        completion_ids, sampling_logps = completion_ids.to(device), sampling_logps.to(device)
-        completion_mask, is_truncated = completion_mask_from_ids(completion_ids, eos)
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_token_id)
+        completion_ids, completion_mask, sampling_logps, is_truncated = (
+            tensor.to(prompt_ids.device) for tensor in completion_tensors(output, pad_token_id)
+        )
         repeat = lambda tensor: tensor.repeat_interleave(num_generations, dim=0)  # noqa: E731
         rollout = Rollout(
             repeat(prompt_ids), repeat(prompt_mask), completion_ids, completion_mask, is_truncated, repeat(prompt_truncated),
-            sampling_logps=sampling_logps * completion_mask,
+            sampling_logps=sampling_logps,
         )
         return rollout.trimmed()
 

@@ -146,8 +146,10 @@ def chaotic_model(tiny_model_dir):
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     """A tiny random ``Qwen2ForCausalLM`` shaped like Qwen2.5-Instruct (ChatML chat template, EOS ids
-    ``<|im_end|>`` and ``<|endoftext|>``), saved in bf16 as hub checkpoints are."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), architecture="qwen2", dtype="bfloat16")
+    ``<|im_end|>`` and ``<|endoftext|>``), saved in bf16 as hub checkpoints are; 2048 positions, as a
+    one-character-a-token prompt with a tool's schema takes about 800."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), architecture="qwen2", dtype="bfloat16",
+                            max_position_embeddings=2048)  # room for prompts with tools' schemas
 
 
 # A few rows in GSM8K's format (`question`; `answer`: the worked solution, then "#### <number>").

@@ -33,6 +33,7 @@ SCRIPTS = {
     ],
     "slow": ['<tool_call>\n{{"name": "sleep", "arguments": {{"seconds": 5}}}}\n</tool_call>', "Woke up."],
     "forever": ['<tool_call>\n{{"name": "add", "arguments": {{"a": {n}, "b": 0}}}}\n</tool_call>'] * 20,
+    "long": ['<tool_call>\n{{"name": "long_result", "arguments": {{"characters": {n}}}}}\n</tool_call>', "Read it."],
 }
 QUESTION = re.compile(r"<\|im_start\|>user\n(\w+) (\d+)")
 
@@ -88,3 +89,17 @@ def sleep(seconds: float) -> str:
 
     time.sleep(seconds)
     return "slept"
+
+
+def long_text(characters: int) -> str:
+    """``characters`` characters that say where they are: "0123456789" repeated, every tenth a letter."""
+    return "".join("abcdefghijklmnopqrstuvwxyz"[(i // 10) % 26] if i % 10 == 9 else str(i % 10) for i in range(characters))
+
+
+def long_result(characters: int) -> str:
+    """Return a long text.
+
+    Args:
+        characters: how many characters
+    """
+    return long_text(characters)

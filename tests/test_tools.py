@@ -9,6 +9,7 @@ discovered through its entry point.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
@@ -35,6 +36,7 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 ADD = "scripted_policy:add"
 SLEEP = "scripted_policy:sleep"
+LONG = "scripted_policy:long_result"
 
 
 @pytest.fixture(scope="module")
@@ -70,29 +72,53 @@ def test_a_call_that_cannot_be_read_comes_back_with_the_reason(text, error):
     assert call.error is not None and error in call.error
 
 
-def test_a_configured_parser_replaces_hermes_and_its_errors_become_failed_calls():
-    calls = parse_tool_calls("CALL add 1 2", parser=lambda text: [{"name": "add", "arguments": {"a": 1, "b": 2}}])
+def turn_ids(tokenizer, text: str) -> list[int]:
+    """The tokens of an assistant turn that ends with <|im_end|>, as the policy would sample them."""
+    return tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+
+
+def test_a_configured_parser_replaces_hermes_and_its_errors_become_failed_calls(tokenizer):
+    im_end = [tokenizer.eos_token_id]
+    seen = []
+
+    def parser(text):
+        seen.append(text)
+        return [{"name": "add", "arguments": {"a": 1, "b": 2}}]
+
+    calls = parse_tool_calls(turn_ids(tokenizer, "CALL add 1 2"), tokenizer, parser, stop_token_ids=im_end)
     assert [(c.name, c.arguments) for c in calls.tool_calls] == [("add", {"a": 1, "b": 2})]
+    assert seen == ["CALL add 1 2"]  # the turn's text, its stop token left out
 
     def broken(text):
         raise ValueError("cannot read this")
 
-    (call,) = parse_tool_calls("whatever", parser=broken).tool_calls
+    (call,) = parse_tool_calls(turn_ids(tokenizer, "whatever"), tokenizer, broken, stop_token_ids=im_end).tool_calls
     assert "cannot read this" in call.error
 
 
-def test_the_tokenizers_own_response_parser_is_used_where_it_has_one():
-    class TokenizerWithParser:
-        response_template = {"some": "schema"}
+# A response template (transformers >= 5.13) for the hermes format: what a hub tokenizer may carry.
+HERMES_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
 
-        def parse_response(self, text, tools=None):
-            self.seen = (text, tools)
-            return {"content": "thinking", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 5}}}]}
 
-    tokenizer = TokenizerWithParser()
-    parsed = parse_tool_calls("raw", tokenizer, tools=[{"name": "add"}])
-    assert tokenizer.seen == ("raw", [{"name": "add"}])
-    assert parsed.content == "thinking" and [(c.name, c.arguments) for c in parsed.tool_calls] == [("add", {"a": 5})]
+def test_the_tokenizers_own_response_parser_reads_the_turn_after_its_context(tokenizer):
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.response_template = HERMES_RESPONSE_TEMPLATE
+    schemas = [make_tool(scripted_policy.add, "t").schema]
+    context = tokenizer(render(tokenizer, [{"role": "user", "content": "once 5"}], schemas, True, {}),
+                        add_special_tokens=False)["input_ids"]
+    ids = turn_ids(tokenizer, 'Adding.<tool_call>\n{"name": "add", "arguments": {"a": "5", "b": 1}}\n</tool_call>')
+    parsed = parse_tool_calls(ids, tokenizer, None, schemas, context, [tokenizer.eos_token_id])
+    # the schema of `add` (a: int) turned "5" into 5: the tools reached the parser, the context too
+    assert [(c.name, c.arguments, c.error) for c in parsed.tool_calls] == [("add", {"a": 5, "b": 1}, None)]
+    assert parsed.content == "Adding."
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,6 +179,47 @@ def test_a_tool_past_its_timeout_is_reported_and_does_not_hold_up_the_others():
     ]
 
 
+HUNG_TOOLS = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import scripted_policy
+from lit_grpo.tools import ToolCall, make_tool, run_tool_calls
+
+tools = {{tool.name: tool for tool in (make_tool(scripted_policy.add, "t"), make_tool(scripted_policy.sleep, "t"))}}
+start = time.perf_counter()
+hung = run_tool_calls([(ToolCall("sleep", {{"seconds": 3600}}), tools)] * 16, timeout=0.5)
+assert all(r.content == "error: sleep timed out after 0.5 s" for r in hung), hung
+(healthy,) = run_tool_calls([(ToolCall("add", {{"a": 2, "b": 3}}), tools)], timeout=0.5)
+print(healthy.content, healthy.failed, round(time.perf_counter() - start, 1))
+"""
+
+
+def test_hung_tools_neither_starve_the_next_calls_nor_keep_the_process_alive():
+    """16 calls that never return (as many as the old shared pool had workers), each abandoned after
+    its 0.5 s timeout; then a healthy call still runs, and the interpreter exits at once."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", HUNG_TOOLS.format(tests=str(TESTS))], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    content, failed, seconds = done.stdout.split()
+    assert (content, failed) == ("5", "False")
+    assert float(seconds) < 5  # the 16 waits overlap: about 0.5 s, not 16 x 0.5 s
+    assert time.perf_counter() - start < 30  # the process did not wait for the sleeping threads
+
+
+def test_a_tool_that_calls_sys_exit_is_a_failed_call_not_the_end_of_training():
+    def quits(code: int) -> str:
+        """Exit the process.
+
+        Args:
+            code: the exit status
+        """
+        raise SystemExit(code)
+
+    (result,) = run_tool_calls([(ToolCall("quits", {"code": 3}), {"quits": make_tool(quits, "t")})], timeout=5.0)
+    assert (result.content, result.failed) == ("error: SystemExit: 3", True)
+
+
 def test_a_tool_without_type_hints_or_docstring_is_refused_naming_it():
     def undocumented(x):
         return x
@@ -195,8 +262,9 @@ def test_the_conversation_is_the_chat_template_rendering_and_only_policy_tokens_
     run_conversations([c], scripted_turns(tokenizer, budgets), tokenizer, max_completion_length=200)
 
     assert c.messages == [
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 41, "b": 1}}}]},
-        {"role": "tool", "name": "add", "content": "42"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": "call00000", "function": {"name": "add", "arguments": {"a": 41, "b": 1}}}]},
+        {"role": "tool", "name": "add", "tool_call_id": "call00000", "content": "42"},
         {"role": "assistant", "content": "The answer is 41+1."},
     ]
     # prompt + completion tokens are exactly the chat template's rendering of the whole conversation
@@ -237,6 +305,44 @@ def test_the_completion_budget_counts_every_policy_token_and_cuts_the_last_turn(
     assert c.messages[-1]["role"] == "assistant" and "tool_calls" not in c.messages[-1]
 
 
+def test_a_long_tool_result_keeps_its_first_and_last_tokens_within_max_tool_result_length(tokenizer):
+    c = conversation(tokenizer, "long 500", tools=(ADD, LONG))
+    run_conversations([c], scripted_turns(tokenizer), tokenizer, max_completion_length=300, max_tool_result_length=100)
+    result = c.messages[1]["content"]
+    text = scripted_policy.long_text(500)  # 500 characters, one token each
+    assert result == text[:50] + "\n[... 400 tokens cut ...]\n" + text[-50:]
+    assert (c.tool_results_truncated, c.tool_results_dropped, c.tool_calls) == (1, 0, 1)
+    assert c.messages[-1]["content"] == "Read it."  # the rollout went on after the cut result
+    short = conversation(tokenizer, "long 500", tools=(ADD, LONG))
+    run_conversations([short], scripted_turns(tokenizer), tokenizer, max_completion_length=300, max_tool_result_length=500)
+    assert short.messages[1]["content"] == text and short.tool_results_truncated == 0
+
+
+def test_a_tool_result_that_would_overflow_the_context_is_dropped_and_the_rollout_ends(tokenizer):
+    """The model (or the vllm engine) takes at most max_sequence_length tokens: a round of results
+    that leaves no room for one more token is not appended (TRL drops it the same way)."""
+    c = conversation(tokenizer, "long 500", tools=(ADD, LONG))
+    call = len(tokenizer(scripted_policy.SCRIPTS["long"][0].format(n=500) + "<|im_end|>", add_special_tokens=False)["input_ids"])
+    ceiling = len(c.prompt_ids) + call + 200  # room for the call and 200 more tokens, not for 500 characters
+    budgets = []
+    run_conversations([c], scripted_turns(tokenizer, budgets), tokenizer, max_completion_length=300, max_sequence_length=ceiling)
+    assert (c.tool_calls, c.tool_results_dropped, c.truncated, c.done) == (1, 1, True, True)
+    assert [m["role"] for m in c.messages] == ["assistant"] and len(c.token_ids) == call
+    assert len(c.prompt_ids) + len(c.token_ids) <= ceiling and budgets == [200 + call]
+    # with the result cut to 100 tokens it fits, and the next turn is cut at the ceiling
+    cut = conversation(tokenizer, "long 500", tools=(ADD, LONG))
+    run_conversations([cut], scripted_turns(tokenizer), tokenizer, max_completion_length=300, max_sequence_length=ceiling,
+                      max_tool_result_length=100)
+    assert (cut.tool_results_truncated, cut.tool_results_dropped) == (1, 0)
+    assert len(cut.prompt_ids) + len(cut.token_ids) <= ceiling
+
+
+def test_a_prompt_that_fills_the_context_is_an_error_naming_the_rollout(tokenizer):
+    c = conversation(tokenizer, "once 1")
+    with pytest.raises(DataError, match=f"rollout 0: the prompt is {len(c.prompt_ids)} tokens .* at most 100"):
+        run_conversations([c], scripted_turns(tokenizer), tokenizer, max_completion_length=300, max_sequence_length=100)
+
+
 def test_failed_calls_and_timeouts_reach_the_model_and_are_counted(tokenizer):
     broken = conversation(tokenizer, "broken 3")
     slow = conversation(tokenizer, "slow 3", tools=(ADD, SLEEP))
@@ -254,18 +360,18 @@ def test_failed_calls_and_timeouts_reach_the_model_and_are_counted(tokenizer):
     assert slow.messages[-1]["content"] == "Woke up."
 
 
-def test_a_chat_template_that_rewrites_history_is_an_error_naming_it(tokenizer):
-    c = conversation(tokenizer, "once 1")
-    c.prompt = [{"role": "user", "content": "once 1"}]
-    original = tokenizer.chat_template
-    try:  # a template that drops earlier assistant turns once tool messages follow
-        tokenizer.chat_template = original.replace("{%- for message in messages %}", "{%- for message in messages[-2:] %}", 1)
-        if tokenizer.chat_template == original:
-            pytest.skip("the tiny template's loop is written differently")
-        with pytest.raises(DataError, match="renders the conversation differently"):
-            run_conversations([c], scripted_turns(tokenizer), tokenizer, max_completion_length=200)
-    finally:
-        tokenizer.chat_template = original
+def test_a_chat_template_that_rewrites_history_does_not_change_the_tool_tokens(tokenizer):
+    """The tool messages are rendered after a stand-in history, so a template that drops earlier turns
+    once tool messages follow (re-rendering is not prefix-preserving) gives the same tokens."""
+    expected = conversation(tokenizer, "once 1")
+    run_conversations([expected], scripted_turns(tokenizer), tokenizer, max_completion_length=200)
+    rewriting = copy.deepcopy(tokenizer)
+    rewriting.chat_template = tokenizer.chat_template.replace("{%- for message in messages %}",
+                                                              "{%- for message in messages[-2:] %}", 1)
+    assert rewriting.chat_template != tokenizer.chat_template
+    c = conversation(rewriting, "once 1")
+    run_conversations([c], scripted_turns(rewriting), rewriting, max_completion_length=200)
+    assert c.token_ids == expected.token_ids and c.tool_mask == expected.tool_mask and c.tool_calls == 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,8 +409,9 @@ def test_rewards_receive_the_whole_conversation_and_the_loss_counts_policy_token
 
     assert seen["prompts"][0] == [{"role": "user", "content": "once 5"}]
     assert seen["completions"][0] == [
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 5, "b": 1}}}]},
-        {"role": "tool", "name": "add", "content": "6"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": "call00000", "function": {"name": "add", "arguments": {"a": 5, "b": 1}}}]},
+        {"role": "tool", "name": "add", "tool_call_id": "call00000", "content": "6"},
         {"role": "assistant", "content": "The answer is 5+1."},
     ]
     assert seen["completions"][2] == [{"role": "assistant", "content": "No tools needed: 6."}]
@@ -385,12 +492,81 @@ def test_each_rollout_gets_its_own_environment_built_from_its_columns(kv_lookup,
     assert first.environment_instance is not second.environment_instance
     assert first.tools["lookup"].function("b") == "2" and first.environment_instance.looked_up == ["b"]
     assert second.environment_instance.looked_up == []
+    tool_use.read_environment_rewards(conversations)
     assert tool_use.environment_rewards(conversations).tolist() == [[1.0], [0.0]]
     assert '"name": "lookup"' in tokenizer.decode(first.prompt_ids)  # the tool is shown to the model
     with pytest.raises(DataError, match="sample 0, column 'environment': 'chess' is not one of"):
         tool_use.start(["q"], {"store": [store], "key": ["a"], "environment": ["chess"]}, 1, tokenizer, None, None)
     with pytest.raises(plugins.UnknownEnvironmentError, match="Did you mean 'kv_lookup'"):
         ToolUse(None, {"name": "kv_lookpu"}, None, None, None)
+
+
+class Counted:
+    """An environment that counts its live instances (it would hold a process or a sandbox)."""
+
+    live = 0
+    closed = 0
+
+    def __init__(self, reward: object = 1.0, broken: bool = False):
+        if broken:
+            raise TypeError("cannot build this one")
+        self.reward = reward
+        Counted.live += 1
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+    def get_reward(self):
+        return self.reward
+
+    def close(self) -> None:
+        Counted.live -= 1
+        Counted.closed += 1
+
+
+@pytest.fixture
+def counted_environment():
+    Counted.live = Counted.closed = 0
+    plugin = plugins.register_functions("test-environments", environments={"counted": Counted})
+    yield Counted
+    plugins.unregister_plugin(plugin)
+
+
+def scripted_rollout(tool_use, conversations, tokenizer):
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=100, eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    generate_ids = lambda ids, mask, config: scripted_policy.scripted_generate_from_ids(  # noqa: E731
+        None, ids, mask, torch.zeros(len(ids), dtype=torch.bool), 1, config, tokenizer.pad_token_id, tokenizer=tokenizer)
+    return tool_use.rollout(conversations, generate_ids, tokenizer, config, 100, None, None, torch.device("cpu"))
+
+
+def test_every_environment_is_closed_after_its_rollout_and_its_reward_read(counted_environment, tokenizer):
+    tool_use = ToolUse(None, {"name": "counted"}, None, None, None)
+    conversations = tool_use.start(["once 1", "once 2"], {}, 2, tokenizer, None, None)
+    assert counted_environment.live == 4
+    rollout = scripted_rollout(tool_use, conversations, tokenizer)
+    assert (counted_environment.live, counted_environment.closed) == (0, 4)
+    assert all(c.tool_calls == 1 and c.environment_instance is None for c in rollout.conversations)
+    assert tool_use.environment_rewards(rollout.conversations).tolist() == [[1.0]] * 4  # read before the close
+
+
+def test_environments_are_closed_when_the_rollout_fails(counted_environment, tokenizer):
+    tool_use = ToolUse(None, {"name": "counted", "args": {"reward": "not a number"}}, None, None, None)
+    conversations = tool_use.start(["once 1"], {}, 3, tokenizer, None, None)
+    with pytest.raises(DataError, match="get_reward\\(\\) returned 'not a number'"):
+        scripted_rollout(tool_use, conversations, tokenizer)
+    assert (counted_environment.live, counted_environment.closed) == (0, 3)
+    # and when building one of them fails: the ones built before are closed
+    with pytest.raises(ConfigError, match="cannot build this one"):
+        tool_use.start(["once 1", "once 2"], {"broken": [False, True]}, 2, tokenizer, None, None)
+    assert (counted_environment.live, counted_environment.closed) == (0, 5)
 
 
 def test_tools_quickstart_config_runs_through_the_cli_with_the_environment(tmp_path, warm_tool_model):
@@ -414,6 +590,36 @@ def test_tools_quickstart_config_runs_through_the_cli_with_the_environment(tmp_p
     shown = subprocess.run([command[0], "completions", str(tmp_path / "runs/tools-quickstart/version_0"), "--limit", "32"],
                            capture_output=True, text=True, timeout=120)
     assert "[calls lookup(" in shown.stdout and "tool: " in shown.stdout
+
+
+@pytest.mark.parametrize("backend", ["lit", "transformers"])
+def test_long_tool_results_are_cut_to_max_tool_result_length_in_a_real_run(tmp_path, warm_tool_model, backend):
+    """A tool returning 500 characters with max_prompt_length: 64 (tests/long_tool_run.py): each
+    result is cut to max_tool_result_length (100 tokens), the run says how often, and goes on."""
+    import long_tool_run
+
+    logged, records = long_tool_run.fit_with_long_tool_results(tmp_path, warm_tool_model, backend,
+                                                               "--model.max_tool_result_length", "100")
+    assert min(logged["tools/calls_per_rollout"]) > 0 and logged["tools/truncated_frac"] == [1.0, 1.0]
+    assert logged["tools/dropped_frac"] == [0.0, 0.0]
+    results = long_tool_run.tool_messages(records)
+    assert results and all("[... 400 tokens cut ...]" in result for result in results)
+
+
+def test_tool_results_that_would_pass_the_models_context_are_dropped_in_a_real_run(tmp_path, warm_tool_model):
+    """The warm-started model takes 2048 positions; made to take 900 (its config), the 500-character
+    results no longer fit after an 800-token prompt with the tool's schema: dropped, the run goes on."""
+    import shutil
+
+    model = Path(shutil.copytree(warm_tool_model, tmp_path / "short-context"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 900}))
+    import long_tool_run
+
+    logged, records = long_tool_run.fit_with_long_tool_results(tmp_path, model, "lit", "--model.max_prompt_length", "null")
+    assert logged["tools/dropped_frac"] == [1.0, 1.0] and long_tool_run.tool_messages(records) == []
+    for record in records:  # every rollout ended at its call, within the context
+        assert [m["role"] for m in record["completion"]] == ["assistant"]
 
 
 def test_validation_scores_multi_turn_rollouts(tiny_qwen2_dir, scripted, reward_plugin, write_jsonl, fast_trainer):

@@ -494,6 +494,51 @@ def test_multi_turn_tool_rollouts_with_vllm_equal_transformers_greedy(tmp_path):
         assert all(logp == 0.0 for logp, own in zip(row["logps"], row["mask"]) if not own)
 
 
+def test_a_row_the_engine_capped_at_max_model_len_is_truncated_not_finished(setup, engine):
+    """vLLM ends a row at the engine's max_model_len ("length") before max_tokens; padded next to a
+    longer row with a pad id that is also an EOS id (as Qwen's <|endoftext|>), it must not count as
+    finished, nor train on a pad token it never sampled: the mask comes from the engine's lengths."""
+    tokenizer = setup["tokenizer"]
+    sampler = vllm_backend.VLLMSampler.__new__(vllm_backend.VLLMSampler)
+    sampler.llm, sampler.pushed_version, sampler.settings = engine, "base", vllm_backend.VLLMSettings()
+    long_prompt = prompt_ids(tokenizer, ["ab" * 125])[0][:250]  # the engine takes 256 tokens: room for 6
+    short_prompt = prompt_ids(tokenizer, ["Hello there"])[0]
+    ids = torch.full((2, 250), tokenizer.pad_token_id)
+    mask = torch.zeros((2, 250), dtype=torch.long)
+    ids[0], mask[0] = torch.tensor(long_prompt), 1
+    ids[1, -len(short_prompt):], mask[1, -len(short_prompt):] = torch.tensor(short_prompt), 1
+    config = generation_config(tokenizer, eos=[tokenizer.eos_token_id, tokenizer.pad_token_id])
+    rollout = sampler.generate(ids, mask, torch.zeros(2, dtype=torch.bool), 1, config, tokenizer.pad_token_id)
+    assert int(rollout.completion_mask[0].sum()) == 256 - 250 and bool(rollout.is_truncated[0])
+    assert tokenizer.pad_token_id not in rollout.completion_ids[0][rollout.completion_mask[0].bool()].tolist()
+    assert rollout.completion_ids.size(1) > 6  # the other row is longer: row 0 was padded
+
+
+@pytest.fixture(scope="module")
+def warm_tool_model(tmp_path_factory):
+    """examples/environment-plugin's warm-started tiny model (head size 32), built in a subprocess."""
+    path = tmp_path_factory.mktemp("kv-model")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "examples/environment-plugin")}
+    subprocess.run([sys.executable, "-m", "lit_grpo_kv_lookup.warm_start", str(path), "--steps", "150"], env=env,
+                   check=True, capture_output=True, timeout=900)
+    return path
+
+
+def test_long_tool_results_neither_crash_the_engine_nor_pass_its_max_model_len(tmp_path, warm_tool_model):
+    """A tool returning 500 characters with max_prompt_length: 64 (tests/long_tool_run.py). The engine
+    takes the model's own length with tools (not prompt + completion, which one result passes); made
+    shorter, a round of results that would pass it is dropped instead of failing inside vLLM."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import long_tool_run
+
+    logged, records = long_tool_run.fit_with_long_tool_results(tmp_path / "fits", warm_tool_model, "vllm")
+    assert min(logged["tools/calls_per_rollout"]) > 0 and logged["tools/dropped_frac"] == [0.0, 0.0]
+    assert all(len(result) == long_tool_run.CHARACTERS for result in long_tool_run.tool_messages(records))
+    logged, records = long_tool_run.fit_with_long_tool_results(tmp_path / "dropped", warm_tool_model, "vllm",
+                                                               "--model.vllm_max_model_length", "300")
+    assert logged["tools/dropped_frac"] == [1.0, 1.0] and long_tool_run.tool_messages(records) == []
+
+
 # ----------------------------------------------------------------------------------------------
 # lit-grpo fit with the vllm backend, as users run it: one process learns; two processes (gloo)
 # under DDP and FSDP2, each with its own engine
