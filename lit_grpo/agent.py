@@ -99,6 +99,15 @@ class ToolUse:
             raise
         return conversations
 
+    def render_prompt(self, prompt, columns: Mapping[str, Any], tokenizer, chat_template_kwargs: Mapping[str, Any] | None) -> str:
+        """The text of one prompt as the policy sees it with the tools of its row (its environment's
+        built from ``columns``, one sample's values, then closed): ``lit-grpo prompts``."""
+        (conversation,) = self.start([prompt], {name: [value] for name, value in columns.items()}, 1, tokenizer, None,
+                                     chat_template_kwargs)
+        self.close([conversation])
+        messages = prompt if is_conversational(prompt) else [{"role": "user", "content": prompt}]
+        return render(tokenizer, messages, conversation.schemas, True, dict(chat_template_kwargs or {}))
+
     def rollout(self, conversations: list[Conversation], generate_ids: Callable, tokenizer, config,
                 max_completion_length: int, chat_template_kwargs: Mapping[str, Any] | None,
                 any_rank_active: Callable[[bool], bool] | None, device: torch.device,

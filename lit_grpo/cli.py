@@ -351,7 +351,10 @@ class PromptsCLI(GRPOCLI):
         from lit_grpo.data import GRPODataModule
         from lit_grpo.models import load_tokenizer
 
+        from lit_grpo.agent import ToolUse
+
         self.datamodule = GRPODataModule(**self.config.data.as_dict())
+        self.tool_use = ToolUse.from_settings(self.config.model.as_dict())  # a misspelt tool fails here
         self.tokenizer = load_tokenizer(self.config.model.model_name_or_path)
         self.max_prompt_length = self.config.model.max_prompt_length
 
@@ -360,7 +363,8 @@ def prompts_main(argv: list[str]) -> None:
     parser = CommandParser(
         prog="lit-grpo prompts",
         description="Print the first prompts of a run's data exactly as the model sees them: the prompt "
-        "template, system prompt and chat template applied, special tokens included, cut to "
+        "template, system prompt, the tools' schemas (model.tools, model.environment) and chat template applied, "
+        "special tokens included, cut to "
         "model.max_prompt_length. Takes the same --config files and --key value overrides as `lit-grpo fit`; "
         "loads the tokenizer and the data, not the model.",
     )
@@ -381,7 +385,10 @@ def prompts_main(argv: list[str]) -> None:
         parser.error("--split val needs data.val_split")
     for index in range(min(options.num, dataset.num_rows)):
         prompt = data.prompt_format(dataset[index])
-        text = render_prompts(cli.tokenizer, [prompt], data.chat_template_kwargs)[0]
+        if cli.tool_use is not None:  # the tools' schemas are part of what the model sees
+            text = cli.tool_use.render_prompt(prompt, dataset[index], cli.tokenizer, data.chat_template_kwargs)
+        else:
+            text = render_prompts(cli.tokenizer, [prompt], data.chat_template_kwargs)[0]
         prompt_ids, prompt_mask, _ = tokenize_prompts(cli.tokenizer, [text], cli.max_prompt_length, "cpu")
         ids = prompt_ids[0][prompt_mask[0].bool()].tolist()
         full = len(cli.tokenizer(text, add_special_tokens=False).input_ids)

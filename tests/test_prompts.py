@@ -129,6 +129,32 @@ def test_prompts_command_shows_truncation_and_special_tokens(tmp_path, tiny_qwen
     assert lines[1] == " 0 + 0?<|im_end|>" and lines[2] == "<|im_start|>assistant"  # the last 20 tokens
 
 
+def test_prompts_command_shows_the_tools_schemas_and_refuses_a_misspelt_tool(tmp_path, tiny_qwen2_dir, rows_file, capsys):
+    """With model.tools the model sees their schemas (the chat template's tools= argument): so does
+    `lit-grpo prompts`; a tool that does not exist fails there, naming it, as it would in `fit`."""
+    tests = str(Path(__file__).resolve().parent)
+    config = fit_config(tmp_path, tiny_qwen2_dir, rows_file, {"prompt_column": "question", "conversational": True},
+                        tools=[f"{tests}/scripted_policy.py:add"])
+    main(["prompts", "--config", str(config), "-n", "1"])
+    out = capsys.readouterr().out.split("\n", 1)[1]
+    assert '<tools>\n{"type": "function", "function": {"name": "add", "description": "Add two integers."' in out
+    assert out.endswith("<|im_start|>user\nWhat is 0 + 0?<|im_end|>\n<|im_start|>assistant\n\n")
+    misspelt = fit_config(tmp_path, tiny_qwen2_dir, rows_file, {"prompt_column": "question", "conversational": True},
+                          tools=[f"{tests}/scripted_policy.py:ad"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["prompts", "--config", str(misspelt), "-n", "1"])
+    assert exit_info.value.code == 2
+    assert "model.tools[0]" in capsys.readouterr().err
+
+
+def test_prompts_command_shows_an_environments_tools(tmp_path, tiny_qwen2_dir, write_jsonl, capsys):
+    pytest.importorskip("lit_grpo_kv_lookup", reason="pip install -e examples/environment-plugin (README: Tests)")
+    rows = write_jsonl([{"prompt": "Which digit is stored under a?", "store": '{"a": "1"}', "key": "a"}] * 2, name="kv.jsonl")
+    config = fit_config(tmp_path, tiny_qwen2_dir, rows, {"conversational": True}, environment={"name": "kv_lookup"})
+    main(["prompts", "--config", str(config), "-n", "1"])
+    assert '"name": "lookup", "description": "Look up the value stored under a key."' in capsys.readouterr().out
+
+
 def test_chat_prompts_without_a_chat_template_are_refused_naming_the_setting(tmp_path, tiny_model_dir, rows_file, reward_plugin):
     reward_plugin(record=lambda prompts, **kw: [0.0] * len(prompts))
     no_template = tmp_path / "no-template"
