@@ -1,20 +1,57 @@
-"""Small Lightning callbacks the module adds to every run that asks for them."""
+"""Small Lightning callbacks the module adds to every run that asks for them, and the one place where
+lit-grpo silences Lightning's messages that a user cannot act on."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 __all__ = ["StepProgressBar", "ValidateBeforeTraining", "ignore_expected_lightning_warnings"]
 
 
+# What Lightning says on every run that a lit-grpo user can do nothing about: (category, the start
+# of the message, why it is not actionable). Matched by message and category, so every other
+# warning, and these same messages in another category, still show.
+EXPECTED_LIGHTNING_WARNINGS = [
+    (PossibleUserWarning, "You defined a `validation_step` but have no `val_dataloader`",
+     "validation is optional (data.val_split): without it Lightning skips the loop, as intended"),
+    (UserWarning, "Using ModelCheckpoint with manual optimization and every_n_train_steps",
+     "GRPO optimizes manually; a checkpoint holds the weights after the step, which is what resuming needs"),
+    (UserWarning, "The dirpath has changed from",
+     "a run started from another run's checkpoint writes to a run directory of its own (lit_grpo.runs)"),
+    (UserWarning, "Checkpoint directory .* exists and is not empty",
+     "only a resumed run writes into a checkpoint directory that holds checkpoints (lit_grpo.runs)"),
+    (UserWarning, "LightningCLI's args parameter is intended to run from within Python",
+     "`lit-grpo prompts` parses the fit configuration with LightningCLI from its own arguments"),
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+     "Lightning's own use of torch.utils._pytree"),
+    (FutureWarning, r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+     "Lightning's own all_gather"),
+]
+# Lightning's advertisements for its cloud services, logged (not warned) at the start of a run.
+LIGHTNING_TIPS = "💡 Tip: "
+
+
+class _WithoutLightningTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(LIGHTNING_TIPS)
+
+
 def ignore_expected_lightning_warnings() -> None:
-    """Validation is optional (``data.val_split``): without it Lightning skips the loop, as intended,
-    so its warning about a ``validation_step`` without a ``val_dataloader`` is noise."""
-    warnings.filterwarnings("ignore", message=r"You defined a `validation_step` but have no `val_dataloader`")
+    """Silence what Lightning says on every run that the user cannot act on
+    (:data:`EXPECTED_LIGHTNING_WARNINGS`, and its tips about its cloud services): the one place
+    where lit-grpo silences messages for a whole run. Every process of a run calls it (importing
+    ``lit_grpo.module`` does), so it holds for every rank."""
+    for category, message, _why in EXPECTED_LIGHTNING_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # rank_zero_info's
+    if not any(isinstance(f, _WithoutLightningTips) for f in rank_zero_logger.filters):
+        rank_zero_logger.addFilter(_WithoutLightningTips())
 
 
 class ValidateBeforeTraining(pl.Callback):
@@ -25,12 +62,13 @@ class ValidateBeforeTraining(pl.Callback):
     ``trainer.val_check_interval``, so its metrics are reduced over every rank like any validation.
     """
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined():  # said before any progress bar
+            rank_zero_warn("model.validate_before_training is set but there is no validation data (data.val_split)")
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         val_loop = trainer.fit_loop.epoch_loop.val_loop
-        if trainer.global_step > 0:
-            return
-        if not val_loop._data_source.is_defined():
-            rank_zero_warn("model.validate_before_training is set but there is no validation data (data.val_split)")
+        if trainer.global_step > 0 or not val_loop._data_source.is_defined():
             return
         trainer.validating = True
         first_loop_iter = trainer._logger_connector._first_loop_iter
@@ -62,6 +100,14 @@ class StepProgressBar(TQDMProgressBar):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.train_progress_bar.disable:
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Close the bars still shown, each left on a line of its own, so that the error the run ends
+        with starts on a fresh line rather than at the end of a bar."""
+        for bar in (self._val_progress_bar, self._train_progress_bar):
+            if bar is not None and not bar.disable:
+                bar.leave = True
+                bar.close()
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
         metrics = super().get_metrics(trainer, pl_module)

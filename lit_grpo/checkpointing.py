@@ -18,8 +18,8 @@ weights and the optimizer are not enough to continue a run exactly. A lit-grpo c
 
 Checkpoints are written by :class:`AtomicCheckpointIO`, so a crash while writing leaves the previous
 checkpoint intact. :func:`configure_checkpointing` gives the ``lit-grpo`` command these by default,
-together with a ``ModelCheckpoint`` that keeps a rolling ``last.ckpt`` in a directory that does not
-change between a run and its resumption, so ``lit-grpo fit --config ... --ckpt_path last`` resumes.
+together with a ``ModelCheckpoint`` that keeps a rolling ``last.ckpt`` in the run's directory, which
+``lit-grpo fit --config ... --ckpt_path last`` resumes in (:mod:`lit_grpo.runs`).
 """
 
 from __future__ import annotations
@@ -58,11 +58,6 @@ __all__ = [
 
 # Interval of the default ModelCheckpoint of the `lit-grpo` command, in optimizer steps.
 DEFAULT_CHECKPOINT_EVERY_N_TRAIN_STEPS = 100
-
-# Lightning warns, once per run, that under manual optimization a ModelCheckpoint written in
-# on_train_batch_end holds the weights after the step's optimizer steps: that is what resuming needs.
-warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")
-
 
 # ----------------------------------------------------------------------------------------------
 # Random number generators
@@ -326,13 +321,11 @@ def configure_checkpointing(trainer_config) -> None:
 
     Unless ``trainer.enable_checkpointing`` is false:
 
-    - every ``ModelCheckpoint`` in ``trainer.callbacks`` without a ``dirpath`` gets the run's
-      checkpoint directory :func:`run_checkpoint_dir`: ``<logger save_dir>/<logger name>/checkpoints``.
-      Lightning's own default adds the logger's version (``version_0``), which a resumed run
-      increments, so it would not find the checkpoints of the run it resumes;
-    - without any ``ModelCheckpoint``, one is added that keeps only ``last.ckpt``, rewritten every
-      :data:`DEFAULT_CHECKPOINT_EVERY_N_TRAIN_STEPS` optimizer steps (and at the end of a run that
-      wrote none);
+    - without any ``ModelCheckpoint`` in ``trainer.callbacks``, one is added that keeps only
+      ``last.ckpt``, rewritten every :data:`DEFAULT_CHECKPOINT_EVERY_N_TRAIN_STEPS` optimizer steps
+      (and at the end of a run that wrote none). Like any ``ModelCheckpoint`` without a ``dirpath``,
+      it writes to ``checkpoints/`` in the run's directory (:mod:`lit_grpo.runs`), where
+      ``--ckpt_path last`` finds it;
     - without a ``CheckpointIO`` in ``trainer.plugins``, :class:`AtomicCheckpointIO` is added.
 
     ``trainer_config`` is the parsed ``trainer`` namespace of LightningCLI; what is added appears in
@@ -340,18 +333,12 @@ def configure_checkpointing(trainer_config) -> None:
     """
     if trainer_config.get("enable_checkpointing") is False:
         return
-    directory = str(run_checkpoint_dir(trainer_config))
     callbacks = _as_list(trainer_config.get("callbacks"))
-    checkpoints = [c for c in callbacks if is_class_config(c, ModelCheckpoint)]
-    for checkpoint in checkpoints:
-        if checkpoint.init_args.get("dirpath") is None:
-            checkpoint.init_args.dirpath = directory
-    if not checkpoints:
+    if not any(is_class_config(c, ModelCheckpoint) for c in callbacks):
         callbacks.append(
             Namespace(
                 class_path="lightning.pytorch.callbacks.ModelCheckpoint",
                 init_args=Namespace(
-                    dirpath=directory,
                     save_last=True,
                     save_top_k=0,
                     every_n_train_steps=DEFAULT_CHECKPOINT_EVERY_N_TRAIN_STEPS,
@@ -364,23 +351,6 @@ def configure_checkpointing(trainer_config) -> None:
     if not any(is_class_config(p, CheckpointIO) or isinstance(p, CheckpointIO) for p in plugins):
         plugins.append(Namespace(class_path=f"{__name__}.AtomicCheckpointIO"))
         trainer_config.plugins = plugins
-
-
-def run_checkpoint_dir(trainer_config) -> Path:
-    """``<save_dir>/<name>/checkpoints`` of the (first) configured logger, without its version;
-    ``<default_root_dir>/checkpoints`` without a logger."""
-    root = Path(trainer_config.get("default_root_dir") or ".")
-    logger = trainer_config.get("logger")
-    if isinstance(logger, list):
-        logger = logger[0] if logger else False
-    if logger is True or logger is None:  # Lightning's default TensorBoardLogger
-        return root / "lightning_logs" / "checkpoints"
-    if logger is False:
-        return root / "checkpoints"
-    init_args = logger.get("init_args") or {}
-    save_dir = init_args.get("save_dir") or root
-    name = init_args.get("name") or ""
-    return Path(save_dir) / str(name) / "checkpoints"
 
 
 def _as_list(value) -> list:

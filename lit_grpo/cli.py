@@ -36,6 +36,7 @@ from lit_grpo.checkpointing import configure_checkpointing, is_class_config
 from lit_grpo.config_files import config_files, find_key, find_syntax_error
 from lit_grpo.errors import ConfigError, UserError
 from lit_grpo.plugins import RewardInfo
+from lit_grpo.runs import place_run, resume_config_name
 from lit_grpo.trl_names import trl_hint
 
 # Where a run without a logger of its own logs: ``<trainer.default_root_dir or runs>/lit-grpo/version_N``.
@@ -62,7 +63,8 @@ class GRPOCLI(LightningCLI):
     drives several optimizer steps), so the usual Trainer setting is handed to the module, which
     clips before every optimizer step (``model.max_grad_norm``).
 
-    Exact resume (``--ckpt_path last``): ``fit`` checkpoints to a directory that a resumed run finds,
+    One directory per run, and exact resume (``--ckpt_path last``): every file of a run goes to its run
+    directory, which a resumed run continues in (``lit_grpo.runs.place_run``); ``fit`` checkpoints there,
     writes atomically and keeps the random and data state (``lit_grpo.checkpointing.configure_checkpointing``
     and the ``RNGStateCheckpoint`` callback that ``GRPOModule.configure_callbacks`` always adds).
     Lightning's ``ModelParallelStrategy`` runs as ``lit_grpo.distributed.ModelParallelStrategy``,
@@ -109,6 +111,9 @@ class GRPOCLI(LightningCLI):
         if self.subcommand in (None, "fit"):
             configure_checkpointing(config.trainer)
             use_step_progress_bar(config.trainer)
+        resumed_run = place_run(config, self.subcommand)  # the run's directory; --ckpt_path last
+        if resumed_run is not None:  # config.yaml keeps how the run started
+            self.save_config_kwargs["config_filename"] = resume_config_name(resumed_run)
         use_atomic_model_parallel_checkpoints(config.trainer)
         clip_value = config.trainer.get("gradient_clip_val")
         if clip_value is None:

@@ -29,7 +29,6 @@ __all__ = [
     "log_step_completions",
     "log_table",
     "read_records",
-    "run_directory",
     "show_step",
     "table_rows",
 ]
@@ -162,18 +161,6 @@ def log_table(logger: Any, records: list[dict[str, Any]], step: int) -> bool:
     else:
         return False
     return True
-
-
-def run_directory(logger: Any, log_dir: str | None, default_root_dir: str) -> Path | None:
-    """The directory of this run's own files (``completions.jsonl``): the version directory of
-    TensorBoard and CSV loggers; ``<save_dir or default_root_dir>/<name>/<version>`` for loggers
-    whose directory is shared by every run (Weights & Biases, MLflow, ...); None without a logger."""
-    if logger is None:
-        return None
-    if type(logger).__name__ in ("TensorBoardLogger", "CSVLogger") and log_dir is not None:
-        return Path(log_dir)
-    root = Path(log_dir or default_root_dir)
-    return root / str(logger.name or "lit-grpo") / str(logger.version)
 
 
 def find_completions_file(path: Path) -> Path:

@@ -42,7 +42,7 @@ from lit_grpo import algorithm, cpu, models
 from lit_grpo.agent import ToolUse
 from lit_grpo.callbacks import ValidateBeforeTraining, ignore_expected_lightning_warnings
 from lit_grpo.checkpointing import RNGStateCheckpoint, check_no_weight_left_behind
-from lit_grpo.completions import log_step_completions, run_directory
+from lit_grpo.completions import log_step_completions
 from lit_grpo.config import AsWritten, check_batch_sizes, check_settings
 from lit_grpo.data import PromptBatch
 from lit_grpo.dynamic_sampling import dynamic_sampling
@@ -73,6 +73,7 @@ from lit_grpo.rollout import (
     rollout_statistics,
     score_groups,
 )
+from lit_grpo.runs import run_directory
 from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
 from lit_grpo.vllm_backend import VLLMSampler, VLLMSettings, require_vllm
 

@@ -394,7 +394,7 @@ def test_default_logger_and_checkpoints_go_under_default_root_dir(tmp_path, tiny
     assert type(logger).__name__ == "TensorBoardLogger"
     assert Path(logger.save_dir) == tmp_path / "root" and logger.name == "lit-grpo"
     checkpoint = next(c for c in cli.trainer.callbacks if type(c).__name__ == "ModelCheckpoint")
-    assert Path(checkpoint.dirpath) == tmp_path / "root" / "lit-grpo" / "checkpoints"
+    assert checkpoint.dirpath is None  # Lightning's: <the logger's version directory>/checkpoints
 
     # neither a logger nor default_root_dir: runs/
     cli = instantiate(base)

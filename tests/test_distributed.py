@@ -266,7 +266,7 @@ def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir, variant
 
     straight = run_worker(run_dir, f"straight_{variant}", 2, overrides(f"straight_{variant}", 6))
     run_worker(run_dir, f"first_half_{variant}", 2, overrides(f"resumed_{variant}", 4))
-    checkpoint = run_dir / f"resumed_{variant}" / "lit-grpo" / "checkpoints" / "last.ckpt"
+    checkpoint = run_dir / f"resumed_{variant}" / "lit-grpo" / "version_0" / "checkpoints" / "last.ckpt"
     assert checkpoint.is_dir() and sorted(p.name for p in checkpoint.parent.iterdir()) == ["last.ckpt"]
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     weights = {key.removeprefix("state_dict.") for key in saved if key.startswith("state_dict.")}
@@ -299,8 +299,10 @@ def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir, variant
         assert resumed["steps"][0][name] == pytest.approx(straight["steps"][2][name], rel=1e-5, abs=1e-7), name
     for name, expected in straight["state"].items():
         torch.testing.assert_close(resumed["state"][name], expected, rtol=1e-5, atol=1e-6, msg=name)
-    # `lit-grpo export` reads the directory of shards itself (base weights + adapter, merged, with LoRA)
-    exported = AutoModelForCausalLM.from_pretrained(export_checkpoint(checkpoint, run_dir / f"exported_{variant}")).state_dict()
+    # `lit-grpo export` reads the directory of shards itself (base weights + adapter, merged, with LoRA);
+    # the worker hands the checkpoint to Trainer.fit itself, so the resumed run has a directory of its own
+    final_checkpoint = Path(resumed["log_dir"]) / "checkpoints" / "last.ckpt"
+    exported = AutoModelForCausalLM.from_pretrained(export_checkpoint(final_checkpoint, run_dir / f"exported_{variant}")).state_dict()
     state = resumed["state"]
     if variant == "full":
         assert exported.keys() == state.keys()

@@ -234,3 +234,41 @@ def test_completions_of_a_missing_step_says_which_steps_exist(tmp_path, capsys):
     assert error_line(capsys, "completions", str(log), "--step", "1") == f"step 1 was not logged; logged steps: 0, 2 ({log})"
     shutil.rmtree(tmp_path)
     assert error_line(capsys, "completions", str(tmp_path)) == f"{tmp_path} does not exist"
+
+
+# Lightning's messages on every run that a user can do nothing about (lit_grpo.callbacks.EXPECTED_LIGHTNING_WARNINGS)
+UNACTIONABLE = ["isinstance(treespec, LeafSpec)", "💡 Tip", "seamless cloud", "LightningCLI's args parameter",
+                "all_gather is deprecated", "Using ModelCheckpoint with manual optimization"]
+
+
+def test_a_real_run_prints_no_unactionable_warnings_and_its_error_starts_a_fresh_line(config, tmp_path):
+    """``lit-grpo fit`` as a user runs it, the progress bar showing, a reward that fails at the third
+    step: Lightning's noise is gone, a warning the user can act on stays, and the error starts its own line."""
+    (tmp_path / "flaky.py").write_text(
+        "calls = 0\n\n\ndef grader(completions, **kwargs):\n    global calls\n    calls += 1\n"
+        "    if calls == 3:\n        raise ConnectionError('the grader is down')\n    return [0.0] * len(completions)\n"
+    )
+    path = config(
+        trainer={"max_steps": 5, "enable_progress_bar": True, "enable_checkpointing": True},
+        model={"rewards": [{"name": f"{tmp_path}/flaky.py:grader"}], "validate_before_training": True},
+    )
+    # the bar (on stdout) and the messages (on stderr) in one stream, as a terminal shows them
+    run = subprocess.run([LIT_GRPO, "fit", "--config", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    shown = run.stdout
+    assert run.returncode == 2, shown[-3000:]
+    assert [noise for noise in UNACTIONABLE if noise in shown] == [], shown
+    actionable = "UserWarning: model.validate_before_training is set but there is no validation data (data.val_split)"
+    (warning_line,) = [line for line in shown.split("\n") if actionable in line]  # shown, and not on a bar's line
+    assert "%|" not in warning_line and "\r" not in warning_line, warning_line
+    before, error = shown.split("error: ", 1)
+    assert "steps:  40%" in before and "2/5" in before  # the bar was showing
+    assert before.endswith("\n"), before[-200:]  # not at the end of the bar's line
+    assert error.startswith(f"Reward '{tmp_path}/flaky.py:grader' ({tmp_path}/flaky.py) raised ConnectionError: the grader is down")
+
+
+def test_prompts_prints_no_warning_about_its_own_arguments(config):
+    run = subprocess.run([LIT_GRPO, "prompts", "--config", str(config()), "-n", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "----- train row 0" in run.stdout
+    assert [noise for noise in UNACTIONABLE if noise in run.stderr] == [], run.stderr

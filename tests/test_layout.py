@@ -18,8 +18,8 @@ LAYERS = [
     # pure functions, records and settings
     ["lit_grpo", "lit_grpo.errors", "lit_grpo.algorithm", "lit_grpo.sampling_correction", "lit_grpo.config", "lit_grpo.evaluation",
      "lit_grpo.hookspecs", "lit_grpo.tiny", "lit_grpo.config_files", "lit_grpo.trl_names"],
-    # loading models, checkpoints, the plugin registry
-    ["lit_grpo.models", "lit_grpo.checkpointing", "lit_grpo.plugins", "lit_grpo.tools"],
+    # loading models, checkpoints, a run's directory, the plugin registry
+    ["lit_grpo.models", "lit_grpo.checkpointing", "lit_grpo.runs", "lit_grpo.plugins", "lit_grpo.tools"],
     # several processes; CPU-only tuning; a reward's settings, arguments and worker processes
     ["lit_grpo.distributed", "lit_grpo.cpu.allocator", "lit_grpo.cpu.attention", "lit_grpo.cpu.prepacked",
      "lit_grpo.scoring.specs", "lit_grpo.scoring.arguments", "lit_grpo.scoring.failures", "lit_grpo.scoring.pool",

@@ -62,7 +62,8 @@ def fit_config(tiny_model_dir, data_file) -> dict:
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                 "init_args": {"save_dir": "runs", "name": "resume"},
             },
-            # No dirpath: the CLI gives it runs/resume/checkpoints, which the resumed runs find.
+            # No dirpath: it writes to the run's directory, runs/resume/version_0/checkpoints, where
+            # --ckpt_path last finds it and the resumed runs go on.
             "callbacks": [
                 {
                     "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -123,8 +124,17 @@ def logged_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
     }
 
 
+def reward_steps(log_dir: Path) -> list[int]:
+    """The step of every ``reward`` event in ``log_dir``, in the order written (all its event files)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return [event.step for event in accumulator.Scalars("reward")]
+
+
 def checkpoint_at(run_dir: Path) -> dict:
-    return torch.load(run_dir / "runs/resume/checkpoints/last.ckpt", weights_only=True)
+    return torch.load(run_dir / "runs/resume/version_0/checkpoints/last.ckpt", weights_only=True)
 
 
 def test_sigkilled_run_resumed_with_ckpt_path_last_matches_uninterrupted_run(tiny_model_dir, tmp_path):
@@ -178,14 +188,17 @@ def check_resumes_exactly(config: dict, tmp_path: Path, threads: int | None = No
     resumed = lit_grpo_fit(run_dir, config, "--ckpt_path", "last", threads=threads)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
 
-    # Each resumed run logged exactly the steps after its checkpoint, with the reference's values
-    # (every metric: rewards, loss, entropy, completion lengths, clip ratios, grad norm, ...).
-    for version, steps in (("version_1", [2]), ("version_2", [3, 4])):
-        logged = logged_scalars(run_dir / "runs/resume" / version)
-        assert sorted(logged["reward"]) == steps, version
-        assert set(logged) == set(reference)
-        for tag, values in logged.items():
-            assert values == {step: reference[tag][step] for step in steps}, (version, tag)
+    # Each resumed run went on in the killed run's directory and logged exactly the steps after its
+    # checkpoint: every step once, with the reference's values (every metric: rewards, loss, entropy,
+    # completion lengths, clip ratios, grad norm, ...).
+    assert sorted(path.name for path in (run_dir / "runs/resume").iterdir()) == ["version_0"]
+    log_dir = run_dir / "runs/resume/version_0"
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 3  # one per start, in the same directory
+    assert reward_steps(log_dir) == [0, 1, 2, 3, 4]
+    logged = logged_scalars(log_dir)
+    assert set(logged) == set(reference)
+    for tag, values in logged.items():
+        assert values == reference[tag], tag
 
     final, expected = checkpoint_at(run_dir), checkpoint_at(reference_dir)
     assert final["global_step"] == expected["global_step"] == 10
@@ -431,10 +444,10 @@ def quickstart_with(tmp_path, monkeypatch, tiny_model_dir):
     plugins.reset_plugins()
 
 
-def test_fit_checkpoints_last_ckpt_atomically_to_a_directory_without_the_logger_version(quickstart_with, tmp_path):
+def test_fit_checkpoints_last_ckpt_atomically_into_the_runs_directory(quickstart_with, tmp_path):
     trainer = quickstart_with().trainer
     (checkpoint,) = trainer.checkpoint_callbacks
-    assert checkpoint.dirpath == str(tmp_path / "runs" / "quickstart" / "checkpoints")  # no version_N
+    assert checkpoint.dirpath is None  # Lightning's: <the run's version directory>/checkpoints (tests/test_runs.py)
     assert checkpoint.save_last is True and checkpoint.save_top_k == 0
     assert checkpoint._every_n_train_steps == DEFAULT_CHECKPOINT_EVERY_N_TRAIN_STEPS
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
@@ -448,7 +461,7 @@ def test_configured_model_checkpoint_is_kept_and_gets_the_run_directory(quicksta
     trainer = quickstart_with(callbacks=callbacks).trainer
     first, second = trainer.checkpoint_callbacks
     assert first._every_n_train_steps == 7 and first.save_last is None  # the user's settings stay
-    assert first.dirpath == str(tmp_path / "runs" / "quickstart" / "checkpoints")
+    assert first.dirpath is None  # the run's directory, as Lightning places it
     assert second.dirpath == str(tmp_path / "best")
 
 

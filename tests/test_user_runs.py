@@ -3,7 +3,8 @@
 - Two processes (``trainer.devices: 2``, launched by Lightning from ``lit-grpo fit``) under DDP and
   FSDP2 with every feature a user turns on: the default logger under ``trainer.default_root_dir``,
   completions saved, logged as a table and printed, validation with ``val/pass@k`` (also before
-  training), a ``ModelCheckpoint`` every 2 steps and a ``LearningRateMonitor``.
+  training), a ``ModelCheckpoint`` every 2 steps and a ``LearningRateMonitor``; all of it in the run's
+  one directory, without Lightning's noise, and (DDP) resumed there with ``--ckpt_path last``.
 - Every file in ``configs/`` on CPU, with only what needs a hub or a GPU replaced: the model by a
   tiny random model of the recipe's architecture class (saved in bf16, as hub checkpoints are), the
   data by a few local rows in the real data set's format, the accelerator by the CPU (the FSDP
@@ -109,9 +110,26 @@ def test_two_process_fit_with_logger_completions_validation_and_checkpoints(tmp_
     assert all(sum(record["step"] == step for record in records) == 32 for step in range(4))
     assert len({record["prompt"] for record in records if record["step"] == 0}) == 4
     assert result.stdout.count("completions at step") == 4
-    checkpoints = sorted(path.name for path in (run / "checkpoints").iterdir())
+    checkpoints = sorted(path.name for path in (log_dir / "checkpoints").iterdir())
     assert checkpoints == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    assert sorted(path.name for path in (tmp_path / "run").iterdir()) == ["lit-grpo"]  # nothing beside the run
     assert not (tmp_path / "runs").exists()  # nothing outside default_root_dir
+    for noise in ("isinstance(treespec, LeafSpec)", "all_gather is deprecated", "💡 Tip"):  # Lightning's, on every rank
+        assert noise not in result.stderr, noise
+    if strategy != "ddp":
+        return
+
+    # resumed on 2 processes: every rank finds the same run, which goes on in its own directory
+    resumed = run_command([LIT_GRPO, "fit", "--config", "config.yaml", "--ckpt_path", "last", "--trainer.max_steps", "6"],
+                          cwd=tmp_path)
+    assert "Restored all states from the checkpoint at " + str(log_dir / "checkpoints/last.ckpt") in resumed.stderr
+    assert sorted(path.name for path in run.iterdir()) == ["version_0"]
+    assert [step for step, _ in scalars(log_dir)["reward"]] == [0, 1, 2, 3, 4, 5]
+    records = [json.loads(line) for line in (log_dir / "completions.jsonl").read_text().splitlines()]
+    assert [sum(record["step"] == step for record in records) for step in range(6)] == [32] * 6
+    checkpoints = sorted(path.name for path in (log_dir / "checkpoints").iterdir())
+    assert checkpoints == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    assert (log_dir / "config-resume-1.yaml").is_file()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,7 +195,7 @@ def test_shipped_recipe_trains(tmp_path, tiny_model_dir, tiny_qwen2_dir, recipe_
     logger = recipe["trainer"]["logger"]["init_args"]
     assert log_dir.parent == tmp_path / logger["save_dir"] / logger["name"]
     assert (log_dir / "completions.jsonl").exists() and "reward" in scalars(log_dir)
-    assert (log_dir.parent / "checkpoints" / "last.ckpt").exists()
+    assert (log_dir / "checkpoints" / "last.ckpt").exists()
     # trainable weights are float32 (the tiny hub stand-in is saved in bf16) and they moved
     from transformers import AutoModelForCausalLM
 
