@@ -37,6 +37,9 @@ class ToolUse:
         self.tools: list[Tool] = []
         for index, spec in enumerate(tools or []):
             where = f"model.tools[{index}] {spec!r}"
+            if callable(spec) and not isinstance(spec, str):  # a function given in Python
+                self.tools.append(make_tool(spec, where))
+                continue
             if not isinstance(spec, str) or ":" not in spec:
                 raise ConfigError(f"{where}: a tool is named 'package.module:function' or 'path/to/file.py:function'")
             function, _ = plugins.load_object(spec, f"model.tools[{index}]", ConfigError)

@@ -11,7 +11,10 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-__all__ = ["StepProgressBar", "ValidateBeforeTraining", "ignore_expected_lightning_warnings"]
+from lit_grpo import openmp
+from lit_grpo.cpu.threads import CpuThreads
+
+__all__ = ["CpuThreadsCallback", "StepProgressBar", "ValidateBeforeTraining", "ignore_expected_lightning_warnings"]
 
 
 # What Lightning says on every run that a lit-grpo user can do nothing about: (category, the start
@@ -113,3 +116,24 @@ class StepProgressBar(TQDMProgressBar):
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
         return metrics
+
+
+class CpuThreadsCallback(pl.Callback):
+    """On the CPU, the threads of each step follow the cores other processes leave free
+    (:class:`lit_grpo.cpu.threads.CpuThreads`), logged as ``cpu/threads``; the choice and OpenMP's
+    wait policy (:mod:`lit_grpo.openmp`) are said once when training starts."""
+
+    def __init__(self) -> None:
+        self.threads: CpuThreads | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if pl_module.device.type != "cpu":
+            return
+        self.threads = CpuThreads()
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(f"CPU: {self.threads.describe()}; OpenMP threads wait: {openmp.wait_policy()}")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        if self.threads is not None:
+            pl_module.log("cpu/threads", float(self.threads.update()), on_step=True, on_epoch=False)

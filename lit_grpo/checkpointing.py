@@ -316,6 +316,40 @@ def check_no_weight_left_behind(saved_keys: list[str], state_dict: dict) -> None
         )
 
 
+def default_checkpointing_of(trainer: pl.Trainer) -> list[Callback]:
+    """What a plain ``lightning.Trainer`` (a run from Python) needs to get ``lit-grpo fit``'s
+    checkpointing: where its only ``ModelCheckpoint`` is Lightning's default (one checkpoint at the
+    end of each epoch, which a GRPO run of ``max_steps`` may never reach), the one
+    :func:`configure_checkpointing` adds (returned from ``configure_callbacks``, it replaces
+    Lightning's); a ``ModelCheckpoint`` of the user's own is kept. Atomic writes
+    (:class:`AtomicCheckpointIO`) replace plain ``torch.save`` ones."""
+    if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+        trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+    checkpoints = [callback for callback in trainer.callbacks if isinstance(callback, ModelCheckpoint)]
+    lightning_default = len(checkpoints) == 1 and type(checkpoints[0]) is ModelCheckpoint and _is_lightning_default(checkpoints[0])
+    if not lightning_default:
+        return []
+    return [ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=DEFAULT_CHECKPOINT_EVERY_N_TRAIN_STEPS)]
+
+
+def _is_lightning_default(checkpoint: ModelCheckpoint) -> bool:
+    """The ``ModelCheckpoint()`` Lightning adds when a Trainer is given none."""
+    return (checkpoint.dirpath is None and checkpoint.filename is None and checkpoint.monitor is None
+            and not checkpoint.save_last and checkpoint._every_n_train_steps == 0
+            and checkpoint._train_time_interval is None and checkpoint.save_top_k == 1)
+
+
+def check_python_rewards(saved: dict[str, str], current: list[str]) -> None:
+    """On resume: every reward the checkpoint's run got as a Python object (``saved``: name ->
+    package, ``python`` for those) is given again under the same ``module:qualname``."""
+    missing = [name for name, package in saved.items() if package == "python" and name not in current]
+    if missing:
+        raise ConfigError(
+            f"the checkpoint was trained with the reward(s) {missing} given in Python, which this run does not have "
+            f"(its rewards: {current}); pass the same functions again (a renamed or moved function is another reward)"
+        )
+
+
 def configure_checkpointing(trainer_config) -> None:
     """Give the ``trainer:`` config of ``lit-grpo fit`` what ``--ckpt_path last`` needs (in place).
 

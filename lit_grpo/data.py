@@ -38,6 +38,7 @@ RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
 BUILDER_BY_EXTENSION = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 DataFiles = str | list[str] | dict[str, str | list[str]]
+IN_MEMORY = "<data given in Python>"  # the path of a data module made by GRPODataModule.from_data
 
 
 @dataclass
@@ -262,6 +263,7 @@ class GRPODataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.train_dataset: datasets.Dataset | None = None
         self.val_dataset: datasets.Dataset | None = None
+        self.in_memory: dict[str, datasets.Dataset] | None = None  # splits given in Python (from_data)
         if val_split is None:
             # Lightning runs validation only if `val_dataloader` is overridden; putting the base
             # class's method back on the instance makes it skip validation without a warning. (A
@@ -278,7 +280,7 @@ class GRPODataModule(pl.LightningDataModule):
         """Load the training (and validation) split and check it; raises ``ValueError`` on bad data."""
         if stage in (None, "fit") and self.train_dataset is None:
             dataset = self._load_train()
-            source = _describe_source(self.path, self.name, self.data_files, self.split)
+            source = self._source("train")
             _check_dataset(dataset, self.prompt_format, source=source)
             if dataset.num_rows < self.batch_size:
                 raise DataError(
@@ -288,7 +290,7 @@ class GRPODataModule(pl.LightningDataModule):
             self.train_dataset = dataset
         if stage in (None, "fit", "validate") and self.val_split is not None and self.val_dataset is None:
             dataset = self._load_val()
-            source = _describe_source(self.path, self.name, self._val_source_files(), self.val_split)
+            source = self._source("val")
             _check_dataset(dataset, self.prompt_format, source=source)
             self.val_dataset = dataset
 
@@ -333,23 +335,67 @@ class GRPODataModule(pl.LightningDataModule):
         """``(source, columns)`` of the ``train`` or ``val`` split: how messages name it, and the
         columns its prompts carry to the rewards and environments; None until :meth:`setup` loads it."""
         if split == "train" and self.train_dataset is not None:
-            source = _describe_source(self.path, self.name, self.data_files, self.split)
-            return source, self.prompt_format.passed_columns(self.train_dataset.column_names)
+            return self._source("train"), self.prompt_format.passed_columns(self.train_dataset.column_names)
         if split == "val" and self.val_dataset is not None:
-            source = _describe_source(self.path, self.name, self._val_source_files(), self.val_split)
-            return source, self.prompt_format.passed_columns(self.val_dataset.column_names)
+            return self._source("val"), self.prompt_format.passed_columns(self.val_dataset.column_names)
         return None
 
+    @classmethod
+    def from_data(cls, train: Any, val: Any = None, **options: Any) -> "GRPODataModule":
+        """The data module of prompts given in Python: ``train`` (and ``val``) a ``datasets.Dataset``, a
+        list of row dicts, or a ``DatasetDict`` whose splits ``split`` and ``val_split`` name (default
+        ``train``; ``val_split`` then as given, else ``val`` when ``val`` is given). ``options`` are any
+        other argument of the data module (``prompt_column``, ``prompt_template``, ``system_prompt``,
+        ``conversational``, ``batch_size``, ...): every row is checked and formatted as from a file."""
+        if val is not None:
+            options.setdefault("val_split", "val")
+        split, val_split = options.get("split", "train"), options.get("val_split")
+        module = cls(path=IN_MEMORY, **options)
+        module.in_memory = {split: _in_memory_split(train, split, "train")}
+        if val_split is not None:
+            module.in_memory[val_split] = _in_memory_split(val if val is not None else train, val_split, "val")
+        return module
+
+    def _source(self, split: str) -> str:
+        """How messages name the ``train`` or ``val`` data."""
+        name = self.split if split == "train" else self.val_split
+        if self.in_memory is not None:
+            return f"{'training' if split == 'train' else 'validation'} data given in Python (split {name!r})"
+        files = self.data_files if split == "train" else self._val_source_files()
+        return _describe_source(self.path, self.name, files, name)
+
     def _load_train(self) -> datasets.Dataset:
+        if self.in_memory is not None:
+            return self.in_memory[self.split]
         return _load_split(self.path, name=self.name, data_files=self.data_files, split=self.split)
 
     def _load_val(self) -> datasets.Dataset:
+        if self.in_memory is not None:
+            return self.in_memory[self.val_split]
         return _load_split(
             self.path, name=self.name, data_files=self._val_source_files(), split=self.val_split
         )
 
     def _val_source_files(self) -> DataFiles | None:
         return self.val_data_files if self.val_data_files is not None else self.data_files
+
+
+def _in_memory_split(data: Any, split: str, role: str) -> datasets.Dataset:
+    """``data`` given in Python for the ``role`` (train/val) split named ``split``, as a ``Dataset``."""
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise DataError(f"the DatasetDict given for {role} has no split {split!r}; its splits are {sorted(data)} "
+                            f"(set {'split' if role == 'train' else 'val_split'})")
+        return data[split]
+    if isinstance(data, datasets.Dataset):
+        return data
+    if isinstance(data, list) and all(isinstance(row, dict) for row in data):
+        try:
+            return datasets.Dataset.from_list(data)
+        except Exception as error:  # pyarrow's errors for rows whose columns do not agree
+            raise DataError(f"the rows given for {role} do not form a table: {type(error).__name__}: {error}") from error
+    raise DataError(f"the {role} data given in Python must be a datasets.Dataset, a DatasetDict or a list of row dicts, "
+                    f"got {type(data).__name__}")
 
 
 def collate_prompt_batch(rows: list[dict[str, Any]], prompt_format: PromptFormat | str) -> PromptBatch:

@@ -16,6 +16,8 @@ a class:
 
 ``model.environment: {name: ..., args: {...}, weight: 1.0}`` picks one for every sample; a dataset
 column ``environment`` picks one per sample by name (an empty value: the configured one, or none).
+In Python the class itself may stand for the name (``environment=MyEnv`` or ``{"name": MyEnv, ...}``):
+it is then called by its class name.
 """
 
 from __future__ import annotations
@@ -61,10 +63,16 @@ class Environments:
                  shared_tools: Sequence[Tool]) -> None:
         if specs is None:
             specs = []
-        elif isinstance(specs, (Mapping, EnvironmentSpec)):
+        elif isinstance(specs, (Mapping, EnvironmentSpec)) or inspect.isclass(specs):
             specs = [specs]
         self.specs: list[EnvironmentSpec] = []
+        self._given: dict[str, type] = {}  # classes given in Python, by their name
         for index, spec in enumerate(specs):
+            if inspect.isclass(spec):
+                spec = {"name": spec}
+            if isinstance(spec, Mapping) and inspect.isclass(spec.get("name")):
+                self._given[spec["name"].__name__] = spec["name"]
+                spec = {**spec, "name": spec["name"].__name__}
             if isinstance(spec, Mapping):
                 unknown = set(spec) - {"name", "args", "weight"}
                 if unknown or "name" not in spec:
@@ -93,8 +101,8 @@ class Environments:
         return [name for name in self.names if callable(getattr(self._classes[name], "get_reward", None))]
 
     def _load(self, name: str) -> None:
-        """The class registered as ``name``, its tools' schemas and its constructor's parameters."""
-        cls = self.get_environment(name)
+        """The class registered as ``name`` (or given in Python), its tools' schemas and its constructor's parameters."""
+        cls = self._given[name] if name in self._given else self.get_environment(name)
         if not inspect.isclass(cls):
             raise ConfigError(f"model.environment: environment {name!r} is not a class")
         schemas = {}

@@ -42,6 +42,7 @@ __all__ = [
     "generate_completions",
     "generate_from_ids",
     "generation_config",
+    "run_generation_configs",
     "render_prompts",
     "tokenize_prompts",
     "weights_cast_once",
@@ -149,6 +150,23 @@ def generation_config(
     if temperature == 0:
         return GenerationConfig(do_sample=False, **common)
     return GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, **common)
+
+
+def run_generation_configs(hp, tokenizer: PreTrainedTokenizerBase, eos_token_ids: list[int]) -> tuple[GenerationConfig, GenerationConfig]:
+    """The training and the validation sampling settings of a run (``hp``: the module's settings;
+    validation samples at ``temperature_eval`` when set)."""
+    sampling = dict(
+        max_new_tokens=hp.max_completion_length,
+        top_p=hp.top_p,
+        top_k=hp.top_k,
+        min_p=hp.min_p,
+        repetition_penalty=hp.repetition_penalty,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_token_ids,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    eval_temperature = hp.temperature if hp.temperature_eval is None else hp.temperature_eval
+    return generation_config(temperature=hp.temperature, **sampling), generation_config(temperature=eval_temperature, **sampling)
 
 
 @torch.no_grad()

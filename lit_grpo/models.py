@@ -18,6 +18,7 @@ savings this module implements:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import os
@@ -43,6 +44,8 @@ __all__ = [
     "reference_init_kwargs",
     "add_frozen_weights",
     "build_policy",
+    "build_reference",
+    "model_label",
     "cache_argument",
     "drop_frozen_weights",
     "enable_gradient_checkpointing",
@@ -206,7 +209,7 @@ def load_causal_lm(path: str, init_kwargs: dict[str, Any]) -> PreTrainedModel:
 
 
 def build_policy(
-    path: str,
+    path: str | PreTrainedModel,
     init_kwargs: dict[str, Any],
     lora: Mapping[str, Any] | None = None,
     gradient_checkpointing: bool = False,
@@ -214,7 +217,9 @@ def build_policy(
     """The trainable policy, in training mode.
 
     Args:
-        path: ``model.model_name_or_path``, a hub id or a ``save_pretrained`` directory.
+        path: ``model.model_name_or_path``, a hub id or a ``save_pretrained`` directory; in Python also
+            a model already built (a ``PreTrainedModel``, or a ``PeftModel`` with its own adapter),
+            which is trained as it is, in place.
         init_kwargs: keyword arguments for ``from_pretrained`` (see :func:`model_init_kwargs`).
         lora: ``model.lora``, :class:`peft.LoraConfig` keyword arguments on top of
             :data:`LORA_DEFAULTS`; ``None`` trains every weight.
@@ -225,12 +230,33 @@ def build_policy(
         The ``transformers`` model, or a :class:`peft.PeftModel` around it when ``lora`` is given
         (its base weights frozen, only the adapter trainable).
     """
-    policy = load_causal_lm(path, init_kwargs)
+    given = isinstance(path, torch.nn.Module)
+    if given and lora is not None and isinstance(path, PeftModel):
+        raise ConfigError("model.lora is set, but the model given in Python already has a peft adapter: "
+                          "give the base model with model.lora, or the PeftModel without it")
+    policy = path if given else load_causal_lm(path, init_kwargs)
     if gradient_checkpointing:
         enable_gradient_checkpointing(policy)
     if lora is not None:
-        policy = _add_lora_adapter(policy, lora, path)
+        policy = _add_lora_adapter(policy, lora, model_label(path))
     return policy.train()
+
+
+def build_reference(path: str | PreTrainedModel, settings: dict[str, Any] | None, precision: str) -> torch.nn.Module:
+    """The frozen KL reference: loaded from ``path`` (:func:`reference_init_kwargs`), or, for a model
+    given in Python, a copy of it taken before training changes it (as TRL's ``create_reference_model``)."""
+    if isinstance(path, torch.nn.Module):
+        reference = copy.deepcopy(path)
+    else:
+        reference = load_causal_lm(path, reference_init_kwargs(settings, precision))
+    return reference.requires_grad_(False).eval()
+
+
+def model_label(path: str | torch.nn.Module) -> str:
+    """How messages name the model: its path, or for a model object its class and ``name_or_path``."""
+    if isinstance(path, torch.nn.Module):
+        return f"the {type(path).__name__} given in Python ({getattr(path, 'name_or_path', '') or 'no name_or_path'})"
+    return str(path)
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
@@ -410,8 +436,29 @@ def _check_model_path(path: str) -> None:
     )
 
 
-def load_tokenizer(path: str):
-    """The tokenizer, with a pad token (EOS when it has none, with a warning)."""
+def load_tokenizer(path: str | torch.nn.Module, tokenizer=None):
+    """The tokenizer, with a pad token (EOS when it has none, with a warning): ``tokenizer`` when given
+    (Python), else loaded from ``path`` (a model object's ``name_or_path``)."""
+    if tokenizer is None and isinstance(path, torch.nn.Module):
+        name = getattr(path, "name_or_path", None)
+        if not name:
+            raise ConfigError(f"{model_label(path)} has no name_or_path to load its tokenizer from: pass tokenizer=")
+        path = name
+    if tokenizer is None:
+        tokenizer = _load_tokenizer_files(path)
+    label = getattr(tokenizer, "name_or_path", None) or model_label(path)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"The tokenizer of {label!r} has neither a pad token nor an EOS token")
+        warnings.warn(
+            f"The tokenizer of {label!r} has no pad token; using its EOS token {tokenizer.eos_token!r} for padding",
+            stacklevel=2,
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _load_tokenizer_files(path: str):
     _check_model_path(path)
     local = os.path.expanduser(path)
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -421,15 +468,6 @@ def load_tokenizer(path: str):
             "save it beside the model with tokenizer.save_pretrained(DIR)"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(local)
+        return AutoTokenizer.from_pretrained(local)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load the tokenizer of model.model_name_or_path {path!r}: {exc}") from exc
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ConfigError(f"The tokenizer of {path!r} has neither a pad token nor an EOS token")
-        warnings.warn(
-            f"The tokenizer of {path!r} has no pad token; using its EOS token {tokenizer.eos_token!r} for padding",
-            stacklevel=2,
-        )
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer

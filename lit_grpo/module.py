@@ -40,8 +40,13 @@ from transformers import GenerationConfig
 
 from lit_grpo import algorithm, cpu, models
 from lit_grpo.agent import ToolUse
-from lit_grpo.callbacks import ValidateBeforeTraining, ignore_expected_lightning_warnings
-from lit_grpo.checkpointing import RNGStateCheckpoint, check_no_weight_left_behind
+from lit_grpo.callbacks import CpuThreadsCallback, ValidateBeforeTraining, ignore_expected_lightning_warnings
+from lit_grpo.checkpointing import (
+    RNGStateCheckpoint,
+    check_no_weight_left_behind,
+    check_python_rewards,
+    default_checkpointing_of,
+)
 from lit_grpo.completions import log_step_completions
 from lit_grpo.config import AsWritten, check_batch_sizes, check_settings
 from lit_grpo.data import PromptBatch
@@ -59,8 +64,8 @@ from lit_grpo.generation import (
     GENERATION_BACKENDS,
     NO_CHAT_TEMPLATE,
     generate_from_ids,
-    generation_config,
     render_prompts,
+    run_generation_configs,
     tokenize_prompts,
 )
 from lit_grpo.logprobs import LogProbEngine
@@ -73,6 +78,7 @@ from lit_grpo.rollout import (
     rollout_statistics,
     score_groups,
 )
+from lit_grpo.python_objects import storable
 from lit_grpo.runs import run_directory
 from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
 from lit_grpo.vllm_backend import VLLMSampler, VLLMSettings, require_vllm
@@ -95,7 +101,9 @@ class GRPOModule(pl.LightningModule):
     Every argument is a ``model:`` key of the config (docs/configuration.md).
 
     Args:
-        model_name_or_path: Hugging Face hub id or local directory of the policy (and tokenizer).
+        model_name_or_path: Hugging Face hub id or local directory of the policy (and tokenizer); in Python
+            also a model object (``PreTrainedModel``), trained in place. Rewards, tools and environments
+            may likewise be functions and classes in Python (named ``module:qualname`` in checkpoints).
         rewards: rewards by registered name, ``[{name: char_fraction, weight: 1.0, args: {chars: "a"}}]``
             (``lit-grpo rewards`` lists them; ``lit_grpo.scoring.RewardSpec`` has the other keys).
         num_generations: G, completions sampled per prompt (at least 2).
@@ -166,6 +174,7 @@ class GRPOModule(pl.LightningModule):
         tool_call_parser: None (the tokenizer's parser, else its chat template's format), ``hermes``,
             ``llama3_json``, ``mistral``, or ``package.module:function`` returning ``[{name, arguments}]``.
         max_tool_result_length: tokens of one tool result (a longer one keeps both ends); None: no limit.
+        tokenizer: Python only: the tokenizer of a model given as an object (default: its ``name_or_path``'s).
         optimizer: the ``optimizer:`` block, built once the policy exists; None: AdamW at lr 1e-6 (TRL's).
         lr_scheduler: the ``lr_scheduler:`` block; stepped after every optimizer step.
     """
@@ -238,11 +247,15 @@ class GRPOModule(pl.LightningModule):
         tool_timeout: float | None = 30.0,
         tool_call_parser: str | None = None,
         max_tool_result_length: int | None = 1024,
+        tokenizer: Any = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "tokenizer"])
+        settings = dict(self.hparams)  # as given: in Python, functions, classes and a model object too
+        self.save_hyperparameters(storable(settings))  # what checkpoints and logs keep: their names
+        self.model_source = model_name_or_path  # a hub id, a directory, or a model given in Python
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.automatic_optimization = False
@@ -260,13 +273,13 @@ class GRPOModule(pl.LightningModule):
         run_settings = {"max_completion_len": max_completion_length}
         self.scorer = RewardScorer(rewards, run_settings)
         self.eval_scorer = RewardScorer(eval_rewards, run_settings, key="model.eval_rewards") if eval_rewards else self.scorer
-        self.tool_use = ToolUse.from_settings(self.hparams)  # multi-turn rollouts with tools, or None
+        self.tool_use = ToolUse.from_settings(settings)  # multi-turn rollouts with tools, or None
         clash = set(self.tool_use.reward_names if self.tool_use else []) & set(self.scorer.names)
         if clash:
             raise ConfigError(f"model.environment and model.rewards both name {sorted(clash)}: rename one")
         # validation metrics, reduced over every rank's prompts at the end of the validation epoch
         self.val_metrics = ValidationMetrics(sorted(set(eval_pass_k or [1, num_generations_eval or num_generations])))
-        self.tokenizer = models.load_tokenizer(model_name_or_path)
+        self.tokenizer = models.load_tokenizer(model_name_or_path, tokenizer)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
         # every forward and backward after sampling (lit_grpo.logprobs), configured by these hparams
@@ -289,35 +302,21 @@ class GRPOModule(pl.LightningModule):
         if self.policy is not None:
             return
         hp = self.hparams
-        self.policy = models.build_policy(
-            hp.model_name_or_path,
-            models.model_init_kwargs(hp.model_init_kwargs),
-            lora=hp.lora,
-            gradient_checkpointing=hp.gradient_checkpointing,
-        )
         precision = self._precision()
         if hp.beta > 0 and hp.lora is None:  # with LoRA: the policy, adapter disabled
-            ref_kwargs = models.reference_init_kwargs(hp.model_init_kwargs, precision)
-            self.ref_model = models.load_causal_lm(hp.model_name_or_path, ref_kwargs)
-            self.ref_model.requires_grad_(False).eval()
-        sampling = dict(
-            max_new_tokens=hp.max_completion_length,
-            top_p=hp.top_p,
-            top_k=hp.top_k,
-            min_p=hp.min_p,
-            repetition_penalty=hp.repetition_penalty,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=models.eos_token_ids(self.policy, self.tokenizer),
-            bos_token_id=self.tokenizer.bos_token_id,
-        )
-        self.generation_config = generation_config(temperature=hp.temperature, **sampling)
-        eval_temperature = hp.temperature if hp.temperature_eval is None else hp.temperature_eval
-        self.eval_generation_config = generation_config(temperature=eval_temperature, **sampling)
+            self.ref_model = models.build_reference(self.model_source, hp.model_init_kwargs, precision)
+        self.policy = models.build_policy(self.model_source, models.model_init_kwargs(hp.model_init_kwargs), lora=hp.lora,
+                                          gradient_checkpointing=hp.gradient_checkpointing)
+        eos_token_ids = models.eos_token_ids(self.policy, self.tokenizer)
+        self.generation_config, self.eval_generation_config = run_generation_configs(hp, self.tokenizer, eos_token_ids)
         if hp.generation_backend == "vllm":
             settings = VLLMSettings(
                 hp.vllm_gpu_memory_utilization, hp.vllm_enable_sleep_mode, hp.vllm_tensor_parallel_size, hp.vllm_max_model_length
             )
             dtype = models.compute_dtype(precision) or torch.float32
+            if not hp.model_name_or_path:  # a model object built in Python, with no directory to build the engine from
+                raise ConfigError(f"model.generation_backend: vllm builds its engine from a directory: save "
+                                  f"{models.model_label(self.model_source)} with save_pretrained(DIR) and give DIR")
             self.vllm = VLLMSampler(hp.model_name_or_path, dtype, settings, hp.max_prompt_length, hp.max_completion_length,
                                     grows_with_tools=self.tool_use is not None)
         if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: shard with FSDP2
@@ -370,8 +369,9 @@ class GRPOModule(pl.LightningModule):
             self.eval_scorer.close()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep the weights' keys beside them (see :meth:`on_load_checkpoint`)."""
+        """Keep the weights' keys beside them, and the rewards' sources (see :meth:`on_load_checkpoint`)."""
         checkpoint["state_dict_keys"] = sorted(checkpoint["state_dict"])
+        checkpoint["reward_packages"] = {spec.name: info.package for spec, info in zip(self.scorer.specs, self.scorer.infos)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """With LoRA, check that the checkpoint holds this policy's whole adapter and add the frozen
@@ -380,6 +380,7 @@ class GRPOModule(pl.LightningModule):
         A sharded (FSDP2) checkpoint has already loaded the weights this module asks for (a missing
         one fails there, naming it); here the weights it holds that this module has no place for are
         an error (a resume with other ``model.lora`` target modules would otherwise drop them)."""
+        check_python_rewards(checkpoint.get("reward_packages", {}), [spec.name for spec in self.scorer.specs])
         if self.hparams.lora is not None and "state_dict" in checkpoint:
             state_dict = checkpoint["state_dict"]
             checkpoint["state_dict"] = models.add_frozen_weights(state_dict, self.policy, prefix="policy.")
@@ -387,9 +388,10 @@ class GRPOModule(pl.LightningModule):
             check_no_weight_left_behind(checkpoint["state_dict_keys"], self.state_dict())
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        """Every run, from the CLI or from Python, checkpoints its random states for exact resume;
-        with ``sync_ref_model`` the reference follows the policy."""
-        callbacks: list[pl.Callback] = [RNGStateCheckpoint()]
+        """Every run, from the CLI or from Python (where it also gets the CLI's checkpointing), checkpoints
+        its random states for exact resume and, on the CPU, fits its threads to the free cores; with
+        ``sync_ref_model`` the reference follows the policy."""
+        callbacks: list[pl.Callback] = [RNGStateCheckpoint(), CpuThreadsCallback(), *default_checkpointing_of(self.trainer)]
         if self.hparams.validate_before_training:
             callbacks.append(ValidateBeforeTraining())
         if self.hparams.sync_ref_model:

@@ -55,6 +55,7 @@ from typing import Any
 
 import pluggy
 
+from lit_grpo.python_objects import object_name
 from lit_grpo.errors import UserError
 from lit_grpo.hookspecs import Hookspecs
 
@@ -72,6 +73,7 @@ __all__ = [
     "get_environments",
     "get_plugin_manager",
     "load_object",
+    "object_name",
     "get_plugins",
     "get_reward",
     "get_rewards",
@@ -620,6 +622,17 @@ def _function_reward(name: str) -> RewardInfo:
         obj, package = load_object(name, "reward", UnknownRewardError)
         _FUNCTION_REWARDS[name] = RewardInfo(name=name, obj=obj, package=package, version="", doc=_first_doc_line(obj))
     return _FUNCTION_REWARDS[name]
+
+
+def register_object_reward(obj: Any) -> str:
+    """Make the reward ``obj`` (a sync or async function, a callable instance or a class) given in
+    Python resolvable by :func:`get_reward` under :func:`object_name`; returns that name. A later
+    object of the same name replaces it (a notebook cell run again)."""
+    if not callable(obj):
+        raise UnknownRewardError(f"a reward given in Python must be callable (a function or a class), got {obj!r}")
+    name = object_name(obj)
+    _FUNCTION_REWARDS[name] = RewardInfo(name=name, obj=obj, package="python", version="", doc=_first_doc_line(obj))
+    return name
 
 
 def load_object(name: str, what: str, error: type[Exception] = UserError) -> tuple[Any, str]:

@@ -17,11 +17,12 @@ MAX_LINES = 700
 LAYERS = [
     # pure functions, records and settings
     ["lit_grpo", "lit_grpo.errors", "lit_grpo.algorithm", "lit_grpo.sampling_correction", "lit_grpo.config", "lit_grpo.evaluation",
-     "lit_grpo.hookspecs", "lit_grpo.tiny", "lit_grpo.config_files", "lit_grpo.trl_names"],
+     "lit_grpo.hookspecs", "lit_grpo.tiny", "lit_grpo.config_files", "lit_grpo.trl_names", "lit_grpo.openmp",
+     "lit_grpo.python_objects"],
     # loading models, checkpoints, a run's directory, the plugin registry
     ["lit_grpo.models", "lit_grpo.checkpointing", "lit_grpo.runs", "lit_grpo.plugins", "lit_grpo.tools"],
     # several processes; CPU-only tuning; a reward's settings, arguments and worker processes
-    ["lit_grpo.distributed", "lit_grpo.cpu.allocator", "lit_grpo.cpu.attention", "lit_grpo.cpu.prepacked",
+    ["lit_grpo.distributed", "lit_grpo.cpu.allocator", "lit_grpo.cpu.attention", "lit_grpo.cpu.prepacked", "lit_grpo.cpu.threads",
      "lit_grpo.scoring.specs", "lit_grpo.scoring.arguments", "lit_grpo.scoring.failures", "lit_grpo.scoring.pool",
      "lit_grpo.environments"],
     ["lit_grpo.cpu", "lit_grpo.rollout", "lit_grpo.reference", "lit_grpo.scoring.scorer", "lit_grpo.completions"],
@@ -47,10 +48,23 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
+def _lazy_exports(tree: ast.Module) -> set[ast.AST]:
+    """The nodes inside a module-level ``__getattr__``: ``lit_grpo/__init__``'s lazy re-exports of
+    ``GRPOModule`` and ``GRPODataModule`` (imported on first use, so that ``import lit_grpo`` stays
+    cheap) are the one import allowed to go up the layers."""
+    return {node for top in tree.body if isinstance(top, ast.FunctionDef) and top.name == "__getattr__"
+            for node in ast.walk(top)}
+
+
 def imported_modules(path: Path) -> set[str]:
-    """Every ``lit_grpo``/``bench`` module imported anywhere in the file (functions included)."""
+    """Every ``lit_grpo``/``bench`` module imported anywhere in the file (functions included, a lazy
+    re-export in ``__getattr__`` not)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    lazy = _lazy_exports(tree)
+    for node in ast.walk(tree):
+        if node in lazy:
+            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:

@@ -12,6 +12,7 @@ from typing import Any
 
 from lit_grpo.config import AsWritten
 from lit_grpo.errors import ConfigError, UserError
+from lit_grpo.plugins import register_object_reward
 
 __all__ = ["ON_ERROR", "RewardError", "RewardSpec", "as_spec", "check_spec", "metric_names"]
 
@@ -45,9 +46,12 @@ class RewardSpec:
 
 
 def as_spec(spec: Any, where: str) -> RewardSpec:
-    """``spec`` (a mapping or a name) as a :class:`RewardSpec`; ``where`` names its entry (``model.rewards[0]``)."""
+    """``spec`` (a mapping or a name; in Python also a function or class, alone or as the mapping's
+    ``name``, named ``module:qualname``) as a :class:`RewardSpec`; ``where`` names its entry (``model.rewards[0]``)."""
     if isinstance(spec, RewardSpec):
         return spec
+    if callable(spec) and not isinstance(spec, str):  # a function, async function or class given in Python
+        return RewardSpec(name=register_object_reward(spec))
     if isinstance(spec, Mapping):
         unknown = [key for key in spec if key not in _SPEC_KEYS]
         if unknown or "name" not in spec:
@@ -57,8 +61,9 @@ def as_spec(spec: Any, where: str) -> RewardSpec:
                 "(optional: on_error: raise|none|zero, num_workers: 0, timeout: null); "
                 f"got {dict(spec)!r} ({problem})"
             )
+        name = spec["name"]
         return RewardSpec(
-            name=spec["name"],
+            name=register_object_reward(name) if callable(name) and not isinstance(name, str) else name,
             weight=spec.get("weight", 1.0),
             args=dict(spec.get("args") or {}),
             on_error=spec.get("on_error", "raise"),
@@ -113,8 +118,9 @@ def metric_names(names: Sequence[str]) -> list[str]:
 
 
 def _function_name(name: str) -> str:
-    """``accuracy`` for ``my_rewards.py:accuracy``, ``pkg.rewards:accuracy`` and the plugin ``accuracy``."""
-    return name.rpartition(":")[2]
+    """``accuracy`` for ``my_rewards.py:accuracy``, ``pkg.rewards:accuracy``, the plugin ``accuracy`` and
+    a function given in Python, ``module:outer.<locals>.accuracy`` (its ``__name__``, as TRL logs it)."""
+    return name.rpartition(":")[2].rpartition(".")[2] if ":" in name else name
 
 
 def _qualified_name(name: str) -> str:

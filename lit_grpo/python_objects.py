@@ -1,0 +1,41 @@
+"""Rewards, tools, environments and models given as Python objects, and the names that stand for them.
+
+``GRPOModule`` takes functions, classes and a model object beside the names YAML gives. What a run
+saves (its checkpoints' hyperparameters, ``hparams.yaml``) holds names, never such objects: a lambda
+cannot be pickled, and a model does not belong in a YAML file. No heavy import here: plugins load
+this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+__all__ = ["object_name", "storable"]
+
+
+def object_name(obj: Any) -> str:
+    """``module:qualname`` of a function, class or callable instance given in Python (its type's for an
+    instance, the wrapped function's for a ``functools.partial``): how a reward, tool or environment
+    given as an object is named in messages, checkpoints and, after the colon, in metrics."""
+    target = obj.func if isinstance(obj, functools.partial) else obj
+    if not (inspect.isclass(target) or inspect.isfunction(target) or inspect.ismethod(target)):
+        target = type(target)
+    return f"{getattr(target, '__module__', None) or '?'}:{getattr(target, '__qualname__', None) or type(target).__qualname__}"
+
+
+def storable(value: Any) -> Any:
+    """``value`` (settings given in Python) with every function, class or other callable object
+    replaced by its :func:`object_name` and a model object by its ``name_or_path``, so that the
+    hyperparameters saved in checkpoints and logs hold names, never objects (a lambda cannot be
+    pickled; a model does not belong in ``hparams.yaml``)."""
+    if isinstance(value, dict):
+        return {key: storable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable(item) for item in value]
+    if hasattr(value, "name_or_path") and hasattr(value, "config"):  # a transformers model
+        return str(value.name_or_path)
+    if callable(value) and not isinstance(value, (str, bytes)):
+        return object_name(value)
+    return value
