@@ -60,8 +60,9 @@ def check_settings(hp, generation_backends: tuple[str, ...]) -> None:
         if hp[key] < 1:
             raise ConfigError(f"model.{key} must be at least 1, got {hp[key]}")
     for key in ("micro_batch_size", "logprob_micro_batch_size", "forward_token_budget"):
-        if hp[key] is not None and hp[key] < 1:
-            raise ConfigError(f"model.{key} must be at least 1 or null, got {hp[key]}")
+        if hp[key] is not None and hp[key] != "auto" and hp[key] < 1:
+            raise ConfigError(f"model.{key} must be at least 1 or null{' or auto' if key == 'forward_token_budget' else ''}, "
+                              f"got {hp[key]}")
     if hp.get("max_tool_calling_iterations") is not None and hp.max_tool_calling_iterations < 0:
         raise ConfigError(f"model.max_tool_calling_iterations must be at least 0 or null, got {hp.max_tool_calling_iterations}")
     if hp.get("max_tool_result_length") is not None and hp.max_tool_result_length < 1:

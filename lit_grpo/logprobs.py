@@ -20,11 +20,13 @@ every forward and backward is a collective, so the ranks agree on how many they 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_grpo import algorithm, cpu, models
+from lit_grpo.device_defaults import AUTO, CPU_DEFAULTS
 from lit_grpo.distributed import agreed_over_sharded_ranks, gather_real_values
 from lit_grpo.sampling_correction import SamplingCorrection, sampling_correction
 from lit_grpo.rollout import (
@@ -71,6 +73,18 @@ class LogProbEngine:
         self.backward = backward
         self.grad_scale = grad_scale
         self._prompt_sharing_notes: set[str] = set()  # reasons share_prompt_forward was not used, said once
+        # what the settings left at "auto" are on this run's device (set by the module's setup)
+        self.device_defaults: dict[str, Any] = dict(CPU_DEFAULTS)
+
+    @property
+    def forward_token_budget(self) -> int | None:
+        value = self.hp.forward_token_budget
+        return self.device_defaults["forward_token_budget"] if value == AUTO else value
+
+    @property
+    def share_prompt_forward(self) -> bool:
+        value = self.hp.share_prompt_forward
+        return self.device_defaults["share_prompt_forward"] if value == AUTO else value
 
     # ------------------------------------------------------------------------------------------
     # Log-probs
@@ -104,7 +118,7 @@ class LogProbEngine:
         if hp.group_by_length and group_by_length:
             # a shared prompt costs nothing per row: chunk by completion length alone
             prompt_mask = rollout.prompt_mask if prefix is None else rollout.prompt_mask[:, :0]
-            chunks = length_chunks(prompt_mask, rollout.completion_mask, hp.forward_token_budget)
+            chunks = length_chunks(prompt_mask, rollout.completion_mask, self.forward_token_budget)
             chunks = split_chunks(chunks, agreed_over_sharded_ranks(len(chunks), model, "max"))
         else:
             chunks = [torch.arange(rollout.completion_ids.size(0), device=rollout.completion_ids.device)]
@@ -133,7 +147,7 @@ class LogProbEngine:
     def prompt_groups_worth_sharing(self, model: torch.nn.Module, rollout: Rollout) -> PromptGroups | None:
         """The rows' distinct prompts when ``share_prompt_forward`` applies to this model and saves
         more prompt tokens than the extra forward costs (``FORWARD_OVERHEAD_TOKENS``); else None."""
-        if not self.hp.share_prompt_forward:
+        if not self.share_prompt_forward:
             return None
         reason = shared_prompt_unsupported(model)
         if reason is not None:
@@ -399,7 +413,7 @@ class LogProbEngine:
         ``forward_token_budget``, and a loss that is a sum of per-row terms (``rows_independent``; not
         ``top_entropy_quantile``, whose threshold needs every row)."""
         hp = self.hp
-        if not hp.group_by_length or hp.forward_token_budget is None or hp.top_entropy_quantile < 1.0:
+        if not hp.group_by_length or self.forward_token_budget is None or hp.top_entropy_quantile < 1.0:
             return False
         return algorithm.LOSS_TYPES[hp.loss_type].rows_independent
 
@@ -417,10 +431,10 @@ class LogProbEngine:
         else:  # a shared prompt costs nothing per row
             tokens = groups.first_row.numel() * trimmed.prompt_ids.size(1) + trimmed.completion_ids.numel()
             prompt_mask = micro.prompt_mask[:, :0]
-        if tokens <= self.hp.forward_token_budget:
+        if tokens <= self.forward_token_budget:
             chunks = every_row
         else:
-            chunks = length_chunks(prompt_mask, micro.completion_mask, self.hp.forward_token_budget)
+            chunks = length_chunks(prompt_mask, micro.completion_mask, self.forward_token_budget)
         return split_chunks(chunks, agreed_over_sharded_ranks(len(chunks), policy, "max"))
 
 

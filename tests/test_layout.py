@@ -20,9 +20,11 @@ LAYERS = [
      "lit_grpo.hookspecs", "lit_grpo.tiny", "lit_grpo.config_files", "lit_grpo.trl_names", "lit_grpo.openmp",
      "lit_grpo.python_objects"],
     # loading models, checkpoints, a run's directory, the plugin registry
-    ["lit_grpo.models", "lit_grpo.checkpointing", "lit_grpo.runs", "lit_grpo.plugins", "lit_grpo.tools"],
+    ["lit_grpo.models", "lit_grpo.checkpointing", "lit_grpo.runs", "lit_grpo.plugins", "lit_grpo.tools",
+     "lit_grpo.device_defaults"],
     # several processes; CPU-only tuning; a reward's settings, arguments and worker processes
     ["lit_grpo.distributed", "lit_grpo.cpu.allocator", "lit_grpo.cpu.attention", "lit_grpo.cpu.prepacked", "lit_grpo.cpu.threads",
+     "lit_grpo.cpu.amx", "lit_grpo.policy_weights",
      "lit_grpo.scoring.specs", "lit_grpo.scoring.arguments", "lit_grpo.scoring.failures", "lit_grpo.scoring.pool",
      "lit_grpo.environments"],
     ["lit_grpo.cpu", "lit_grpo.rollout", "lit_grpo.reference", "lit_grpo.scoring.scorer", "lit_grpo.completions"],

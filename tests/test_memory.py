@@ -452,8 +452,8 @@ def test_token_budget_keeps_one_pass_where_the_loss_needs_every_row(tiny_model_d
 
 def test_micro_batches_within_the_budget_are_one_pass(tiny_model_dir, fast_trainer):
     torch.manual_seed(0)
-    module = make_module(tiny_model_dir)  # the default budget, 1024 tokens
-    assert module.hparams.forward_token_budget == 1024
+    module = make_module(tiny_model_dir)  # the default budget: auto, 1024 tokens on the CPU
+    assert module.hparams.forward_token_budget == "auto" and module.logprobs.forward_token_budget == 1024
     scored = rollout_of(module, fast_trainer)
     assert [chunk.tolist() for chunk in module.logprobs.backward_chunks(module.policy, scored.rollout, None)] == [list(range(8))]
 

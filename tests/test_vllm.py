@@ -226,8 +226,10 @@ def test_lora_merged_into_pushed_weights(setup, engine):
 
 
 @pytest.fixture
-def vllm_module(setup, engine):
-    """A GRPOModule on the tiny model whose VLLMSampler uses the shared engine (one per process)."""
+def vllm_module(setup, engine, monkeypatch):
+    """A GRPOModule on the tiny model whose VLLMSampler uses the shared engine (one per process:
+    configure_model builds the engine, here handed the shared one)."""
+    monkeypatch.setattr(vllm_backend, "build_engine", lambda *args, **kwargs: engine)
     module = GRPOModule(
         str(setup["path"]),
         [{"name": "char_fraction", "args": {"chars": "a"}}],
@@ -238,7 +240,7 @@ def vllm_module(setup, engine):
         temperature_eval=0.0,
     )
     module.configure_model()
-    module.vllm.llm = engine  # VLLMSampler.engine() builds only when it has none
+    assert module.vllm.llm is engine
     return module
 
 
@@ -294,6 +296,17 @@ def test_module_seeds_come_from_the_checkpointed_torch_generator(vllm_module):
     torch.manual_seed(123)
     assert rows(module.generate(PROMPTS[:2])) == first
     assert second != first
+
+
+def test_one_engine_seed_per_call_samples_the_batch_reproducibly(setup, engine):
+    """No seed per request (vLLM would sample row by row): the engine's generators are seeded once
+    per call; the same seed and batch give the same tokens, another seed others."""
+    ids = prompt_ids(setup["tokenizer"])
+    common = dict(temperature=1.0, max_tokens=MAX_NEW, stop_token_ids=[setup["tokenizer"].eos_token_id])
+    first = sample(engine, ids, 4, engine_seed=11, **common).completion_ids
+    assert sample(engine, ids, 4, engine_seed=11, **common).completion_ids == first
+    assert sample(engine, ids, 4, engine_seed=12, **common).completion_ids != first
+    assert len({tuple(row) for row in first}) > 1  # the rows of one call are not copies of each other
 
 
 def test_module_truncates_prompts_and_flags_them(vllm_module, setup):
