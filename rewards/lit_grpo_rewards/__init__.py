@@ -15,6 +15,7 @@ from lit_grpo_rewards.code import code_execution
 from lit_grpo_rewards.format import think_format
 from lit_grpo_rewards.length import cosine_scaled_accuracy, soft_overlong_punishment
 from lit_grpo_rewards.math_rewards import math_accuracy
+from lit_grpo_rewards.numeric import numeric_accuracy
 from lit_grpo_rewards.repetition import repetition_penalty
 from lit_grpo_rewards.reward_model import RewardModel
 from lit_grpo_rewards.text import char_fraction, completion_text, exact_match
@@ -30,6 +31,7 @@ __all__ = [
     "cosine_scaled_accuracy",
     "exact_match",
     "math_accuracy",
+    "numeric_accuracy",
     "register_rewards",
     "repetition_penalty",
     "soft_overlong_punishment",
@@ -43,6 +45,7 @@ def register_rewards(register):
     register(exact_match)
     register(think_format)
     register(answer_match)
+    register(numeric_accuracy)
     register(math_accuracy)
     register(cosine_scaled_accuracy)
     register(soft_overlong_punishment)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from lit_grpo_rewards.text import compile_answer_pattern, completion_text, reference_answer
+from lit_grpo_rewards.text import compile_answer_pattern, completion_text, last_tag_content, reference_answer
 
-__all__ = ["answer_match", "extract_answer", "last_boxed"]
+__all__ = ["answer_match", "extract_answer", "find_last_boxed", "last_boxed"]
 
 EXTRACT_MODES = ("auto", "boxed", "answer_tag", "regex")
 
@@ -20,29 +20,34 @@ def last_boxed(text: str, command: str = "boxed") -> str | None:
     ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``. An unclosed last box is skipped in favour of
     the previous complete one.
     """
-    opener = "\\" + command
-    start = text.rfind(opener)
-    while start != -1:
-        i = start + len(opener)
-        while i < len(text) and text[i] in " \t":
-            i += 1
-        if i < len(text) and text[i] == "{":
-            depth = 0
-            for j in range(i, len(text)):
-                if text[j] == "{":
-                    depth += 1
-                elif text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[i + 1 : j]
-        start = text.rfind(opener, 0, start)
-    return None
+    found = find_last_boxed(text, command)
+    return None if found is None else found[1]
 
 
-def _last_tag(text: str, tag: str) -> str | None:
-    t = re.escape(tag)
-    blocks = re.findall(rf"<{t}>(.*?)</{t}>", text, re.DOTALL)
-    return blocks[-1] if blocks else None
+def find_last_boxed(text: str, command: str = "boxed") -> tuple[int, str] | None:
+    """``(where it starts, its content)`` of the last complete ``\\boxed{...}`` in ``text``, or None.
+
+    One pass over the braces: linear in the length of the text.
+    """
+    # the opening brace of each box -> where its command starts
+    box_starts = {
+        match.end() - 1: match.start() for match in re.finditer(re.escape("\\" + command) + r"[ \t]*\{", text)
+    }
+    if not box_starts:
+        return None
+    last: tuple[int, int] | None = None  # (opening brace, closing brace) of the last complete box
+    open_braces: list[int] = []
+    for brace in re.finditer(r"[{}]", text):
+        position = brace.start()
+        if text[position] == "{":
+            open_braces.append(position)
+        elif open_braces:
+            opening = open_braces.pop()
+            if opening in box_starts and (last is None or opening > last[0]):
+                last = (opening, position)
+    if last is None:
+        return None
+    return box_starts[last[0]], text[last[0] + 1 : last[1]]
 
 
 def _last_regex(text: str, pattern: re.Pattern) -> str | None:
@@ -60,7 +65,7 @@ def extract_answer(
     if extract == "boxed":
         return last_boxed(text)
     if extract == "answer_tag":
-        return _last_tag(text, answer_tag)
+        return last_tag_content(text, answer_tag)
     if extract == "regex":
         if pattern is None:
             raise ValueError("answer_match: extract='regex' needs a `pattern` argument")
@@ -70,7 +75,7 @@ def extract_answer(
     if extract == "auto":
         found = last_boxed(text)
         if found is None:
-            found = _last_tag(text, answer_tag)
+            found = last_tag_content(text, answer_tag)
         return text.strip() if found is None else found
     raise ValueError(f"answer_match: extract must be one of {', '.join(EXTRACT_MODES)}; got {extract!r}")
 

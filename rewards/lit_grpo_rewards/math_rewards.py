@@ -6,16 +6,23 @@ The module is called ``math_rewards`` (not ``math``) so that it never shadows th
 Parsing rules shared by :func:`math_accuracy` and
 :func:`lit_grpo_rewards.length.cosine_scaled_accuracy`:
 
-* **The completion.** If it contains ``<answer>...</answer>`` (tag name: ``answer_tag``), only the
-  content of the last such block is checked; otherwise the whole completion. Math-Verify then
-  extracts the final answer: a ``\\boxed{...}`` first, else "final answer is ...", else the last
-  LaTeX (``$...$``) or plain expression (``1/2``, ``0.5``, ``x = 3``).
+* **The completion.** Its final answer is found as in :mod:`lit_grpo_rewards.final_answer`: the
+  last complete ``<answer>...</answer>`` block (tag name: ``answer_tag``), else the last
+  ``\\boxed{...}``, ``#### N`` or "the answer is N", else the whole completion if it is nothing
+  but an answer. A completion that commits to no answer (one cut off in its reasoning) scores 0,
+  whatever number it wrote last. The answer text is made plain
+  (:func:`~lit_grpo_rewards.final_answer.normalize_answer_text`: ``\\$``, ``-$5``, ``**``,
+  ``28\\,080``, the minus sign) and Math-Verify reads its last
+  :data:`~lit_grpo_rewards.final_answer.MATH_VERIFY_MAX_CHARS` characters (its parsing time grows
+  faster than the text): a ``\\boxed{...}`` first, else the last LaTeX (``$...$``) or plain
+  expression (``1/2``, ``0.5``, ``x = 3``).
 * **The gold answer** (the ``answer`` column, or ``solution`` as in open-r1), optionally cut out
-  with ``answer_pattern`` (e.g. GSM8K's ``#### 72``). A gold that contains ``$``, ``\\(``, ``\\[``
-  or ``\\boxed`` (a worked solution, as in open-r1's datasets) is parsed as it is. A short bare
-  answer that looks like LaTeX (it contains ``\\ ^ _ { }`` and no words) is parsed as if written
-  ``$...$``, so ``\\frac12`` or ``3\\sqrt{2}`` work; any other text is parsed as plain text. The
-  same rule applies to the completion's answer text.
+  with ``answer_pattern``: what its last marker marks (GSM8K's ``#### 72``, a ``\\boxed{...}``),
+  else all of it, made plain as above; a plain number is read as its exact value (``#### 8.0`` is
+  8). A gold that contains ``$``, ``\\(``, ``\\[`` or ``\\boxed`` is parsed as it is.
+* **Bare LaTeX.** A short answer that looks like LaTeX (it contains ``\\ ^ _ { }`` and no words)
+  is parsed as if written ``$...$``, so ``\\frac12`` or ``3\\sqrt{2}`` work; any other text is
+  parsed as plain text. This holds for the gold and the completion's answer alike.
 * **Timeouts.** Math-Verify bounds parsing and comparison with ``signal.alarm``, which works only in
   the main thread of a process. There ``timeout_seconds`` applies; in any other thread the timeout
   is switched off (Math-Verify's own advice) so that scoring from a worker thread does not fail.
@@ -30,6 +37,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from lit_grpo_rewards.final_answer import (
+    MATH_VERIFY_MAX_CHARS,
+    final_answer,
+    marked_answer,
+    normalize_answer_text,
+    plain_number,
+)
 from lit_grpo_rewards.text import compile_answer_pattern, completion_text, reference_answer
 
 __all__ = ["math_accuracy", "parse_math_answer", "verify_math_answer"]
@@ -63,14 +77,6 @@ def _timeout(timeout_seconds: float | None) -> int | None:
     return max(1, math.ceil(timeout_seconds))  # signal.alarm takes whole seconds
 
 
-def _answer_tag_content(text: str, answer_tag: str | None) -> str:
-    if not answer_tag:
-        return text
-    tag = re.escape(answer_tag)
-    blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.DOTALL)
-    return blocks[-1] if blocks else text
-
-
 def _looks_like_bare_latex(text: str) -> bool:
     return bool(_LATEX_MARK.search(text)) and not _WORD.search(_LATEX_NOISE.sub(" ", text))
 
@@ -90,6 +96,22 @@ def parse_math_answer(text: str, timeout_seconds: float | None = 5) -> list:
         if parsed:
             return parsed
     return parse(text, extraction_config=config, parsing_timeout=timeout)
+
+
+def _parse_gold(gold: str, timeout_seconds: float | None) -> list:
+    """Math-Verify's parse of a gold answer: what its last marker marks (GSM8K's ``#### 72``, a
+    worked solution's ``\\boxed{...}``), else (no marker, or it does not parse) all of it; ``[]`` if
+    neither parses. A plain number is given as its exact value: ``#### 8.0`` becomes 8, which
+    Math-Verify then finds equal to ``8%`` too, as it does for any integer gold."""
+    for text in (marked_answer(gold), gold):  # all of it when the marked part does not parse
+        if not text:
+            continue
+        text = normalize_answer_text(text)
+        number = plain_number(text)
+        parsed = parse_math_answer(text if number is None else str(number), timeout_seconds)
+        if parsed:
+            return parsed
+    return []
 
 
 def verify_math_answer(gold: list, predicted: list, timeout_seconds: float | None = 5) -> bool:
@@ -134,13 +156,16 @@ def math_correctness(
             continue
         key = str(gold)
         if key not in cache:
-            cache[key] = parse_math_answer(key, timeout_seconds)
+            cache[key] = _parse_gold(key, timeout_seconds)
         gold_parsed = cache[key]
         if not gold_parsed:
             results.append(None)
             continue
-        text = _answer_tag_content(completion_text(completion), answer_tag)
-        predicted = parse_math_answer(text, timeout_seconds)
+        answer_text = final_answer(completion_text(completion), answer_tag)
+        if not answer_text:  # no final answer: cut off, or never given
+            results.append(False)
+            continue
+        predicted = parse_math_answer(normalize_answer_text(answer_text)[-MATH_VERIFY_MAX_CHARS:], timeout_seconds)
         results.append(verify_math_answer(gold_parsed, predicted, timeout_seconds))
     return results
 
@@ -159,15 +184,17 @@ def math_accuracy(
     Equality is decided by Math-Verify (``1/2``, ``0.5``, ``\\frac{1}{2}`` and
     ``\\boxed{\\frac12}`` are all equal), as in open-r1's ``accuracy_reward``. A gold answer that
     is None, that ``answer_pattern`` does not match, or that Math-Verify cannot parse scores None
-    (not applicable). A completion without a parseable answer scores 0.0. How the completion and the
-    gold are parsed is described in :mod:`lit_grpo_rewards.math_rewards`.
+    (not applicable). A completion that commits to no final answer (an ``<answer>`` block, a
+    ``\\boxed{}``, ``#### N``, "the answer is N", or nothing but the answer), such as one cut off in
+    its reasoning, scores 0.0, and so does one whose answer does not parse. How the completion and
+    the gold are parsed is described in :mod:`lit_grpo_rewards.math_rewards`.
 
     args:
         answer_pattern (str, optional): a regular expression that cuts the gold out of the
             ``answer`` column (its first group, or the whole match): ``"####\\s*(.+)$"`` takes
             GSM8K's final answer out of its worked solution.
         answer_tag (str | None): if the completion has ``<answer_tag>...</answer_tag>``, only the
-            last such block is checked (default ``answer``; null checks the whole completion).
+            last such block is checked (default ``answer``; null: only the markers above).
         timeout_seconds (float | None): Math-Verify's time limit per parse / comparison (default
             5; null or 0 disables it). Applies in the main thread only (it uses ``signal.alarm``).
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["char_fraction", "compile_answer_pattern", "completion_text", "exact_match", "reference_answer"]
-
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+__all__ = [
+    "char_fraction",
+    "compile_answer_pattern",
+    "completion_text",
+    "exact_match",
+    "last_tag_content",
+    "reference_answer",
+]
 
 
 def completion_text(completion: Any) -> str:
@@ -40,6 +45,23 @@ def completion_text(completion: Any) -> str:
             part.get("text", "") for part in content if isinstance(part, dict) and part.get("type", "text") == "text"
         )
     return str(content)
+
+
+def last_tag_content(text: str, tag: str) -> str | None:
+    """The content of the last complete ``<tag>...</tag>`` block of ``text``, or None if there is none.
+
+    The block ends at the last closing tag and starts at the last opening tag before it, so a tag
+    named earlier in prose ("I will put it inside the <answer> tag") does not start it, and an
+    opening tag left unclosed at the end (a completion cut off inside its block) is no block.
+    Two searches from the end: linear in the length of the text.
+    """
+    closing = text.rfind(f"</{tag}>")
+    if closing == -1:
+        return None
+    opening = text.rfind(f"<{tag}>", 0, closing)
+    if opening == -1:
+        return None
+    return text[opening + len(tag) + 2 : closing]
 
 
 def compile_answer_pattern(answer_pattern: str | re.Pattern | None) -> re.Pattern | None:
@@ -115,9 +137,10 @@ def char_fraction(completions, target=None, chars=None, **kwargs) -> list[float 
 def exact_match(completions, answer, answer_pattern: str | None = None, **kwargs) -> list[float | None]:
     """1.0 if the completion's answer equals the ``answer`` column, else 0.0 (None without answer).
 
-    The completion's answer is the text inside its last ``<answer>...</answer>`` when there is one,
-    otherwise the whole completion; both sides are compared after stripping surrounding whitespace.
-    Non-string answers (e.g. the integer 42 read from JSON) are compared as ``str(answer)``.
+    The completion's answer is the text inside its last ``<answer>...</answer>`` when there is one
+    (:func:`last_tag_content`), otherwise the whole completion; both sides are compared as strings
+    after stripping surrounding whitespace (``72.0`` is not ``72``: ``numeric_accuracy`` compares
+    values). Non-string answers (e.g. the integer 42 read from JSON) are compared as ``str(answer)``.
 
     args:
         answer_pattern (str, optional): a regular expression that extracts the reference from the
@@ -135,7 +158,7 @@ def exact_match(completions, answer, answer_pattern: str | None = None, **kwargs
             scores.append(None)
             continue
         text = completion_text(completion)
-        tagged = _ANSWER_RE.findall(text)
-        predicted = tagged[-1] if tagged else text
+        tagged = last_tag_content(text, "answer")
+        predicted = text if tagged is None else tagged
         scores.append(1.0 if predicted.strip() == str(ref).strip() else 0.0)
     return scores
