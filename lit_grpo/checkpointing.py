@@ -17,9 +17,12 @@ weights and the optimizer are not enough to continue a run exactly. A lit-grpo c
   ``GRPOModule.on_save_checkpoint`` / ``on_load_checkpoint``.
 
 Checkpoints are written by :class:`AtomicCheckpointIO`, so a crash while writing leaves the previous
-checkpoint intact. :func:`configure_checkpointing` gives the ``lit-grpo`` command these by default,
-together with a ``ModelCheckpoint`` that keeps a rolling ``last.ckpt`` in the run's directory, which
-``lit-grpo fit --config ... --ckpt_path last`` resumes in (:mod:`lit_grpo.runs`).
+checkpoint intact, and a write that fails (a full disk) ends the run with one line naming the file.
+:func:`configure_checkpointing` gives the ``lit-grpo`` command these by default, together with a
+``ModelCheckpoint`` that keeps a rolling ``last.ckpt`` in the run's directory, which ``lit-grpo fit
+--config ... --ckpt_path last`` resumes in (:mod:`lit_grpo.runs`), and the checkpoints between its
+steps of :mod:`lit_grpo.preemption` (every 30 minutes; on SIGTERM, SIGINT, SIGUSR1);
+:func:`default_checkpointing_of` gives a plain ``lightning.Trainer`` the same.
 """
 
 from __future__ import annotations
@@ -42,7 +45,13 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lit_grpo.errors import ConfigError
+from lit_grpo.errors import ConfigError, WriteError, os_error_in
+from lit_grpo.preemption import (
+    DEFAULT_CHECKPOINT_EVERY_N_MINUTES,
+    DEFAULT_STOP_SIGNALS,
+    CheckpointEveryNMinutes,
+    CheckpointOnSignal,
+)
 
 __all__ = [
     "DEFAULT_CHECKPOINT_EVERY_N_TRAIN_STEPS",
@@ -259,6 +268,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     only once it is completely uploaded.
 
     A temporary file left behind by a crash (``.NAME.*.tmp``) is removed by the next save of ``NAME``.
+    A write that fails (a full disk, a quota, a lost mount) removes its temporary file and raises a
+    :class:`~lit_grpo.errors.WriteError` naming the checkpoint: one line from ``lit-grpo``.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -267,6 +278,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         destination = Path(path)
+        try:
+            self._write_and_replace(checkpoint, destination)
+        except Exception as error:
+            cause = os_error_in(error)
+            if cause is None:
+                raise
+            kept = "the previous one is kept" if destination.exists() else "there is no earlier one"
+            raise WriteError(f"could not write the checkpoint {destination}: {cause.strerror or cause}; {kept}") from error
+
+    @staticmethod
+    def _write_and_replace(checkpoint: dict[str, Any], destination: Path) -> None:
         directory = destination.parent
         directory.mkdir(parents=True, exist_ok=True)
         for stale in directory.glob(f".{destination.name}.*.tmp"):
@@ -321,15 +343,23 @@ def default_checkpointing_of(trainer: pl.Trainer) -> list[Callback]:
     checkpointing: where its only ``ModelCheckpoint`` is Lightning's default (one checkpoint at the
     end of each epoch, which a GRPO run of ``max_steps`` may never reach), the one
     :func:`configure_checkpointing` adds (returned from ``configure_callbacks``, it replaces
-    Lightning's); a ``ModelCheckpoint`` of the user's own is kept. Atomic writes
-    (:class:`AtomicCheckpointIO`) replace plain ``torch.save`` ones."""
+    Lightning's); a ``ModelCheckpoint`` of the user's own is kept. With checkpointing on, a
+    :class:`~lit_grpo.preemption.CheckpointEveryNMinutes` and a :class:`~lit_grpo.preemption.CheckpointOnSignal`
+    unless the Trainer has its own. Atomic writes (:class:`AtomicCheckpointIO`) replace plain
+    ``torch.save`` ones."""
     if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
         trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+    if not trainer.checkpoint_callbacks:  # trainer.enable_checkpointing is false
+        return []
+    callbacks: list[Callback] = []
     checkpoints = [callback for callback in trainer.callbacks if isinstance(callback, ModelCheckpoint)]
     lightning_default = len(checkpoints) == 1 and type(checkpoints[0]) is ModelCheckpoint and _is_lightning_default(checkpoints[0])
-    if not lightning_default:
-        return []
-    return [ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=DEFAULT_CHECKPOINT_EVERY_N_TRAIN_STEPS)]
+    if lightning_default or not checkpoints:
+        callbacks.append(ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=DEFAULT_CHECKPOINT_EVERY_N_TRAIN_STEPS))
+    for kind in (CheckpointEveryNMinutes, CheckpointOnSignal):
+        if not any(isinstance(callback, kind) for callback in trainer.callbacks):
+            callbacks.append(kind())
+    return callbacks
 
 
 def _is_lightning_default(checkpoint: ModelCheckpoint) -> bool:
@@ -360,6 +390,10 @@ def configure_checkpointing(trainer_config) -> None:
       (and at the end of a run that wrote none). Like any ``ModelCheckpoint`` without a ``dirpath``,
       it writes to ``checkpoints/`` in the run's directory (:mod:`lit_grpo.runs`), where
       ``--ckpt_path last`` finds it;
+    - without a :class:`~lit_grpo.preemption.CheckpointEveryNMinutes`, one every
+      :data:`~lit_grpo.preemption.DEFAULT_CHECKPOINT_EVERY_N_MINUTES` minutes, and without a
+      :class:`~lit_grpo.preemption.CheckpointOnSignal`, one for SIGTERM, SIGINT and SIGUSR1: both have
+      the ``ModelCheckpoint`` that keeps ``last.ckpt`` write it between its steps;
     - without a ``CheckpointIO`` in ``trainer.plugins``, :class:`AtomicCheckpointIO` is added.
 
     ``trainer_config`` is the parsed ``trainer`` namespace of LightningCLI; what is added appears in
@@ -369,7 +403,8 @@ def configure_checkpointing(trainer_config) -> None:
         return
     callbacks = _as_list(trainer_config.get("callbacks"))
     if not any(is_class_config(c, ModelCheckpoint) for c in callbacks):
-        callbacks.append(
+        callbacks.insert(  # first: Lightning's trainer.checkpoint_callback is the first checkpoint callback
+            0,
             Namespace(
                 class_path="lightning.pytorch.callbacks.ModelCheckpoint",
                 init_args=Namespace(
@@ -379,6 +414,12 @@ def configure_checkpointing(trainer_config) -> None:
                 ),
             )
         )
+    if not any(is_class_config(c, CheckpointEveryNMinutes) for c in callbacks):
+        callbacks.append(Namespace(class_path="lit_grpo.preemption.CheckpointEveryNMinutes",
+                                   init_args=Namespace(minutes=DEFAULT_CHECKPOINT_EVERY_N_MINUTES)))
+    if not any(is_class_config(c, CheckpointOnSignal) for c in callbacks):
+        callbacks.append(Namespace(class_path="lit_grpo.preemption.CheckpointOnSignal",
+                                   init_args=Namespace(signals=list(DEFAULT_STOP_SIGNALS))))
     trainer_config.callbacks = callbacks
 
     plugins = _as_list(trainer_config.get("plugins"))

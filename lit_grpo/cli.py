@@ -22,6 +22,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -36,6 +37,7 @@ from lit_grpo.checkpointing import configure_checkpointing, is_class_config
 from lit_grpo.config_files import config_files, find_key, find_syntax_error
 from lit_grpo.errors import ConfigError, UserError
 from lit_grpo.plugins import RewardInfo
+from lit_grpo.preemption import StoppedBySignal
 from lit_grpo.runs import place_run, resume_config_name
 from lit_grpo.trl_names import trl_hint
 
@@ -475,6 +477,20 @@ Errors in the input end with one line `error: ...`; LIT_GRPO_TRACEBACK=1 shows t
 TRACEBACK_ENV = "LIT_GRPO_TRACEBACK"
 
 
+def resume_command(words: list[str]) -> str:
+    """The command that resumes a stopped ``lit-grpo fit WORDS``: the same, with ``--ckpt_path last``."""
+    kept, skip = [], False
+    for word in words:
+        if skip or word.startswith("--ckpt_path="):
+            skip = False
+            continue
+        if word == "--ckpt_path":
+            skip = True
+            continue
+        kept.append(word)
+    return shlex.join(["lit-grpo", *kept, "--ckpt_path", "last"])
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lit-grpo`` command; ``argv`` defaults to the command line.
 
@@ -490,6 +506,10 @@ def main(argv: list[str] | None = None) -> None:
             print(HELP)
         else:
             run_cli(argv)  # None: LightningCLI reads sys.argv itself
+    except StoppedBySignal as stop:  # checkpointed after the step it reached (lit_grpo.preemption)
+        if stop.announce:  # rank 0 says it
+            print(stop.describe(resume_command(words)), file=sys.stderr, flush=True)
+        sys.exit(stop.exit_status)
     except (UserError, argparse.ArgumentError) as error:
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lit_grpo.errors import DataError, MissingFileError
+from lit_grpo.errors import DataError, MissingFileError, writing
 
 __all__ = [
     "COMPLETIONS_FILE",
@@ -85,11 +85,22 @@ def completion_records(
 
 
 def append_records(path: Path, records: list[dict[str, Any]]) -> None:
-    """Append records as JSON lines (the file and its directory are created when missing)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as file:
-        for record in records:
-            file.write(json.dumps(record, ensure_ascii=False) + "\n")
+    """Append records as JSON lines (the file and its directory are created when missing).
+
+    All or nothing: a write that fails (a full disk) cuts the file back to the lines it had, so that
+    it stays readable, and is a :class:`~lit_grpo.errors.WriteError` naming the file."""
+    text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    steps = sorted({record["step"] for record in records})
+    with writing(f"the completions of step {', '.join(map(str, steps))}", path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as file:
+            size_before = file.tell()
+            try:
+                file.write(text.encode("utf-8"))
+                file.flush()
+            except OSError:
+                file.truncate(size_before)
+                raise
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -221,7 +232,10 @@ def log_step_completions(module: Any, scored: Any, completions: list) -> None:
         scored.rewards_per_func.tolist(), scored.rewards.tolist(), scored.group.advantages.tolist(),
     )
     for logger in module.loggers if to_table else []:
-        if not log_table(logger, records[: hp.num_completions_to_log], step) and type(logger) not in module.loggers_told:
+        where = logger.log_dir or logger.save_dir  # rank 0 only: the directory the logger writes to
+        with writing(f"the completions table of step {step} ({type(logger).__name__})", where):
+            shown = log_table(logger, records[: hp.num_completions_to_log], step)
+        if not shown and type(logger) not in module.loggers_told:
             module.loggers_told.add(type(logger))
             rank_zero_info(
                 f"{type(logger).__name__} has no table or text form for the completions table; "

@@ -39,24 +39,28 @@ import os
 import re
 import secrets
 import string
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
-from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 from lit_grpo.checkpointing import is_class_config
-from lit_grpo.errors import ConfigError, FileInTheWayError, MissingFileError
+from lit_grpo.errors import ConfigError, FileInTheWayError, MissingFileError, WriteError, writing
 
-__all__ = ["CSVLogger", "Runs", "find_last_checkpoint", "place_run", "resume_config_name", "run_directory"]
+__all__ = ["CSVLogger", "Runs", "TensorBoardLogger", "find_last_checkpoint", "place_run", "resume_config_name", "run_directory"]
 
 LAST_CHECKPOINT = ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION  # last.ckpt
 CHECKPOINTS = "checkpoints"
 CONFIG_FILE = "config.yaml"
 LIGHTNING_CSV_LOGGER = {"lightning.pytorch.loggers.CSVLogger", "lightning.pytorch.loggers.csv_logs.CSVLogger"}
+LIGHTNING_TENSORBOARD_LOGGER = {"lightning.pytorch.loggers.TensorBoardLogger", "lightning.pytorch.loggers.tensorboard.TensorBoardLogger"}
 # ckpt_path values that name no file: Lightning resolves them itself
 LIGHTNING_CKPT_NAMES = {"best", "hpc", "registry"}
 
@@ -115,7 +119,7 @@ def runs_of(logger: Any, default_root_dir: str | None) -> Runs | None:
     if logger is False:
         return None
     init_args = logger.get("init_args") or {}
-    if is_class_config(logger, TensorBoardLogger) or is_class_config(logger, LightningCSVLogger):
+    if is_class_config(logger, LightningTensorBoardLogger) or is_class_config(logger, LightningCSVLogger):
         root = Path(init_args["save_dir"]) / str(init_args.get("name", "lightning_logs") or "")
         version = init_args.get("version")
         pinned = None if version is None else root / (f"version_{version}" if isinstance(version, int) else str(version))
@@ -181,9 +185,13 @@ def place_run(config: Any, subcommand: str | None) -> Path | None:
     docstring): resolve ``--ckpt_path last``, set the logger's version of a resumed run, give a W&B run
     its directory, refuse to mix checkpoints. Returns the run directory a resumed run continues in."""
     trainer = config.trainer
+    for each_logger in _as_list(trainer.get("logger")):  # lit-grpo's own, which report failed writes in one line
+        class_path = each_logger.get("class_path") if hasattr(each_logger, "get") else None
+        if class_path in LIGHTNING_CSV_LOGGER:
+            each_logger.class_path = f"{__name__}.CSVLogger"
+        elif class_path in LIGHTNING_TENSORBOARD_LOGGER:
+            each_logger.class_path = f"{__name__}.TensorBoardLogger"
     logger = first_logger(trainer.get("logger"))
-    if logger is not False and logger.get("class_path") in LIGHTNING_CSV_LOGGER:
-        logger.class_path = f"{__name__}.CSVLogger"
     ckpt_path = config.get("ckpt_path")
     if ckpt_path == "last":
         ckpt_path = config.ckpt_path = str(find_last_checkpoint(trainer, subcommand))
@@ -265,11 +273,74 @@ def run_directory(logger: Any, log_dir: str | None, default_root_dir: str) -> Pa
     ``<save_dir or default_root_dir>/<name>/<version>``; None without a logger."""
     if logger is None:
         return None
-    if isinstance(logger, (TensorBoardLogger, LightningCSVLogger)) and log_dir is not None:
+    if isinstance(logger, (LightningTensorBoardLogger, LightningCSVLogger)) and log_dir is not None:
         return Path(log_dir)
     root = Path(log_dir or default_root_dir)
     name, version = str(logger.name or "lit-grpo"), str(logger.version)
     return root if root.parts[-2:] == (name, version) else root / name / version
+
+
+class ReportsFailedWrites:
+    """For a logger class that writes its files from this process (TensorBoard, CSV): a write that fails
+    (a full disk) is a :class:`~lit_grpo.errors.WriteError` naming the logger's directory, one line from
+    ``lit-grpo``. Finalizing a run that already ends on an error or a signal only says that its last
+    writes failed, so that the message of what ended it is the one that stays."""
+
+    what = "the logs"
+
+    def log_metrics(self, metrics, step=None) -> None:
+        with writing(self.what, lambda: self.log_dir):
+            super().log_metrics(metrics, step)
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        with writing(self.what, lambda: self.log_dir):
+            super().log_hyperparams(*args, **kwargs)
+
+    def save(self) -> None:
+        with writing(self.what, lambda: self.log_dir):
+            super().save()
+
+    def finalize(self, status: str) -> None:
+        try:
+            with writing(self.what, lambda: self.log_dir):
+                super().finalize(status)
+        except WriteError as error:
+            if status == "success":
+                raise
+            print(f"warning: {error}", file=sys.stderr, flush=True)
+
+
+class TensorBoardLogger(ReportsFailedWrites, LightningTensorBoardLogger):
+    """Lightning's ``TensorBoardLogger`` (``lit-grpo fit`` runs it in its place), except that a failed
+    write is one line (:class:`ReportsFailedWrites`).
+
+    TensorBoard writes its events from a thread: when a write fails there, the next write from the
+    run raises the same error, which is reported; the thread itself is kept from printing its
+    traceback (:func:`_quiet_failed_event_writes`)."""
+
+    what = "the TensorBoard events"
+
+    @property
+    @rank_zero_experiment
+    def experiment(self):
+        if self._experiment is None:
+            _quiet_failed_event_writes()
+        return super().experiment
+
+
+def _quiet_failed_event_writes() -> None:
+    """Keep TensorBoard's event writer thread from printing the traceback of a write that failed with an
+    ``OSError`` (the run reports it in one line when it next writes); any other thread error prints."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_failed_event_writes", False):
+        return
+
+    def excepthook(args) -> None:
+        if not (issubclass(args.exc_type, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            previous(args)
+
+    excepthook.quiet_failed_event_writes = True
+    threading.excepthook = excepthook
 
 
 class AppendingExperimentWriter(ExperimentWriter):
@@ -282,9 +353,12 @@ class AppendingExperimentWriter(ExperimentWriter):
                 self.metrics_keys = next(csv.reader(file), [])  # new columns rewrite the header, rows kept
 
 
-class CSVLogger(LightningCSVLogger):
+class CSVLogger(ReportsFailedWrites, LightningCSVLogger):
     """Lightning's ``CSVLogger`` (``lit-grpo fit`` runs it in its place), except that a run resumed
-    in its version directory appends to its ``metrics.csv``."""
+    in its version directory appends to its ``metrics.csv``, and a failed write is one line
+    (:class:`ReportsFailedWrites`)."""
+
+    what = "metrics.csv"
 
     @property
     @rank_zero_experiment

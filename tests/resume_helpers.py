@@ -4,6 +4,8 @@
   step, configured in the YAML of a ``lit-grpo fit`` run (``class_path: resume_helpers.SigkillDuringStep``,
   with ``tests/`` on ``PYTHONPATH``). SIGKILL cannot be caught: no ``finally``, no ``on_exception``, no
   flushing of the logger, exactly like the OOM killer or a preempted node.
+- :class:`SignalDuringStep`, likewise, sends a catchable signal (SIGTERM, SIGUSR1, ...) to one rank
+  in the middle of a step (tests/test_preemption.py).
 - :func:`gather_rng_states_on_rank`, one of two gloo processes checking that ``RNGStateCheckpoint``
   gathers every rank's random states and that each rank restores its own.
 """
@@ -34,6 +36,19 @@ class SigkillDuringStep(Callback):
             # the test can read them (the resume does not depend on it).
             trainer.logger.experiment.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SignalDuringStep(Callback):
+    """Send ``signal_name`` to this process (rank ``rank`` only) just before the optimizer step that
+    would make ``global_step`` exceed ``after_step``: in the middle of a training step, as a scheduler's
+    or a cloud's signal arrives, delivered by the kernel like any ``kill``."""
+
+    def __init__(self, signal_name: str, after_step: int, rank: int = 0) -> None:
+        self.signal_name, self.after_step, self.rank = signal_name, after_step, rank
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == self.after_step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), getattr(signal, self.signal_name))
 
 
 def gather_rng_states_on_rank(rank: int, init_file: str, out_file: str) -> None:

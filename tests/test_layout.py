@@ -20,7 +20,7 @@ LAYERS = [
      "lit_grpo.hookspecs", "lit_grpo.tiny", "lit_grpo.config_files", "lit_grpo.trl_names", "lit_grpo.openmp",
      "lit_grpo.python_objects"],
     # loading models, checkpoints, a run's directory, the plugin registry
-    ["lit_grpo.models", "lit_grpo.checkpointing", "lit_grpo.runs", "lit_grpo.plugins", "lit_grpo.tools",
+    ["lit_grpo.models", "lit_grpo.preemption", "lit_grpo.checkpointing", "lit_grpo.runs", "lit_grpo.plugins", "lit_grpo.tools",
      "lit_grpo.device_defaults"],
     # several processes; CPU-only tuning; a reward's settings, arguments and worker processes
     ["lit_grpo.distributed", "lit_grpo.cpu.allocator", "lit_grpo.cpu.attention", "lit_grpo.cpu.prepacked", "lit_grpo.cpu.threads",

@@ -35,6 +35,7 @@ from lit_grpo.checkpointing import (
 )
 from lit_grpo.cli import run_cli
 from lit_grpo.data import GRPODataModule
+from lit_grpo.preemption import CheckpointEveryNMinutes, CheckpointOnSignal
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -446,11 +447,27 @@ def quickstart_with(tmp_path, monkeypatch, tiny_model_dir):
 
 def test_fit_checkpoints_last_ckpt_atomically_into_the_runs_directory(quickstart_with, tmp_path):
     trainer = quickstart_with().trainer
-    (checkpoint,) = trainer.checkpoint_callbacks
+    checkpoint, every_n_minutes, on_signal = trainer.checkpoint_callbacks
     assert checkpoint.dirpath is None  # Lightning's: <the run's version directory>/checkpoints (tests/test_runs.py)
     assert checkpoint.save_last is True and checkpoint.save_top_k == 0
     assert checkpoint._every_n_train_steps == DEFAULT_CHECKPOINT_EVERY_N_TRAIN_STEPS
+    # between its steps: every 30 minutes, and on a signal (tests/test_preemption.py)
+    assert isinstance(every_n_minutes, CheckpointEveryNMinutes) and every_n_minutes.minutes == 30
+    assert isinstance(on_signal, CheckpointOnSignal)
+    assert [s.name for s in on_signal.signals] == ["SIGTERM", "SIGINT", "SIGUSR1"]
     assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+def test_configured_preemption_callbacks_are_kept(quickstart_with):
+    callbacks = [
+        {"class_path": "lit_grpo.preemption.CheckpointEveryNMinutes", "init_args": {"minutes": 5}},
+        {"class_path": "lit_grpo.preemption.CheckpointOnSignal", "init_args": {"signals": ["SIGUSR2"]}},
+    ]
+    trainer = quickstart_with(callbacks=callbacks).trainer
+    checkpoint, every_n_minutes, on_signal = trainer.checkpoint_callbacks
+    assert every_n_minutes.minutes == 5 and [s.name for s in on_signal.signals] == ["SIGUSR2"]
+    assert checkpoint._every_n_train_steps == DEFAULT_CHECKPOINT_EVERY_N_TRAIN_STEPS  # still added, and first:
+    assert trainer.checkpoint_callback is checkpoint  # Lightning's "best" and "last" look at the first
 
 
 def test_configured_model_checkpoint_is_kept_and_gets_the_run_directory(quickstart_with, tmp_path):
@@ -459,7 +476,7 @@ def test_configured_model_checkpoint_is_kept_and_gets_the_run_directory(quicksta
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": str(tmp_path / "best")}},
     ]
     trainer = quickstart_with(callbacks=callbacks).trainer
-    first, second = trainer.checkpoint_callbacks
+    first, second = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
     assert first._every_n_train_steps == 7 and first.save_last is None  # the user's settings stay
     assert first.dirpath is None  # the run's directory, as Lightning places it
     assert second.dirpath == str(tmp_path / "best")
