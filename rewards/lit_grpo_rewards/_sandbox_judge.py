@@ -8,7 +8,8 @@ the judge's, and a test's verdict is decided where the program cannot reach (a s
 not ptrace-able, invisible in the program's PID namespace, holding the only result descriptor).
 
 How a test sees the program. After the program has run, each of its global names becomes, in the
-test's namespace:
+test's namespace (:class:`TestNamespace`), read again whenever the program has run since it was
+last read (a test that calls ``push(1)`` and then reads the program's global ``stack`` sees ``[1]``):
 
 - plain data (``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``, ``bytearray``,
   ``list``, ``tuple``, ``dict``, ``set``, ``frozenset``, ``range``, and from the standard library
@@ -16,7 +17,8 @@ test's namespace:
   ``date``/``datetime``/``time``/``timedelta``): a copy. Subclasses of these become the base type
   (an ``int`` subclass whose ``__eq__`` lies arrives as the plain ``int`` it holds);
 - a module: the judge's own import of the module of that name (standard library only, unless
-  the sandbox allows site-packages), never the program's module object;
+  the sandbox allows site-packages), never the program's module object; a name the judge cannot
+  import fails the test that reads the module (``types.ModuleType("math.forged")``);
 - anything else (functions, classes, instances of the program's classes, generators): a
   :class:`Remote` reference. Calling it, reading its attributes, iterating it, ``len``, indexing,
   ``str`` and ``repr`` are done by the program and answered, again, as plain data or as
@@ -26,9 +28,22 @@ test's namespace:
 
 Names that are dunders or the names of builtins (``abs``, ``len``, ``isinstance``,
 ``AssertionError``, ...) are not taken from the program: a test's builtins are the judge's. A
-program global named like a standard-library module whose attributes a test reads (``math`` in
-``math.isclose(...)``, relying on the program's ``import math``) is the judge's own module, whatever
-the program bound to that name.
+program global named like a standard-library module through which a test reads one of that module's
+attributes (``math`` in ``math.isclose(...)``, relying on the program's ``import math``) is the
+judge's own module, whatever the program bound to that name: a module, a named tuple whose
+``isclose`` is the program's function, any object. (A name through which tests read only attributes
+the module lacks is the program's: ``queue.append`` on its list ``queue``.)
+
+What the judge hands to the program (the arguments a test passes, the values its callbacks return)
+leads nowhere into the judge's interpreter (:func:`leads_into_the_interpreter`): plain data goes
+as copies, modules by name only (the program's side imports its own), and the judge refuses to hand
+over frames, code objects, tracebacks and cells (a generator's ``gi_frame``, whatever the attribute
+is called), the globals of a module or of the tests, the builtins that reach attributes,
+namespaces or code by a name or text (``getattr``, ``vars``, ``eval``, ``str.format``, ...) and the
+functions of the modules that reach frames, objects or descriptors (``sys``, ``gc``, ``inspect``,
+``os``, ``io``, ``pickle``, ...). Any other object of a test (a function, a generator, an instance
+of a test's class) goes as a reference the program may call, iterate and read and write the
+attributes of, dunders apart.
 
 What remains in the program's hands, by construction: whatever a test asks the program itself. A
 test that calls a second function of the program (HumanEval's ``poly`` in ``find_zero``'s test,
@@ -43,9 +58,11 @@ encoded as JSON ``null``/``true``/``false``/string/number for ``None``/``bool``/
 receiver's own object number 3, ...). Requests are ``["call", h, args, kwargs]``, ``["getattr", h,
 name]``, ``["setattr", h, name, value]``, ``["iter", h]``, ``["next", h, n]``, ``["len", h]``,
 ``["getitem", h, key]``, ``["setitem", h, key, value]``, ``["delitem", h, key]``, ``["str", h]``,
-``["repr", h]``; answers ``["ok", value]``, ``["raise", type_name, args, message]`` or, for
-``next``, ``["items", [values], end]``. Both sides may send requests (a test may pass a function of
-its own to the program); a side waiting for an answer serves the other's requests meanwhile.
+``["repr", h]``, and from the judge only ``["global", name]`` (the program global's current value);
+answers ``["ok", value]``, ``["raise", type_name, args, message]`` or, for ``next``, ``["items",
+[values], end]``. A module is ``["M", name, h]``, ``h`` being -1 from the judge (no reference).
+Both sides may send requests (a test may pass a function of its own to the program); a side
+waiting for an answer serves the other's requests meanwhile.
 
 The program side of this module runs in the program's interpreter and may be tampered with by the
 program: nothing the judge concludes depends on it behaving. The judge side checks every message
@@ -217,19 +234,30 @@ def _expect_str(value):
 
 
 class Endpoint:
-    """One side of the judge <-> program channel: framing, encoding, and serving the other side."""
+    """One side of the judge <-> program channel: framing, encoding, and serving the other side.
 
-    def __init__(self, read_fd, write_fd, max_frame_bytes, modules_allowed):
+    ``side`` is ``"judge"`` or ``"program"``. The judge's side hands the program no object that leads
+    into its interpreter (see :func:`leads_into_the_interpreter`) and counts the requests it sends
+    (``program_ran``: after one, the program may have changed its globals); the program's side
+    answers the judge's requests for the current value of a global of ``namespace``.
+    """
+
+    def __init__(self, read_fd, write_fd, max_frame_bytes, modules_allowed, side="judge"):
+        if side not in ("judge", "program"):
+            raise ValueError("side must be 'judge' or 'program', got %r" % (side,))
         self.read_fd = read_fd
         self.write_fd = write_fd
         self.max_frame = max_frame_bytes
         self.modules_allowed = modules_allowed  # name -> bool: may a ["M", name] become our import
+        self.side = side
         self.exports = []  # our objects the other side holds a number for
         self.export_numbers = {}  # id(obj) -> number
         self.remotes = {}  # their number -> Remote
         self.dead = False
         self.depth = 0
         self.namedtuples = {}
+        self.program_ran = 0  # requests sent so far (the judge's side: each may run the program's code)
+        self.namespace = None  # the program's side: the globals the judge may ask for
 
     # ---- framing ----------------------------------------------------------------------------
 
@@ -300,6 +328,7 @@ class Endpoint:
         if self.depth >= MAX_CALL_DEPTH:
             raise RecursionError("too many nested calls between the tests and the program")
         self.depth += 1
+        self.program_ran += 1
         try:
             self.send(message)
             while True:
@@ -333,6 +362,8 @@ class Endpoint:
         """The answer to one request from the other side about one of our exported objects."""
         kind = request[0]
         try:
+            if kind == "global" and self.namespace is not None and len(request) == 2 and type(request[1]) is str:
+                return ["ok", _global_value(self, self.namespace[request[1]])]
             if len(request) < 2 or type(request[1]) is not int or not 0 <= request[1] < len(self.exports):
                 raise TypeError("no such object")
             target = self.exports[request[1]]
@@ -432,7 +463,11 @@ class Endpoint:
     # ---- values -----------------------------------------------------------------------------
 
     def export(self, obj):
-        """Our object's number for the other side (the same object always gets the same number)."""
+        """Our object's number for the other side (the same object always gets the same number).
+
+        The judge's side refuses (TypeError) an object that leads into its interpreter."""
+        if self.side == "judge" and leads_into_the_interpreter(obj):
+            raise TypeError("the judge does not hand the program a %s" % type(obj).__name__)
         number = self.export_numbers.get(id(obj))
         if number is None or self.exports[number] is not obj:
             number = len(self.exports)
@@ -441,6 +476,9 @@ class Endpoint:
         return number
 
     def encode(self, value):
+        """``value`` as the other side will rebuild it: plain data copied, other objects by number.
+
+        Raises TypeError for what the judge does not hand over (see :meth:`export`)."""
         try:
             return self._encode(value, set())
         except RecursionError:
@@ -476,12 +514,14 @@ class Endpoint:
             return ["r", self._encode(x.start, active), self._encode(x.stop, active), self._encode(x.step, active)]
         if x is Ellipsis:
             return ["..."]
-        if isinstance(x, type(sys)):  # a module
+        if isinstance(x, type(sys)):  # a module: by name (the judge's side never hands over its modules)
             name = getattr(x, "__name__", None)
-            return ["M", name if type(name) is str else "", self.export(x)]
+            return ["M", name if type(name) is str else "", -1 if self.side == "judge" else self.export(x)]
         if isinstance(x, (list, tuple, set, frozenset, dict)):
             if id(x) in active:  # a cycle: the inner occurrence goes as a reference
                 return ["R", self.export(x)]
+            if self.side == "judge" and isinstance(x, dict) and _is_a_namespace(x):
+                raise TypeError("the judge does not hand the program a module's or a test's globals")
             active.add(id(x))
             try:
                 if isinstance(x, tuple) and isinstance(getattr(t, "_fields", None), tuple):
@@ -561,13 +601,13 @@ class Endpoint:
             if type(number) is not int or not 0 <= number < len(self.exports):
                 raise TypeError("object number")
             return self.exports[number]
-        if tag == "M":
+        if tag == "M":  # a module: our own import of that name, never the other side's object
             name, number = rest
-            if type(name) is not str or type(number) is not int or number < 0:
+            if type(name) is not str or type(number) is not int or number < -1:
                 raise TypeError("module")
-            if not name or not self.modules_allowed(name):
-                return self._decode(["R", number])
-            return sys.modules.get(name) or _ModuleOnFirstUse(name, lambda: self._decode(["R", number]))
+            if number >= 0 and (not name or not self.modules_allowed(name)):
+                return self._decode(["R", number])  # a module we may not import: theirs, by reference
+            return sys.modules.get(name) or _ModuleOnFirstUse(name)
         if tag == "nt":
             return self._namedtuple(rest)
         decoder = _STDLIB_DECODERS.get(tag)
@@ -596,21 +636,19 @@ class Endpoint:
 
 
 class _ModuleOnFirstUse(type(sys)):
-    """This side's own import of a module the other side holds under a global name, made when a
-    test first reads one of its attributes (most programs' ``import re`` is never used by their
-    tests, and importing costs milliseconds in every sandbox). If it cannot be imported here, the
-    other side's module answers instead."""
-
-    def __init__(self, name, theirs):
-        super().__init__(name)
-        self.__dict__["_theirs"] = theirs
+    """This side's own import of a module the other side holds, made when a test first reads one of
+    its attributes (most programs' ``import re`` is never used by their tests, and importing costs
+    milliseconds in every sandbox). If it cannot be imported here, reading an attribute fails:
+    the other side's object never stands in for it (a program's ``types.ModuleType("math.forged")``
+    with a permissive ``isclose`` would)."""
 
     def __getattr__(self, attr):
         try:
             __import__(self.__name__)
             real = sys.modules[self.__name__]
-        except Exception:  # noqa: BLE001
-            return getattr(self.__dict__["_theirs"](), attr)
+        except Exception as exc:  # noqa: BLE001
+            raise AttributeError("module %r cannot be imported by the judge (%s), so it has no attribute %r"
+                                 % (self.__name__, exc, attr))
         self.__dict__.update(real.__dict__)
         return getattr(real, attr)
 
@@ -770,18 +808,106 @@ _STDLIB_DECODERS = {
 }
 
 
+# ---- what the judge never hands to the program ---------------------------------------------------
+
+def _a_closure():
+    cell = None
+    return lambda: cell
+
+
+def _a_traceback():
+    try:
+        raise TypeError
+    except TypeError as exc:
+        return exc.__traceback__
+
+
+#: The interpreter's own workings: frames (their locals, globals and callers), code (its constants:
+#: a test's expected values), tracebacks (frames), cells (a closure's variables); and the classes
+#: that make functions, methods and code out of parts. A generator's ``gi_frame``, a coroutine's
+#: ``cr_code`` or a traceback's ``tb_frame`` is one of them, whatever its attribute is called.
+_INTERPRETER_TYPES = (type(sys._getframe()), type(_a_closure.__code__), type(_a_closure().__closure__[0]),
+                      type(_a_traceback()))
+_INTERPRETER_CLASSES = _INTERPRETER_TYPES + (type(_a_closure), type(Endpoint.__init__.__get__(0)))
+#: Builtins that reach into the interpreter by a name or a text they are given: attributes by name,
+#: namespaces, code from text, imports, files and descriptors. ``str.format`` reads attributes by
+#: name too (``"{0.gi_frame.f_globals}"``).
+_REFLECTIVE_BUILTINS = tuple(getattr(builtins, name) for name in (
+    "getattr", "setattr", "delattr", "vars", "globals", "locals", "eval", "exec", "compile", "__import__",
+    "breakpoint", "open", "input", "help") if hasattr(builtins, name)) + (str.format, str.format_map)
+#: Modules whose functions and classes reach frames, objects, code or descriptors (``sys._getframe``,
+#: ``gc.get_referrers``, ``inspect.stack``, ``pickle.loads``, ``os.write`` to the results descriptor).
+_REFLECTIVE_MODULES = frozenset({
+    "sys", "gc", "inspect", "pickle", "_pickle", "marshal", "copyreg", "ctypes", "_ctypes", "importlib",
+    "posix", "os", "io", "_io", "operator", "_operator", "string", "_string", "types", "code", "codeop",
+    "pdb", "bdb", "runpy", "subprocess", "faulthandler",
+})
+#: Of those, what tests hand to programs as plain operations (``reduce(operator.add, ...)``).
+_PLAIN_OPERATIONS = frozenset({"abs", "add", "and_", "concat", "contains", "countOf", "eq", "floordiv", "ge",
+                               "gt", "index", "indexOf", "inv", "invert", "is_", "is_not", "le", "lshift", "lt",
+                               "matmul", "mod", "mul", "ne", "neg", "not_", "or_", "pos", "pow", "rshift",
+                               "sub", "truediv", "truth", "xor", "itemgetter"})
+
+
+def leads_into_the_interpreter(obj):
+    """Whether handing ``obj`` to the program could lead it into the judge's interpreter.
+
+    True for frames, code objects, tracebacks and cells and the classes that build functions,
+    methods and code; for the builtins that reach attributes, namespaces or code by a name or text
+    they are given; for the functions and classes of the modules that reach frames, objects or
+    descriptors. The program reaches the judge only through what the judge hands it, so refusing
+    these whatever attribute or call produced them closes every path (a module is handed by name
+    only; a namespace dict is refused by :func:`_is_a_namespace`).
+    """
+    if isinstance(obj, _INTERPRETER_TYPES):
+        return True
+    try:
+        if obj in _INTERPRETER_CLASSES or any(obj is f for f in _REFLECTIVE_BUILTINS):
+            return True
+    except Exception:  # noqa: BLE001 - an object whose == raises is not one of them
+        pass
+    if not callable(obj):
+        return False
+    try:
+        module = getattr(obj, "__module__", None)
+        if module is None and hasattr(obj, "__objclass__"):  # a method descriptor: str.format
+            module = getattr(obj.__objclass__, "__module__", None)
+        name = getattr(obj, "__name__", None)
+    except Exception:  # noqa: BLE001
+        return True
+    if type(module) is not str:
+        return False
+    return module.split(".")[0] in _REFLECTIVE_MODULES and not (
+        module in ("operator", "_operator") and name in _PLAIN_OPERATIONS)
+
+
+def _is_a_namespace(mapping):
+    """Whether ``mapping`` (a dict of the judge's) is a module's globals or a test's namespace."""
+    if dict.__contains__(mapping, "__builtins__"):
+        return True
+    name = dict.get(mapping, "__name__")
+    return type(name) is str and getattr(sys.modules.get(name), "__dict__", None) is mapping
+
+
 # ---- the two roles ---------------------------------------------------------------------------
 
+def _global_value(endpoint, value):
+    """A program global as the judge receives it: a copy, or a reference when its copy is large."""
+    encoded = endpoint.encode(value)
+    if len(dumps(encoded)) > GLOBAL_COPY_LIMIT:
+        encoded = ["R", endpoint.export(value)]
+    return encoded
+
+
 def serve_program(endpoint, namespace):
-    """Program side: announce the program's globals, then answer the judge until it hangs up."""
+    """Program side: announce the program's globals, then answer the judge until it hangs up (the
+    judge asks again for a global it reads after the program ran: see :class:`TestNamespace`)."""
+    endpoint.namespace = namespace
     names = []
     for name, value in list(namespace.items()):
         if type(name) is not str or (name.startswith("__") and name.endswith("__")):
             continue
-        encoded = endpoint.encode(value)
-        if len(dumps(encoded)) > GLOBAL_COPY_LIMIT:
-            encoded = ["R", endpoint.export(value)]
-        names.append([name, encoded])
+        names.append([name, _global_value(endpoint, value)])
     try:
         endpoint.send(["ready", names])
         while True:
@@ -790,17 +916,82 @@ def serve_program(endpoint, namespace):
         return
 
 
-def _used_as_module(name, tests):
-    """Whether some test reads an attribute of ``name`` (``name.something``), as of a module."""
+class TestNamespace(dict):
+    """The tests' globals: the judge's builtins and what the tests define, and the program's globals
+    read live.
+
+    A program global is not stored here: reading it (``__missing__``) gives its value as of the last
+    time the program ran, asking the program again when it has run since (a call, an attribute, an
+    iteration...): a test that calls ``push(1)`` and then reads the program's global ``stack``
+    sees ``[1]``. A test that assigns the name has its own value from then on. Builtins are stored
+    here, so that reading one costs no call.
+    """
+
+    def __init__(self, endpoint):
+        super().__init__((k, v) for k, v in builtins.__dict__.items() if not k.startswith("__"))
+        self["__name__"], self["__builtins__"], self["__doc__"] = "__main__", builtins, None
+        self._endpoint = endpoint
+        self._program_globals = {}  # name -> (value, endpoint.program_ran when it was read)
+
+    def add_program_global(self, name, value):
+        self._program_globals[name] = (value, self._endpoint.program_ran)
+
+    def __missing__(self, name):
+        if name not in self._program_globals:
+            raise KeyError(name)
+        value, when = self._program_globals[name]
+        if when != self._endpoint.program_ran:  # the program ran since: read it again
+            value = self._endpoint.request(["global", name])
+            self._program_globals[name] = (value, self._endpoint.program_ran)
+        return value
+
+
+def _attributes_read(name, tests):
+    """The attribute names that some test reads of the global ``name`` (``name.attr``, spaces allowed
+    around the dot), as written in the tests' text."""
+    found = set()
     for test in tests:
         start = test.find(name)
         while start >= 0:
             end = start + len(name)
             before = test[start - 1] if start else " "
-            if not (before.isalnum() or before in "_.") and test[end:].lstrip(" ").startswith("."):
-                return True
+            if not (before.isalnum() or before in "_."):
+                i = end
+                while test[i:i + 1] in (" ", "\t"):
+                    i += 1
+                if test[i:i + 1] == ".":
+                    i += 1
+                    while test[i:i + 1] in (" ", "\t"):
+                        i += 1
+                    attr_start = i
+                    while i < len(test) and (test[i].isalnum() or test[i] == "_"):
+                        i += 1
+                    if i > attr_start:
+                        found.add(test[attr_start:i])
             start = test.find(name, end)
-    return False
+    return found
+
+
+def _standard_module_for(name, value, tests, modules_allowed):
+    """The judge's own module for a program global named like an importable module (the standard
+    library's, or with site-packages any) when a test reads one of that module's attributes through
+    it (``math.isclose``, relying on the program's ``import math``), whatever the program bound to
+    the name: a module, a named tuple, a ``types.ModuleType("math.forged")``. A module the judge
+    cannot import fails the test that reads it. None when the name is the program's own (the test
+    reads attributes the module does not have: ``queue.append`` on the program's list ``queue``)."""
+    if not modules_allowed(name):
+        return None
+    read = _attributes_read(name, tests)
+    if not read:
+        return None
+    try:
+        __import__(name)
+        module = sys.modules[name]
+    except Exception:  # noqa: BLE001 - not importable here: no stand-in either
+        return _ModuleOnFirstUse(name)
+    if isinstance(value, type(sys)) or any(hasattr(module, attr) for attr in read):
+        return module
+    return None
 
 
 def judge_tests(endpoint, tests, report, when_ready=None):
@@ -814,7 +1005,7 @@ def judge_tests(endpoint, tests, report, when_ready=None):
         ready = endpoint.receive()
         if ready[0] != "ready" or len(ready) != 2 or type(ready[1]) is not list:
             endpoint._protocol_error("expected the program's globals")
-        namespace = {"__name__": "__main__", "__builtins__": builtins, "__doc__": None}
+        namespace = TestNamespace(endpoint)
         for entry in ready[1]:
             if type(entry) is not list or len(entry) != 2 or type(entry[0]) is not str:
                 endpoint._protocol_error("a malformed global")
@@ -822,11 +1013,11 @@ def judge_tests(endpoint, tests, report, when_ready=None):
             if (name.startswith("__") and name.endswith("__")) or hasattr(builtins, name):
                 continue  # dunders and builtins stay the judge's own
             value = endpoint.decode(entry[1])
-            if type(value) is Remote and endpoint.modules_allowed(name) and _used_as_module(name, tests):
-                # a test reads `math.isclose` relying on the program's `import math`: it means the
-                # module, whatever object the program put under that name
-                value = sys.modules.get(name) or _ModuleOnFirstUse(name, lambda v=value: v)
-            namespace[name] = value
+            module = _standard_module_for(name, value, tests, endpoint.modules_allowed)
+            if module is not None:
+                namespace[name] = module  # fixed: never read from the program again
+            else:
+                namespace.add_program_global(name, value)
     except ProgramGone:
         return False
     if when_ready is not None:

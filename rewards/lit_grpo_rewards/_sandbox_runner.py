@@ -18,8 +18,9 @@ process, after the fork) runs the tests, if any, and is the only one that can wr
    migration overlaps this interpreter's start-up), then ``unshare`` new mount, network, IPC and PID
    namespaces (without root: inside a new user namespace, where the system allows one); become
    non-dumpable (no same-uid process may ptrace this one or open its ``/proc/PID/mem`` or ``fd/``);
-3. ``fork``. The child is process 1 of the new PID namespace: the program process. The judge stays
-   outside that namespace, invisible to the program;
+3. ``fork``. The child is process 1 of the new PID namespace: the program process, in a session and
+   process group of its own. The judge stays outside that namespace and that group, invisible to
+   the program and out of reach of its signals;
 4. program process: a private mount tree (the interpreter made reachable, a fresh ``/proc``, a
    minimal ``/dev`` of null, zero, random and urandom, everything read-only, a small tmpfs on the
    sandbox directory as the only writable place); resource limits; its own unprivileged uid, no
@@ -522,6 +523,9 @@ def _close_quietly(*fds):
 
 def _program_process(job, layers, without, pidns, channel, seccomp_filter):
     """Everything after the fork on the program's side: walls, then the code. Returns an exit status."""
+    # A session and process group of its own: kill(0, ...) and killpg reach the program's processes
+    # only. (In the judge's group, a signal to the group reaches the judge across the PID namespace.)
+    os.setsid()
     layers = dict(layers)
     in_process_tests = None
     if job["mode"] == "tests" and channel is None:  # the unprotected way (attack tests only)
@@ -577,7 +581,7 @@ def _run_program(job, layers, channel, in_process_tests):
             pass
     if channel is not None:
         endpoint = _sandbox_judge.Endpoint(channel["program_reads"], channel["program_writes"], max_frame,
-                                           lambda name: _may_import(name, site_packages))
+                                           lambda name: _may_import(name, site_packages), side="program")
         _sandbox_judge.serve_program(endpoint, namespace)
     else:
         _judge_in_program_interpreter(nonce, in_process_tests, namespace)
@@ -656,7 +660,7 @@ def _judge_process(job, layers, without, child, channel, seccomp_filter):
         site_packages = job.get("site_packages", False)
         endpoint = _sandbox_judge.Endpoint(channel["judge_reads"], channel["judge_writes"],
                                            job["limits"]["message_bytes"],
-                                           lambda name: _may_import(name, site_packages))
+                                           lambda name: _may_import(name, site_packages), side="judge")
         nonce = job["nonce"]
         completed = _sandbox_judge.judge_tests(
             endpoint, tests, lambda i, passed: _write_result("%s T %d %d" % (nonce, i, int(passed))),

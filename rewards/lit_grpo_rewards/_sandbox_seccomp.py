@@ -3,7 +3,9 @@
 The sandboxed program may make only the system calls that a Python test program needs (files,
 memory, threads and ``fork``, time, signals, pipes); everything else fails with ``EPERM`` before
 the kernel looks at it (``clone3`` with ``ENOSYS``, so that the C library falls back to ``clone``,
-whose flags the filter can read). A few allowed calls have their arguments checked:
+whose flags the filter can read; ``fallocate`` with ``EOPNOTSUPP``, so that ``posix_fallocate`` writes
+the blocks instead, within RLIMIT_FSIZE, which ``fallocate`` past the end of a file escapes). ``flock``
+succeeds and does nothing (see ``fcntl``). A few allowed calls have their arguments checked:
 
 - ``clone``: no namespace flags (``CLONE_NEWUSER``, ``CLONE_NEWNS``, ...): no user namespaces.
 - ``socketpair``: only a connected ``AF_UNIX`` ``SOCK_STREAM`` pair (asyncio's self-pipe), which can
@@ -15,6 +17,13 @@ whose flags the filter can read). A few allowed calls have their arguments check
 - ``prctl``: only naming threads and memory areas.
 - ``prlimit64``: only on the calling process.
 - ``mmap``: no ``MAP_HUGETLB`` (huge pages are a separate, often pre-reserved pool).
+- ``fadvise64``: ``POSIX_FADV_DONTNEED`` succeeds and does nothing; ``preadv2``: no ``RWF_NOWAIT``.
+  The page cache of the machine's files is shared: evicting a file's pages and then asking whether
+  a read would wait for the disk tells when another process read them.
+- ``fcntl``: file locks (``F_SETLK``, ``F_GETLK``, their OFD forms) succeed and do nothing, like
+  ``flock``: every file but the scratch directory's is the machine's own, and a lock on it would be
+  seen by other sandboxes and by the machine (a channel); leases and ``F_NOTIFY`` (watching a
+  directory for other processes' reads and writes) are refused.
 
 Refused, among everything not listed: ``execve`` (no other programs), sockets, SysV IPC (``shmget``,
 ``semget``, ``msgget``) and POSIX message queues, ``memfd_create``, the keyring (``add_key``,
@@ -116,13 +125,13 @@ ALLOWED = (
     # the hottest first: the filter compares one number after the other
     "read", "write", "futex", "munmap", "brk", "mprotect", "madvise", "mremap", "close", "openat",
     "open", "lseek", "fstat", "newfstatat", "stat", "lstat", "statx", "getdents64", "getdents",
-    "pread64", "pwrite64", "readv", "writev", "preadv", "pwritev", "preadv2", "pwritev2", "close_range",
+    "pread64", "pwrite64", "readv", "writev", "preadv", "pwritev", "pwritev2", "close_range",
     "access", "faccessat", "faccessat2", "readlink", "readlinkat", "getcwd", "chdir", "fchdir",
     "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2", "link", "linkat",
     "symlink", "symlinkat", "chmod", "fchmod", "fchmodat", "fchmodat2", "truncate", "ftruncate", "fsync",
-    "fdatasync", "fallocate", "utimensat", "dup", "dup2", "dup3", "fcntl", "flock", "pipe", "pipe2",
+    "fdatasync", "utimensat", "dup", "dup2", "dup3", "pipe", "pipe2",
     "select", "pselect6", "poll", "ppoll", "epoll_create", "epoll_create1", "epoll_ctl", "epoll_wait",
-    "epoll_pwait", "epoll_pwait2", "eventfd", "eventfd2", "statfs", "fstatfs", "fadvise64", "sendfile",
+    "epoll_pwait", "epoll_pwait2", "eventfd", "eventfd2", "statfs", "fstatfs", "sendfile",
     "copy_file_range", "getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr", "umask",
     "msync", "mincore", "map_shadow_stack",
     "fork", "vfork", "exit", "exit_group", "wait4", "waitid", "kill", "tgkill", "tkill", "getpid", "getppid",
@@ -150,10 +159,24 @@ MAP_HUGETLB = 0x40000
 IOCTLS = {"TCGETS": 0x5401, "TIOCGWINSZ": 0x5413, "FIONREAD": 0x541B, "FIONBIO": 0x5421,
           "FIONCLEX": 0x5450, "FIOCLEX": 0x5451}
 PRCTLS = {"PR_SET_NAME": 15, "PR_GET_NAME": 16, "PR_SET_VMA": 0x53564D41}
+#: fcntl commands that take or test a file lock: the lock would be on the file itself, which for every
+#: file but the scratch directory's is the machine's (the minimal root binds the machine's files),
+#: seen by other sandboxes and the machine's own processes (a channel). They succeed and do nothing.
+FCNTL_LOCKS = {"F_GETLK": 5, "F_SETLK": 6, "F_SETLKW": 7, "F_OFD_GETLK": 36, "F_OFD_SETLK": 37, "F_OFD_SETLKW": 38}
+#: fcntl commands refused: leases and directory notification (dnotify) watch what other processes do
+#: with the machine's files.
+FCNTL_WATCHES = {"F_SETLEASE": 1024, "F_GETLEASE": 1025, "F_NOTIFY": 1026}
+SUCCEED = 0  # SECCOMP_RET_ERRNO with errno 0: the call returns 0 and the kernel does nothing
+#: The page cache of the machine's files is shared with every other process: evicting a file's pages
+#: (``posix_fadvise(POSIX_FADV_DONTNEED)``) and then asking whether a read would wait for the disk
+#: (``preadv2(RWF_NOWAIT)``) tells when another sandbox or the machine read them (a channel).
+POSIX_FADV_DONTNEED = 4
+RWF_NOWAIT = 0x8
 
 #: Calls allowed only for some arguments: name -> (argument index, test, values).
 #: ``("in", values)``: the argument's low 32 bits are one of ``values``; ``("none_of", mask)``: none of
-#: the bits of ``mask`` is set; ``("pair", ...)`` is socketpair's own rule (family and type).
+#: the bits of ``mask`` is set; ``("pair", ...)`` is socketpair's own rule (family and type);
+#: ``("cases", {value: errno})``: the errno for these values (``SUCCEED``: none), every other allowed.
 ARG_RULES = {
     "mmap": (3, "none_of", MAP_HUGETLB),  # first: malloc calls it often
     "clone": (0, "none_of", CLONE_NAMESPACES),
@@ -161,8 +184,17 @@ ARG_RULES = {
     "ioctl": (1, "in", tuple(IOCTLS.values())),
     "prctl": (0, "in", tuple(PRCTLS.values())),
     "prlimit64": (0, "in", (0,)),
+    "fadvise64": (3, "cases", {POSIX_FADV_DONTNEED: SUCCEED}),  # advice may be ignored: it is
+    "preadv2": (5, "none_of", RWF_NOWAIT),
+    "fcntl": (1, "cases", dict([(cmd, SUCCEED) for cmd in FCNTL_LOCKS.values()]
+                               + [(cmd, errno.EPERM) for cmd in FCNTL_WATCHES.values()])),
 }
-FALLBACK_TO_OLDER = ("clone3",)  # refused with ENOSYS: the C library then uses the older call
+#: Calls refused with another errno than EPERM, for the C library's sake: ``clone3`` with ENOSYS (it
+#: falls back to ``clone``, whose flags the filter can read); ``fallocate`` with EOPNOTSUPP
+#: (``posix_fallocate`` then writes the blocks, which RLIMIT_FSIZE bounds: the call itself allocates
+#: blocks past the end of a file, where the limit does not look, on the disk of the trainer's output
+#: files); ``flock`` with no error at all: it succeeds and locks nothing (see ``FCNTL_LOCKS``).
+REFUSED_WITH = {"clone3": errno.ENOSYS, "fallocate": errno.EOPNOTSUPP, "flock": SUCCEED}
 
 # struct seccomp_data: int nr; __u32 arch; __u64 instruction_pointer; __u64 args[6]
 OFFSET_NR = 0
@@ -216,6 +248,11 @@ def _arg_block(rule):
         for i, value in enumerate(values):  # a match jumps over the remaining comparisons and the deny
             block.append(_jump(BPF_JEQ_K, value, n - i, 0))
         return block + [_deny(), _allow()]
+    if test == "cases":
+        block = [_stmt(BPF_LD_W_ABS, _low_word_offset(index))]
+        for value, err in values.items():
+            block += [_jump(BPF_JEQ_K, value, 0, 1), _deny(err)]
+        return block + [_allow()]
     if test == "pair":
         family, sock_type = values
         return [
@@ -228,7 +265,7 @@ def _arg_block(rule):
 
 def build_filter(audit_arch, numbers):
     """The filter as a list of ``(code, jt, jf, k)`` BPF instructions for one architecture."""
-    overlap = set(ALLOWED) & (set(ARG_RULES) | set(FALLBACK_TO_OLDER))
+    overlap = set(ALLOWED) & (set(ARG_RULES) | set(REFUSED_WITH))
     if overlap:  # an unconditional allow would come first and skip the rule
         raise ValueError("seccomp filter: %s both allowed outright and by rule" % sorted(overlap))
     program = [
@@ -245,9 +282,9 @@ def build_filter(audit_arch, numbers):
             block = _arg_block(rule)
             program.append(_jump(BPF_JEQ_K, numbers[name], 0, len(block)))
             program += block  # every block ends in returns; a mismatch jumps over it with A still = nr
-    for name in FALLBACK_TO_OLDER:
+    for name, err in REFUSED_WITH.items():
         if name in numbers:
-            program += [_jump(BPF_JEQ_K, numbers[name], 0, 1), _deny(errno.ENOSYS)]
+            program += [_jump(BPF_JEQ_K, numbers[name], 0, 1), _deny(err)]
     program.append(_deny())
     return program
 

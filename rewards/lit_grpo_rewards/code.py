@@ -25,20 +25,47 @@ __all__ = ["code_execution", "extract_code", "parse_test_cases"]
 log = logging.getLogger(__name__)
 
 _PYTHON_LANGS = {"", "python", "py", "python3", "py3"}
-# An opening fence at the start of a line, its language tag, then the block up to a closing fence
-# on its own line or, for a completion cut off by the length limit, the end of the text.
-_FENCE_RE = re.compile(
-    r"^[ \t]*```[ \t]*([A-Za-z0-9_+.#-]*)[^\n]*\n(.*?)(?:^[ \t]*```[ \t]*$|\Z)", re.MULTILINE | re.DOTALL
-)
+# The two kinds of fence line, each matched within one line and anchored at its start: an opening
+# fence (its language tag is the first group; anything may follow on the line) and a closing fence
+# (three backquotes alone, with spaces or tabs around). Neither can backtrack beyond its own line.
+_OPENING_FENCE = re.compile(r"[ \t]*```[ \t]*([A-Za-z0-9_+.#-]*)")
+_CLOSING_FENCE = re.compile(r"[ \t]*```[ \t]*")
 
 
 def extract_code(text: str) -> str:
     """The program in a completion: its last ```python (or untagged) fenced block, else all of it.
 
-    A block still open at the end of the text (a completion cut off by the length limit) counts.
-    Blocks tagged with another language (```bash, ```text) are skipped.
+    An opening fence is a line starting with three backquotes (after spaces or tabs), its language
+    tag right after; the block runs up to the next line that is only a closing fence or, for a
+    completion cut off by the length limit, to the end of the text. Blocks tagged with another
+    language (```bash, ```text) are skipped.
+
+    It runs on model text in the training process, so it reads the text line by line, each line at
+    most twice: linear in the length of the completion, whatever the completion holds.
     """
-    blocks = [body for lang, body in _FENCE_RE.findall(text) if lang.lower() in _PYTHON_LANGS]
+    blocks = []
+    line_start = 0
+    while True:
+        newline = text.find("\n", line_start)
+        if newline < 0:
+            break  # a last line without a newline cannot open a block
+        opening = _OPENING_FENCE.match(text, line_start, newline)
+        if opening is None:
+            line_start = newline + 1
+            continue
+        body_start = body_end = newline + 1
+        while True:  # the block's lines up to a closing fence or the end of the text
+            newline = text.find("\n", body_end)
+            line_end = len(text) if newline < 0 else newline
+            if _CLOSING_FENCE.fullmatch(text, body_end, line_end):
+                line_start = line_end + 1
+                break
+            if newline < 0:
+                body_end = line_start = len(text)
+                break
+            body_end = newline + 1
+        if opening.group(1).lower() in _PYTHON_LANGS:
+            blocks.append(text[body_start:body_end])
     if not blocks:
         return text
     return textwrap.dedent(blocks[-1])
@@ -104,8 +131,43 @@ def parse_test_cases(spec: Any) -> tuple[str, list] | None:
 
 
 def _normalize_output(text: str) -> str:
+    """Line endings as ``\\n``, each line's trailing whitespace and the surrounding blank lines
+    stripped. For the expected output (the data set's, trusted): it builds one string per line."""
     lines = text.replace("\r\n", "\n").replace("\r", "\n").strip().split("\n")
     return "\n".join(line.rstrip() for line in lines)
+
+
+_WHITESPACE_RUN = re.compile(r"\s*")  # whitespace as str.isspace() sees it; it cannot backtrack
+
+
+def _output_matches(stdout: bytes, expected_lines: list[str]) -> bool:
+    """Whether a program's ``stdout`` equals ``"\\n".join(expected_lines)`` after
+    :func:`_normalize_output`, without normalizing the output itself.
+
+    The output is the program's: up to ``max_output_bytes`` of anything. It is decoded once (one
+    string, at most 4 bytes per byte of output) and read in place: no per-line strings (four
+    million one-character lines would take hundreds of MiB), no copies, one pass that stops at the
+    first difference; the time is linear in the output's length.
+    """
+    text = stdout.decode("utf-8", "replace")
+    end = len(text)
+    pos = _WHITESPACE_RUN.match(text).end()  # leading blank lines and indentation: stripped
+    next_cr = text.find("\r", pos)  # kept until passed: looking for it on every line would be quadratic
+    for i, expected in enumerate(expected_lines):
+        if i:  # past the previous line's ending: \n, \r\n or \r
+            if pos == end:
+                return False
+            pos += 2 if text.startswith("\r\n", pos) else 1
+        if 0 <= next_cr < pos:
+            next_cr = text.find("\r", pos)
+        newline = text.find("\n", pos)
+        line_end = min(x for x in (newline, next_cr, end) if x >= 0)
+        # the line, its trailing whitespace stripped, must be the expected one (which ends in none)
+        if not (text.startswith(expected, pos, line_end)
+                and _WHITESPACE_RUN.fullmatch(text, pos + len(expected), line_end)):
+            return False
+        pos = line_end
+    return _WHITESPACE_RUN.fullmatch(text, pos) is not None  # trailing blank lines: stripped
 
 
 def _score_one(code: str, cases: tuple[str, list], sandbox_kwargs: dict) -> float:
@@ -118,6 +180,7 @@ def _score_one(code: str, cases: tuple[str, list], sandbox_kwargs: dict) -> floa
     deadline = time.monotonic() + timeout
     passed = 0
     for stdin, expected in tests:
+        expected_lines = _normalize_output(expected).split("\n")
         left = deadline - time.monotonic()
         if left <= 0.05:
             break  # out of time: the remaining cases fail
@@ -125,8 +188,9 @@ def _score_one(code: str, cases: tuple[str, list], sandbox_kwargs: dict) -> floa
         result = run_in_sandbox(code, stdin=stdin, **kwargs)
         if result.timed_out:
             break
-        if result.returncode == 0 and _normalize_output(result.stdout.decode("utf-8", "replace")) == _normalize_output(expected):
+        if result.returncode == 0 and _output_matches(result.stdout, expected_lines):
             passed += 1
+        del result  # its output (up to max_output_bytes) before the next case's
     return passed / len(tests)
 
 
@@ -168,6 +232,9 @@ def code_execution(
       ``{"inputs": [...], "outputs": [...]}``): one sandboxed run per case; it passes when the
       program exits with status 0 and its stdout equals the expected output, both with line
       endings normalized, trailing whitespace of each line and surrounding blank lines stripped.
+      The output is compared where it lies, in linear time and without an object per line: the
+      trainer's memory for one completion stays under ``5 * max_output_bytes`` (the output, and its
+      text at up to 4 bytes per character), whatever the program prints.
 
     Either may be given as a JSON string. A sample without test cases (None, empty) scores None.
 

@@ -24,15 +24,19 @@ a missing one is logged once per process as a warning naming the protection that
    that uid, ``cgroup.kill``, the process group), reaps the runner and removes the directory and
    the cgroup. Without root (no uid of its own) the leftovers are found by a per-run mark in their
    environment. Every process of the sandbox also gets a parent-death signal. Output goes to
-   anonymous temporary files, never to pipes (bounded by layer 5).
+   anonymous temporary files, never to pipes (bounded by layer 5; ``fallocate`` is refused by
+   layer 7); stdin is an anonymous file open for reading only, mode 0400 (it cannot be reopened
+   for writing through ``/proc/self/fd/0``).
 2. **Cgroup (where the machine lets this process create one: root, or a delegated cgroup v2; see**
    ``_sandbox_cgroup`` **).**
    Memory of the whole sandbox (``memory_mb`` plus ``SANDBOX_OVERHEAD_MB`` for its two
    interpreters; shared memory and the scratch tmpfs count) and its number of processes and
    threads, whatever the program forks. Without it, memory is bounded per process only.
 3. **Namespaces.** Network: only a loopback interface, down. IPC. PID: the program is process 1
-   of its own namespace, sees only its own processes in a fresh ``/proc``, cannot see or signal
-   the judge or the trainer, and when it dies the kernel kills everything it started. Mount (layer
+   of its own namespace, in a session and process group of its own (a signal to the caller's group,
+   ``kill(0, ...)``, crosses PID namespaces), sees only its own processes in a fresh ``/proc``,
+   cannot see or signal the judge or the trainer, and when it dies the kernel kills everything it
+   started. Mount (layer
    4). Without root they are made inside a new user namespace, where the system allows
    unprivileged ones (most do), with the user's uid mapped to itself; the capabilities that
    namespace gave are dropped (a nested user namespace) before any code runs.
@@ -57,12 +61,19 @@ a missing one is logged once per process as a warning naming the protection that
 7. **System-call filter (seccomp, Linux x86_64/aarch64; both processes).** Deny by default: only the
    calls a Python test program needs (see ``_sandbox_seccomp``). No sockets (Unix sockets at a
    path included), no SysV IPC, no memfd, no keyring, no namespaces or mounts, no ptrace, bpf,
-   perf, io_uring or userfaultfd, no ``execve``.
+   perf, io_uring or userfaultfd, no ``execve``, no ``fallocate`` (it allocates past the end of a
+   file, beyond RLIMIT_FSIZE); nothing that watches or marks the machine's files for others to see:
+   file locks succeed and lock nothing, no leases or ``F_NOTIFY``, no page-cache eviction
+   (``POSIX_FADV_DONTNEED`` is ignored) or ``RWF_NOWAIT`` probe.
 8. **The judge (assertion tests).** The tests run in the judge process, which receives what the
    program hands over as plain data and compares it with its own types (see ``_sandbox_judge``):
    a lying ``__eq__``, a patched ``AssertionError`` or ``exec``, ``os._exit(0)`` before the tests,
-   printed markers or writes to any descriptor cannot make a test pass. Only the judge holds the
-   result descriptor. Stdin/stdout tests are judged by the scoring process.
+   printed markers or writes to any descriptor cannot make a test pass; a global named like a
+   standard-library module that a test reads attributes of is the judge's own module, whatever the
+   program bound to it. Nothing the judge hands the program leads into the judge's interpreter (no
+   frames, code, globals, builtins or modules). Only the judge holds the result descriptor.
+   Stdin/stdout tests are judged by the scoring process, which compares the output in place
+   (``code._output_matches``: linear time, no object per line).
 9. **Audit hook (in the program's interpreter; unless ``audit_hook=False``).** Refuses sockets,
    ``fork``/``exec``/``subprocess``, ``kill``, ctypes, ``gc`` object walks, and writes or renames
    outside the sandbox directory, as clean Python exceptions. It can be switched off by code that
@@ -376,6 +387,17 @@ def _read_head(f, limit: int) -> bytes:
         return b""
 
 
+def _read_only_file(data: bytes):
+    """``data`` in an anonymous file, open for reading only, and readable only (mode 0400): the program's
+    stdin. Neither that descriptor nor a reopening of it (``/proc/self/fd/0``) can write to the
+    scoring process's disk."""
+    with tempfile.TemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        os.fchmod(f.fileno(), 0o400)
+        return open(f"/proc/self/fd/{f.fileno()}", "rb", buffering=0)
+
+
 def _parse_results(raw: bytes, nonce: str, n_tests: int) -> tuple[list[bool | None], bool, dict]:
     results: list[bool | None] = [None] * n_tests
     done = False
@@ -523,11 +545,8 @@ def run_in_sandbox(
 
         tests_fd = -1
         if tests is None:
-            stdin_f = tmpfile()
-            data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
-            stdin_f.write(data)
-            stdin_f.flush()
-            stdin_f.seek(0)
+            stdin_f = _read_only_file(stdin.encode() if isinstance(stdin, str) else (stdin or b""))
+            files.append(stdin_f)
             stdout_f = tmpfile()
         else:
             stdin_f = subprocess.DEVNULL

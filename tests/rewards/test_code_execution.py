@@ -13,7 +13,10 @@ import functools
 import json
 import os
 import pickle
+import random
+import re
 import sys
+import textwrap
 import time
 
 import pytest
@@ -98,6 +101,26 @@ def test_fenced_block_extraction(sandbox_tmp):
     assert code_execution([text], test_cases=[ADD_TESTS]) == [1.0]
 
 
+_OLD_FENCE_RE = re.compile(  # extract_code's regular expression before issue 46 (quadratic on "```---...")
+    r"^[ \t]*```[ \t]*([A-Za-z0-9_+.#-]*)[^\n]*\n(.*?)(?:^[ \t]*```[ \t]*$|\Z)", re.MULTILINE | re.DOTALL
+)
+
+
+def test_fenced_block_extraction_reads_what_the_regular_expression_read():
+    """The line scanner against the regular expression it replaced, on random short texts made of
+    fences, tags, indentation and line breaks (where the regular expression is quick)."""
+    def old_extract_code(text):
+        python = {"", "python", "py", "python3", "py3"}
+        blocks = [body for lang, body in _OLD_FENCE_RE.findall(text) if lang.lower() in python]
+        return textwrap.dedent(blocks[-1]) if blocks else text
+
+    pieces = ["```", "```python", "```bash", "```Py3 x", "\n", "\n", "\n", " ", "\t", "x = 1", "````", "`", "-", "\r"]
+    rng = random.Random(46)
+    for _ in range(20_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+        assert extract_code(text) == old_extract_code(text), repr(text)
+
+
 def test_tests_from_another_column(sandbox_tmp):
     apps = json.dumps({"inputs": ["2\n"], "outputs": ["4\n"]})
     assert code_execution(["print(int(input()) * 2)"], input_output=[apps], test_column="input_output") == [1.0]
@@ -177,6 +200,15 @@ WELL_BEHAVED = {
     "module the tests use": ("import math\ndef area(r):\n    return math.pi * r * r\n",
                              ["assert math.isclose(area(1), 3.14159, rel_tol=1e-3)"]),
     "function passed in": ("def apply(f, x):\n    return f(f(x))\n", ["assert apply(lambda v: v + 1, 3) == 5"]),
+    "state in globals": ("stack = []\ncount = 0\ndef push(x):\n    stack.append(x)\ndef bump():\n"
+                         "    global count\n    count += 1\nclass Log:\n    pass\nlog = None\ndef start():\n"
+                         "    global log\n    log = Log()\n",
+                         ["push(1); push(2)\nassert stack == [1, 2]", "bump(); bump()\nassert count == 2",
+                          "assert stack == [1, 2] and count == 2", "start()\nassert log is not None",
+                          "def read():\n    return stack\npush(3)\nassert read() == [1, 2, 3]"]),
+    "a module the tests read, under a program's own name": (
+        "queue = []\ndef enqueue(x):\n    queue.append(x)\n",
+        ["enqueue(5)\nassert queue.index(5) == 0 and queue.count(5) == 1"]),
     "HumanEval check()": ("def add(a, b):\n    return a + b\n",
                           ["def check(candidate):\n    assert candidate(1, 2) == 3\n"
                            "    assert abs(candidate(0.1, 0.2) - 0.3) < 1e-9\n\ncheck(add)"]),

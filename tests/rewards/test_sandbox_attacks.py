@@ -394,7 +394,7 @@ def test_every_unlisted_syscall_is_refused_inside_a_sandbox():
     from lit_grpo_rewards import _sandbox_seccomp as sc
 
     numbers = sc.MACHINES[MACHINE][1]
-    skip = {numbers[n] for n in list(sc.ALLOWED) + list(sc.ARG_RULES) + list(sc.FALLBACK_TO_OLDER) if n in numbers}
+    skip = {numbers[n] for n in list(sc.ALLOWED) + list(sc.ARG_RULES) + list(sc.REFUSED_WITH) if n in numbers}
     if MACHINE == "x86_64":
         # uretprobe (335, Linux 6.11) and uprobe (336): the kernel lets them through every seccomp
         # filter, because its own probe trampolines make them; from anywhere else they kill the
@@ -547,6 +547,26 @@ math = Math()  # the tests use math.isclose relying on the program's `import mat
 def add(a, b):
     return 0
 """,
+    "named-tuple-standing-in-for-a-module": """
+from collections import namedtuple
+math = namedtuple("math", "isclose")(lambda *args, **kwargs: True)  # plain data, with the program's function inside
+def add(a, b):
+    return 0
+""",
+    "module-object-with-a-standard-library-name": """
+import types
+math = types.ModuleType("math.forged")  # passes the standard-library check; the judge cannot import it
+math.isclose = lambda *args, **kwargs: True
+def add(a, b):
+    return 0
+""",
+    "module-object-with-a-standard-library-name-under-another-name": """
+import types
+m = types.ModuleType("math.forged")
+m.isclose = lambda *args, **kwargs: True
+def add(a, b):
+    return 0
+""",
     "patched-exec-compile-and-AssertionError": """
 import builtins
 def add(a, b):
@@ -598,6 +618,9 @@ FORGERY_TESTS = {
     "expected-values-read-from-its-own-memory": ["assert add(1, 2) == 918273645"],  # a hidden expected value
     "stop-iteration-ending-the-tests-loop": ["assert all(map(add, [1, 2], [3, 4]))"],
     "fake-module-under-the-name-the-tests-use": ["assert math.isclose(add(1, 2), 3)"],
+    "named-tuple-standing-in-for-a-module": ["assert math.isclose(add(1, 2), 3)"],
+    "module-object-with-a-standard-library-name": ["assert math.isclose(add(1, 2), 3)"],
+    "module-object-with-a-standard-library-name-under-another-name": ["assert m.isclose(add(1, 2), 3)"],
 }
 # Forgeries that beat a harness running the tests in the program's own interpreter, which is what the
 # judge replaced; the others never worked and are checked with the judge only.
@@ -605,7 +628,8 @@ BEAT_THE_OLD_HARNESS = {
     "int-subclass-equal-to-everything", "object-that-agrees-with-everything", "shadowed-builtins",
     "result-lines-with-the-nonce-from-the-runners-frames", "patched-exec-compile-and-AssertionError",
     "expected-values-read-from-its-own-memory", "stop-iteration-ending-the-tests-loop",
-    "fake-module-under-the-name-the-tests-use",
+    "fake-module-under-the-name-the-tests-use", "named-tuple-standing-in-for-a-module",
+    "module-object-with-a-standard-library-name", "module-object-with-a-standard-library-name-under-another-name",
 }
 
 
@@ -925,3 +949,584 @@ def test_output_flood(without, succeeds):
     assert rss_kb() - rss < 50 * 1024  # the scoring process did not pay for it
 
 
+
+
+# --------------------------------------------------------------------------------------------------
+# 14. Model text against the trainer's parsers: every parser that reads a completion in the training
+#     process, before any sandbox exists, with the worst input we could build for it (200,000
+#     characters; the old fence regex took about 12 s on 110,000). A linear parser takes milliseconds.
+# --------------------------------------------------------------------------------------------------
+
+PARSER_TIME_BOUND_S = 1.0
+N = 200_000
+
+
+def _parsers():
+    from lit_grpo_rewards.answer import extract_answer, last_boxed
+    from lit_grpo_rewards.code import extract_code
+    from lit_grpo_rewards.format import think_format
+    from lit_grpo_rewards.repetition import repetition_penalty
+    from lit_grpo_rewards.text import exact_match
+
+    return {
+        "extract_code": extract_code,
+        "last_boxed": last_boxed,
+        "answer_match(extract=answer_tag)": lambda text: extract_answer(text, "answer_tag"),
+        "answer_match(extract=auto)": lambda text: extract_answer(text, "auto"),
+        "exact_match": lambda text: exact_match([text], answer=["42"]),
+        "think_format": lambda text: think_format([text]),
+        "think_format(strict)": lambda text: think_format([text], strict=True),
+        "repetition_penalty": lambda text: repetition_penalty([text]),
+    }
+
+
+WORST_TEXTS = {
+    "fence, then no newline": "```" + "-" * N,
+    "fence, then spaces and no newline": "```" + " " * N,
+    "a fence on every line": "```\n" * (N // 4),
+    "an unclosed python block": "```python\n" + "x = 1\n" * (N // 6),
+    "indented fences": (" " * 1000 + "```" + " " * 1000 + "\n") * (N // 2003),
+    "backquotes": "`" * N,
+    "unclosed boxes": "\\boxed{" * (N // 7),
+    "unclosed boxes, then a closed one": "\\boxed{1}" + "\\boxed{" * (N // 7),
+    "unclosed answer tags": "<answer>" * (N // 8),
+    "answer tags closed at the end": "<answer>" * (N // 8) + "</answer>",
+    "think blocks": "<think></think>" * (N // 15),
+    "a think block, then unclosed answers": "<think>x</think>" + "<answer>" * (N // 8),
+    "closing think tags": "<think>" + "</think>" * (N // 8) + "<answer>x</answer>",
+    "strict layout, repeated": "<think>\n\n</think>\n" * (N // 19),
+    "whitespace": " \t\n" * (N // 3),
+}
+
+
+@pytest.mark.parametrize("parser", sorted(_parsers()))
+def test_model_text_cannot_stall_the_trainers_parsers(parser):
+    parse = _parsers()[parser]
+    times = {}
+    for name, completion in WORST_TEXTS.items():
+        start = time.process_time()
+        parse(completion)
+        times[name] = time.process_time() - start
+    slowest = max(times, key=times.get)
+    assert times[slowest] < PARSER_TIME_BOUND_S, f"{parser} took {times[slowest]:.1f} s on {slowest!r}"
+
+
+# --------------------------------------------------------------------------------------------------
+# 15. Output amplification in the trainer: 8 MiB of b"\xff\n" (inside max_output_bytes) decoded to
+#     U+FFFD and split into four million one-character lines raised the trainer's peak by about
+#     430 MiB per completion scored. Now the comparison reads the output in place.
+# --------------------------------------------------------------------------------------------------
+
+AMPLIFIED = "import sys\nsys.stdout.buffer.write(b'\\xff\\n' * (4 << 20))\n"
+
+
+@pytest.mark.parametrize("program", [AMPLIFIED, AMPLIFIED.replace("\\xff", " "), AMPLIFIED.replace("\\xff\\n", "\\r")],
+                         ids=["invalid-utf-8-lines", "blank-lines", "carriage-returns"])
+def test_output_amplification_in_the_trainer(program):
+    import tracemalloc
+
+    max_output = (8 << 20) + 4096
+    tracemalloc.start()
+    try:
+        scores = code_execution([program], test_cases=[[{"input": "", "output": "3"}]], timeout=TIMEOUT,
+                                max_output_bytes=max_output)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert scores == [0.0]
+    # the output read (1x), decoded (at most 4x); no object per line
+    assert peak < 5 * max_output, f"peak {peak >> 20} MiB"
+
+
+def test_outputs_are_still_compared_as_before():
+    cases = [{"input": "", "output": "1\n\n  2\n3"}]
+    printed = {"exact": "1\n\n  2\n3", "windows line endings": "\r\n1  \r\n\r\n  2\t\r\n3\r\n\r\n",
+               "old mac line endings": "1\r\r  2\r3", "unicode trailing spaces": "1\u00a0\n\n  2\u2003\n3\n",
+               "one line missing": "1\n\n  2\n", "leading spaces of an inner line lost": "1\n\n2\n3",
+               "one line too many": "1\n\n  2\n3\n4", "a blank line lost": "1\n  2\n3"}
+    programs = [f"import sys\nsys.stdout.write({text!r})\n" for text in printed.values()]
+    scores = code_execution(programs, test_cases=[cases] * len(programs), timeout=TIMEOUT)
+    assert dict(zip(printed, scores)) == {name: 1.0 if i < 4 else 0.0 for i, name in enumerate(printed)}
+
+
+# --------------------------------------------------------------------------------------------------
+# 16. fallocate past the file-size limit: blocks allocated beyond the end of the program's output
+#     files (the trainer's anonymous files on its own disk) are not covered by RLIMIT_FSIZE.
+# --------------------------------------------------------------------------------------------------
+
+FALLOCATE = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+allocated = 0
+for fd in (0, 1, 2):
+    if libc.fallocate(fd, 1, 0, 512 << 20) == 0:  # FALLOC_FL_KEEP_SIZE, 512 MiB
+        allocated += os.fstat(fd).st_blocks * 512
+import time
+time.sleep(1.5)  # long enough for the trainer's disk to be looked at
+sys.exit(0 if allocated >= 1 << 30 else 3)
+"""
+
+
+@pytest.mark.parametrize("without, succeeds", rows(("seccomp",)))
+def test_fallocate_on_the_trainers_disk(sandbox_tmp, without, succeeds):
+    check_rows(("seccomp",), without, succeeds)
+    import threading
+
+    def free_bytes():
+        st = os.statvfs(sandbox_tmp)
+        return st.f_bavail * st.f_frsize
+
+    before, lowest, done = free_bytes(), [free_bytes()], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            lowest[0] = min(lowest[0], free_bytes())
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = run_in_sandbox(FALLOCATE, stdin=b"", timeout=TIMEOUT, audit_hook=False, _disable_layers=without)
+    finally:
+        done.set()
+        watcher.join()
+    assert (result.returncode == 0) == succeeds, result.stderr
+    assert (before - lowest[0] > 768 << 20) == succeeds  # other jobs on the disk move it by far less
+
+
+# --------------------------------------------------------------------------------------------------
+# 17. The judge's process group; file locks as a channel to the machine and between sandboxes
+# --------------------------------------------------------------------------------------------------
+
+
+def test_signalling_the_process_group():
+    """kill(0, SIGTERM) signals the caller's process group, across PID namespaces: with the judge in
+    the program's group it killed the judge. The program has a session and group of its own."""
+    code = """
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+os.kill(0, signal.SIGTERM)
+time.sleep(0.3)
+SURVIVED = True
+"""
+    result = attack(code, tests=["assert SURVIVED"])
+    assert result.test_results == [True], (result.returncode, result.stderr)
+    assert result.returncode == 0
+
+
+LOCKED_FILE = os.path.realpath(os.__file__)  # the machine's own file, bound read-only into every sandbox
+
+
+def _lock_probe():
+    """Whether some process holds a lock on LOCKED_FILE: a flock (exclusive) or a POSIX read lock."""
+    import fcntl
+    import struct
+
+    with open(LOCKED_FILE, "rb") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+        except BlockingIOError:
+            return True
+        probe = struct.pack("hhqqi", fcntl.F_WRLCK, 0, 0, 0, 0)  # would a write lock conflict?
+        l_type = struct.unpack("hhqqi", fcntl.fcntl(f, fcntl.F_GETLK, probe))[0]
+        return l_type != fcntl.F_UNLCK
+
+
+@pytest.mark.parametrize("kind", ["flock", "posix-read-lock"])
+@pytest.mark.parametrize("without, succeeds", rows(("seccomp",)))
+def test_file_locks_on_the_machines_files(kind, without, succeeds):
+    """A lock the program takes on a file of the machine's (read-only for it) is seen by every other
+    process, sandboxes included: one bit at a time, a channel. Locks succeed and lock nothing."""
+    check_rows(("seccomp",), without, succeeds)
+    import threading
+
+    assert not _lock_probe(), "someone else holds a lock on the file already"
+    take = ("fcntl.flock(f, fcntl.LOCK_EX)" if kind == "flock" else
+            "fcntl.fcntl(f, fcntl.F_SETLK, struct.pack('hhqqi', fcntl.F_RDLCK, 0, 0, 0, 0))")
+    code = f"""
+import fcntl, struct, time
+f = open({LOCKED_FILE!r}, "rb")
+{take}
+time.sleep(3)
+WORKED = True
+"""
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set() and not seen:
+            if _lock_probe():
+                seen.append(True)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = attack(code, without)
+    finally:
+        done.set()
+        watcher.join()
+    assert worked(result), result.stderr  # the call itself succeeds either way
+    assert bool(seen) == succeeds
+
+
+# --------------------------------------------------------------------------------------------------
+# 18. What the judge hands to the program: a test passes its own objects (generators, callbacks,
+#     containers, classes, modules). Nothing the program receives may lead into the judge's
+#     interpreter: no frames, code objects, globals or builtins, whatever attribute names it uses.
+# --------------------------------------------------------------------------------------------------
+
+# The program's side of the channel is the program's own: it finds its endpoint on the stack and sends
+# requests by hand (dunders included), reads the raw answers, and names the judge's objects by number
+# (every object the judge ever handed over has one, counted from 0).
+RAW_CHANNEL = """
+import sys
+
+def endpoint():
+    frame = sys._getframe()
+    while frame is not None:
+        for value in list(frame.f_locals.values()):
+            if type(value).__name__ == "Endpoint":
+                return value
+        frame = frame.f_back
+
+def ask(request):
+    ep = endpoint()
+    ep.send(request)
+    while True:
+        reply = ep.receive()
+        if reply[0] in ("ok", "raise", "items"):
+            return reply
+        ep.answer(reply)  # the judge's own requests meanwhile
+
+def judge_objects():
+    numbers = []
+    while ask(["repr", len(numbers)])[0] == "ok":
+        numbers.append(len(numbers))
+    return numbers
+
+def number_of(text):
+    for number in judge_objects():
+        reply = ask(["repr", number])
+        if str(reply[1]).startswith(text):
+            return number
+"""
+
+EXPLORER = RAW_CHANNEL + """
+ATTRIBUTES = ["gi_frame", "gi_code", "cr_frame", "cr_code", "ag_frame", "ag_code", "f_back", "f_globals",
+              "f_locals", "f_builtins", "f_code", "tb_frame", "tb_next", "co_consts", "func", "args",
+              "keywords", "items", "put", "f", "format", "__self__", "__func__", "__globals__", "__code__",
+              "__closure__", "__dict__", "__class__", "__wrapped__", "__builtins__", "__traceback__", "__init__"]
+INTERNALS = ("<frame", "<code object", "<traceback", "<cell", "<module")
+REFLECTIVE = ("<built-in function getattr>", "<method 'format' of 'str' objects>")
+NO_ARGUMENTS = ("<built-in function _getframe>", "<built-in function globals>", "<built-in function locals>")
+
+def numbers_in(raw, found):
+    # the object numbers in a raw answer; and what the answer gives away by itself: a module of the
+    # judge's (by number), the judge's globals or builtins (a dict holding __builtins__ or __name__)
+    numbers = []
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        if raw[0] == "R" and len(raw) == 2:
+            numbers.append(raw[1])
+        elif raw[0] == "M" and len(raw) == 3 and raw[2] >= 0:
+            found.append("module " + raw[1])
+        elif raw[0] == "d" and any(k in ("__builtins__", "__name__") for k in raw[1::2]):
+            found.append("globals")
+        for item in raw[1:]:
+            numbers += numbers_in(item, found)
+    elif isinstance(raw, str) and ("__builtins__" in raw or "<frame" in raw):
+        found.append("the text of the judge's internals")
+    return numbers
+
+def reached(*objects):
+    found, seen, frontier = [], set(), judge_objects()
+    for depth in range(3):
+        next_frontier = []
+        for number in frontier:
+            if number in seen:
+                continue
+            seen.add(number)
+            text = ask(["repr", number])[1]
+            text = text if isinstance(text, str) else ""
+            if text.startswith(INTERNALS):
+                found.append(text[:40])
+            calls = []
+            if text in REFLECTIVE:  # point it at everything else the judge handed over
+                for other in sorted(seen - {number}):
+                    for name in ("__globals__", "gi_frame", "__builtins__"):
+                        args = ["{0.%s}" % name, ["H", other]] if "format" in text else [["H", other], name]
+                        calls.append(["call", number, ["t"] + args, ["d"]])
+            if text.startswith(NO_ARGUMENTS):
+                calls.append(["call", number, ["t"], ["d"]])
+            for request in calls + [["getattr", number, name] for name in ATTRIBUTES]:
+                answer = ask(request)
+                if answer[0] == "ok":
+                    next_frontier += numbers_in(answer[1], found)
+        frontier = next_frontier
+    return found
+"""
+
+# (what the test builds, the objects it hands to reached()); the two last are refused as arguments
+HANDED = {
+    "generator expression": ("", "(x for x in [1, 2])"),
+    "generator": ("def numbers():\n    yield 1", "numbers()"),
+    "coroutine": ("async def job():\n    return 1", "job()"),
+    "async generator": ("async def numbers():\n    yield 1", "numbers()"),
+    "lambda": ("", "lambda v: v + 1"),
+    "function with a closure": ("def outer():\n    secret = 918273645\n    return lambda: secret", "outer()"),
+    "instance and its methods": ("class Box:\n    def __init__(self):\n        self.items = []\n"
+                                 "    def put(self, v):\n        self.items.append(v)", "Box()"),
+    "class": ("class Box:\n    def put(self, v):\n        return v", "Box"),
+    "builtin function": ("", "len"),
+    "builtin method": ("", "[].append"),
+    "partial": ("import functools", "functools.partial(max, 0)"),
+    "iterator": ("", "iter([1, 2])"),
+    "map": ("", "map(abs, [1, -2])"),
+    "exception with a traceback": ("try:\n    1 / 0\nexcept ZeroDivisionError as exc:\n    err = exc", "err"),
+    "container of callables": ("", "{'f': abs, 'g': [lambda: 0]}"),
+    "simple namespace": ("import types", "types.SimpleNamespace(f=lambda: 0)"),
+    "module": ("import os", "os"),
+    "the str class and a generator": ("", "str, (x for x in [1])"),
+    "getattr and a function": ("def helper():\n    return 1", "getattr, helper"),
+    "frame getter": ("import sys", "sys._getframe"),
+}
+REFUSED_AS_ARGUMENTS = {"getattr and a function", "frame getter"}
+
+
+@pytest.mark.parametrize("kind", sorted(HANDED))
+def test_what_a_test_hands_over_leads_nowhere_into_the_judge(kind):
+    """Each kind of object a test can build, handed to the program, which walks every attribute it
+    can think of (dunders included, by raw requests) of everything the judge handed over, and points
+    reflective callables at the rest."""
+    require("separate_judge")
+    setup, objects = HANDED[kind]
+    tests = [f"{setup}\nFOUND = reached({objects})", "assert FOUND, 'nothing of the judge reached'"]
+    result = attack(EXPLORER, tests=tests)
+    assert result.test_results[1] is False, f"the program reached the judge's internals ({kind})"
+    # the explorer ran to its end (or the judge refused to hand the object over at all)
+    assert result.test_results[0] is (kind not in REFUSED_AS_ARGUMENTS), result.stderr[-2000:]
+
+
+FORGED_THROUGH_A_GENERATOR = RAW_CHANNEL + """
+EXEC_IN_THE_JUDGE = '''
+import sys
+frame = sys._getframe()
+while frame is not None:
+    report = frame.f_locals.get("report")
+    if callable(report):
+        for i in range(2):
+            report(i, True)  # the judge's own result line, with the nonce it holds
+        break
+    frame = frame.f_back
+'''
+
+def total(numbers):
+    # the generator's frame; its builtins (copied, each function a reference); the judge's exec
+    frame = ask(["getattr", number_of("<generator"), "gi_frame"])[1][1]
+    builtins = ask(["getattr", frame, "f_builtins"])[1]
+    exec_number = builtins[builtins.index("exec") + 1][1]
+    ask(["call", exec_number, ["t", EXEC_IN_THE_JUDGE], ["d"]])
+    return 0
+"""
+
+
+def test_forged_pass_through_a_generator_the_test_hands_over():
+    """A generator's frame led to the judge's builtins, and its exec to the judge's result writer."""
+    require("separate_judge")
+    tests = ["assert total(x for x in [1, 2, 3]) == 7", "assert False"]
+    assert forged_score(FORGED_THROUGH_A_GENERATOR, tests=tests) == 0.0
+
+
+FORGED_THROUGH_A_MODULE = RAW_CHANNEL + """
+import base64, os
+def check(module):
+    # the module the test handed over was the judge's own: its os.write to fd 3 (the results), with
+    # the nonce of the sandbox's mark in the environment
+    write = ask(["getattr", number_of("<module 'os'"), "write"])[1][1]
+    nonce = os.environ["LIT_GRPO_SANDBOX"]
+    lines = "".join("%s T %d 1\\n" % (nonce, i) for i in range(2)).encode()
+    ask(["call", write, ["t", 3, ["b", base64.b64encode(lines).decode()]], ["d"]])
+    return False
+"""
+
+
+def test_forged_pass_through_a_module_the_test_hands_over():
+    require("separate_judge")
+    tests = ["import os\nassert check(os)", "assert False"]
+    assert forged_score(FORGED_THROUGH_A_MODULE, tests=tests) == 0.0
+
+
+def test_honest_programs_still_use_what_tests_hand_over():
+    code = """
+def total(numbers):
+    return sum(numbers)
+def apply(f, x):
+    return f(f(x))
+def reverse(head):  # relinks the test's own nodes
+    previous = None
+    while head is not None:
+        head.next, previous, head = previous, head, head.next
+    return previous
+def sort_by(items, key):
+    return sorted(items, key=key)
+def fill(box):
+    box.put(3)
+    return box.items
+def join_all(parts):
+    return "-".join(str(p) for p in parts)
+import math
+def root(x):
+    return math.sqrt(x)
+"""
+    tests = [
+        "assert total(x * x for x in range(4)) == 14",
+        "assert apply(lambda v: v + 1, 3) == 5 and apply(abs, -2) == 2",
+        "class Node:\n    def __init__(self, v, next=None):\n        self.v, self.next = v, next\n"
+        "head = reverse(Node(1, Node(2, Node(3))))\nassert [head.v, head.next.v, head.next.next.v] == [3, 2, 1]",
+        "assert sort_by(['ccc', 'a', 'bb'], len) == ['a', 'bb', 'ccc']",
+        "class Box:\n    def __init__(self):\n        self.items = []\n    def put(self, v):\n"
+        "        self.items.append(v)\nassert fill(Box()) == [3]",
+        "import operator, functools\nassert apply(functools.partial(operator.add, 1), 1) == 3",
+        "assert join_all(map(str.upper, 'ab')) == 'A-B'",
+        "assert math.isclose(root(2), 2 ** 0.5)",
+    ]
+    result = attack(code, tests=tests)
+    assert result.test_results == [True] * len(tests), result.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# 19. (new) Watching the machine's files: dnotify (fcntl F_NOTIFY) on a directory bound from the
+#     machine reports every read of its files, by other sandboxes and by the machine's processes.
+# --------------------------------------------------------------------------------------------------
+
+WATCHED_DIRECTORY = os.path.dirname(os.path.realpath(os.__file__))
+
+
+@pytest.mark.parametrize("without, succeeds", rows(("seccomp",)))
+def test_watching_the_machines_files(without, succeeds):
+    check_rows(("seccomp",), without, succeeds)
+    import threading
+
+    code = f"""
+import fcntl, os, signal, time
+events = []
+signal.signal(signal.SIGIO, lambda *args: events.append(1))
+fd = os.open({WATCHED_DIRECTORY!r}, os.O_RDONLY)
+try:
+    fcntl.fcntl(fd, fcntl.F_NOTIFY, fcntl.DN_ACCESS | fcntl.DN_MULTISHOT)
+except OSError:
+    pass
+deadline = time.monotonic() + 4
+while not events and time.monotonic() < deadline:
+    time.sleep(0.05)
+WORKED = bool(events)
+"""
+    done = threading.Event()
+
+    def read_files():  # the machine's own use of its files, meanwhile
+        while not done.is_set():
+            with open(os.path.join(WATCHED_DIRECTORY, "os.py"), "rb") as f:
+                f.read(1)
+            time.sleep(0.05)
+
+    reader = threading.Thread(target=read_files)
+    reader.start()
+    try:
+        assert worked(attack(code, without)) == succeeds
+    finally:
+        done.set()
+        reader.join()
+
+
+# --------------------------------------------------------------------------------------------------
+# 20. (new) Inherited descriptors: the program's stdin was the trainer's temporary file opened for
+#     reading and writing, on the trainer's disk: it could write there, truncate it, reopen it.
+# --------------------------------------------------------------------------------------------------
+
+
+def test_writing_through_inherited_descriptors():
+    code = """
+import json, os
+done = []
+def attempt(name, action):
+    try:
+        action()
+        done.append(name)
+    except OSError:
+        pass
+attempt("write", lambda: os.write(0, b"x" * 4096))
+attempt("truncate", lambda: os.ftruncate(0, 1 << 20))
+attempt("reopen for writing", lambda: os.write(os.open("/proc/self/fd/0", os.O_RDWR), b"x"))
+attempt("read", lambda: os.read(0, 5) == b"input" or 1 / 0)
+print(json.dumps({"done": done, "descriptors": sorted(int(fd) for fd in os.listdir("/proc/self/fd"))}))
+"""
+    result = run_in_sandbox(code, stdin=b"input", timeout=TIMEOUT, audit_hook=False)
+    assert result.returncode == 0, result.stderr
+    import json
+
+    seen = json.loads(result.stdout)
+    assert seen["done"] == ["read"]  # its input, for reading only
+    assert seen["descriptors"] == [0, 1, 2, 3]  # stdin, stdout, stderr, and the listing's own
+
+
+# --------------------------------------------------------------------------------------------------
+# 21. (new) The page cache as a channel: evict a file of the machine's from the cache
+#     (POSIX_FADV_DONTNEED), then ask whether a read would wait for the disk (RWF_NOWAIT): the answer
+#     changes when anyone else (another sandbox, the machine) reads it.
+# --------------------------------------------------------------------------------------------------
+
+CACHED_FILE = os.path.join(os.path.dirname(os.path.realpath(os.__file__)), "pydoc_data", "topics.py")
+
+
+@pytest.mark.skipif(not os.path.exists(CACHED_FILE), reason="no pydoc_data/topics.py in this Python")
+@pytest.mark.parametrize("without, succeeds", rows(("seccomp",)))
+def test_the_page_cache_as_a_channel(without, succeeds):
+    check_rows(("seccomp",), without, succeeds)
+    import threading
+
+    code = f"""
+import os, time
+fd = os.open({CACHED_FILE!r}, os.O_RDONLY)
+buffer = bytearray(4096)
+def cached():
+    try:
+        return os.preadv(fd, [buffer], 0, os.RWF_NOWAIT) > 0
+    except BlockingIOError:  # the read would have waited for the disk
+        return False
+    except OSError:
+        return None
+SAW_IT_EVICTED = SAW_IT_READ = False
+deadline = time.monotonic() + 4
+while time.monotonic() < deadline and not SAW_IT_READ:
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # evict the machine's pages
+    except OSError:
+        pass
+    if cached() is False:
+        SAW_IT_EVICTED = True
+        for _ in range(20):  # someone else reads it within 100 ms
+            time.sleep(0.005)
+            if cached():
+                SAW_IT_READ = True
+                break
+WORKED = SAW_IT_EVICTED and SAW_IT_READ
+"""
+    done = threading.Event()
+
+    def read_file():
+        while not done.is_set():
+            with open(CACHED_FILE, "rb") as f:
+                f.read(4096)
+            time.sleep(0.01)
+
+    reader = threading.Thread(target=read_file)
+    reader.start()
+    try:
+        result = attack(code, without, tests=["assert WORKED", "assert SAW_IT_EVICTED"])
+    finally:
+        done.set()
+        reader.join()
+    if succeeds and result.test_results[1] is False:
+        pytest.skip("this file system does not answer RWF_NOWAIT reads")
+    assert worked(result) == succeeds

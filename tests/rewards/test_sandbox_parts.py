@@ -84,7 +84,7 @@ def test_every_other_syscall_number_is_refused(arch):
     """Deny by default, exhaustively: every number up to 1023 that is not listed is refused."""
     _, audit_arch, numbers, program = arch
     listed = {numbers[n] for n in _sandbox_seccomp.ALLOWED if n in numbers}
-    checked = {numbers[n] for n in list(_sandbox_seccomp.ARG_RULES) + list(_sandbox_seccomp.FALLBACK_TO_OLDER)}
+    checked = {numbers[n] for n in list(_sandbox_seccomp.ARG_RULES) + list(_sandbox_seccomp.REFUSED_WITH)}
     for nr in range(1024):
         if nr not in listed | checked:
             assert run_filter(program, audit_arch, nr) == errno.EPERM, nr
@@ -127,6 +127,18 @@ def test_argument_rules(arch):
     assert run_filter(p, a, n["prlimit64"], (1, 9)) == errno.EPERM  # another process's limits
     assert run_filter(p, a, n["mmap"], (0, 4096, 3, 0x22)) == ALLOW
     assert run_filter(p, a, n["mmap"], (0, 4096, 3, 0x22 | 0x40000)) == errno.EPERM  # MAP_HUGETLB
+    assert run_filter(p, a, n["fallocate"], (1, 1, 0, 1 << 30)) == errno.EOPNOTSUPP  # glibc writes instead
+    assert run_filter(p, a, n["flock"], (0, 2)) == 0  # succeeds, locks nothing
+    for cmd in (0, 1, 2, 3, 4, 1030):  # F_DUPFD, F_GETFD, F_SETFD, F_GETFL, F_SETFL, F_DUPFD_CLOEXEC
+        assert run_filter(p, a, n["fcntl"], (0, cmd)) == ALLOW, cmd
+    for cmd in (5, 6, 7, 36, 37, 38):  # F_GETLK, F_SETLK, F_SETLKW and their OFD forms: do nothing
+        assert run_filter(p, a, n["fcntl"], (0, cmd)) == 0, cmd
+    for cmd in (1024, 1025, 1026):  # F_SETLEASE, F_GETLEASE, F_NOTIFY
+        assert run_filter(p, a, n["fcntl"], (0, cmd)) == errno.EPERM, cmd
+    assert run_filter(p, a, n["fadvise64"], (0, 0, 0, 4)) == 0  # POSIX_FADV_DONTNEED: ignored
+    assert run_filter(p, a, n["fadvise64"], (0, 0, 0, 2)) == ALLOW  # POSIX_FADV_SEQUENTIAL
+    assert run_filter(p, a, n["preadv2"], (0, 0, 1, 0, 0, 0x1)) == ALLOW  # RWF_HIPRI
+    assert run_filter(p, a, n["preadv2"], (0, 0, 1, 0, 0, 0x8)) == errno.EPERM  # RWF_NOWAIT
 
 
 def test_other_abis_are_killed_or_refused(arch):
@@ -177,7 +189,7 @@ class Pair:
         program_reads, judge_writes = os.pipe()
         self.fds = [judge_reads, program_writes, program_reads, judge_writes]
         self.judge = Endpoint(judge_reads, judge_writes, max_frame, lambda name: name in ("math", "re", "copy"))
-        self.program = Endpoint(program_reads, program_writes, max_frame, lambda name: False)
+        self.program = Endpoint(program_reads, program_writes, max_frame, lambda name: False, side="program")
         self.thread = threading.Thread(target=_sandbox_judge.serve_program, args=(self.program, namespace), daemon=True)
         self.thread.start()
 
@@ -330,8 +342,8 @@ def test_a_fake_module_under_a_module_name_the_tests_use_is_replaced_by_the_real
     ns = {"math": FakeMath(), "copy": lambda x: "mine"}
     tests = ["assert not math.isclose(1, 2)", "assert copy(1) == 'mine'"]  # called, not read as a module
     assert judge(ns, tests) == [True, True]
-    assert _sandbox_judge._used_as_module("math", ["x = math .pi"])
-    assert not _sandbox_judge._used_as_module("math", ["x = mymath.pi", "x = self.math.pi", "math(1)"])
+    assert _sandbox_judge._attributes_read("math", ["x = math .pi", "math.\tisclose(1, 1)"]) == {"pi", "isclose"}
+    assert not _sandbox_judge._attributes_read("math", ["x = mymath.pi", "x = self.math.pi", "math(1)", "math2.e"])
 
 
 def test_a_broken_or_hostile_channel_fails_the_remaining_tests():

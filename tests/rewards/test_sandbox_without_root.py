@@ -47,6 +47,15 @@ SCRIPT = textwrap.dedent('''
                         "        break\\nWORKED = N <= 8", max_processes=8)
     out["unix_socket"] = run("import socket\\nWORKED = False\\ntry:\\n    socket.socket(socket.AF_UNIX)\\n"
                              "    WORKED = True\\nexcept OSError:\\n    pass\\n")
+    out["signal_the_group"] = run(
+        "import os, signal, time\\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\\nos.kill(0, signal.SIGTERM)\\n"
+        "time.sleep(0.3)\\nWORKED = True\\n")
+    stdin_run = run_in_sandbox(
+        "import os\\nwrote = []\\nfor attempt in (lambda: os.write(0, b'x'),\\n"
+        "                lambda: os.write(os.open('/proc/self/fd/0', os.O_RDWR), b'x')):\\n"
+        "    try:\\n        attempt()\\n        wrote.append(1)\\n    except OSError:\\n"
+        "        pass\\nprint(input(), len(wrote))\\n", stdin=b"hello\\n", audit_hook=False, timeout=10)
+    out["stdin_run"] = [stdin_run.returncode, stdin_run.stdout.decode()]
     time.sleep(0.5)
     out["left"] = [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()
                    and os.stat("/proc/" + p).st_uid == os.getuid()]
@@ -127,4 +136,6 @@ def test_attacks_without_root(as_nobody):
     assert out["forked"] == [True]
     if out["layers"].get("seccomp"):
         assert out["unix_socket"] == [False]
+    assert out["signal_the_group"] == [True]  # the judge, in another process group, survived
+    assert out["stdin_run"] == [0, "hello 0\n"]  # stdin read, never written (nor reopened for writing)
     assert out["left"] == []
