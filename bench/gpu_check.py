@@ -1,64 +1,119 @@
-"""A first check of lit-grpo on a GPU that needs nothing from a hub.
+"""A first check of lit-grpo on one GPU, in one command, with nothing from a hub or a package index.
 
-    python -m bench.gpu_check                                  # CUDA, Qwen2.5-0.5B and 1.5B shapes (< 8 min on an H100)
+    python -m bench.gpu_check                                  # CUDA: Qwen2.5-0.5B and 1.5B shapes
     python -m bench.gpu_check --device cpu --shapes tiny       # the same checks at toy size (tests/test_bench_gpu_check.py)
 
-It builds random-weight models with the shapes of Qwen2.5-0.5B and 1.5B (``lit_grpo.tiny``,
+The models have random weights and the shapes of Qwen2.5-0.5B and 1.5B (``lit_grpo.tiny``,
 ``architecture="qwen2"``: Qwen2's model class, the real hidden sizes, layers, heads and vocabulary,
-a byte-level tokenizer and the ChatML template; saved in bf16 like hub checkpoints) and reports:
+a byte-level tokenizer and the ChatML template). Only the first shape is written to disk (in bf16,
+about 1 GB at 0.5B), for the trainers and vLLM to load; the others are built in memory. It reports:
 
-1. **Greedy agreement**: the ``lit`` sampler's greedy tokens against ``transformers``' ``generate``
-   on 64 prompts, in bf16 on the device (rows equal, and tokens equal up to the first difference).
-2. **A short ``lit-grpo fit``** through the CLI (``lit_grpo.cli.run_cli``) with ``bf16-mixed`` and
-   the first shape: the loss of every step is finite, the weights changed, peak device memory.
-3. **Decoding speed**: milliseconds per decoding step of 64 rows x 512 new tokens for each shape and
-   both backends, beside the memory-bandwidth floor: the bytes one step must read (every weight
-   once, plus the KV cache of every row) over the device's copy bandwidth, measured here.
-4. **Training speed**: the fit's trained tokens per second of ``time/train`` beside the bf16 matmul
-   floor: the step's matmul FLOPs (``bench.flops.grpo_step_flops``) at the fastest matmul rate
-   measured here.
+1. **The sampler against ``generate``** on the first shape, in bf16 on CUDA: the ``lit`` sampler's
+   greedy tokens against ``transformers``' ``generate`` (rows equal, tokens equal before the first
+   difference; with random weights, near ties make this weak in bf16), and a measure random weights
+   cannot weaken: each sampler samples (temperature 1, every completion the same length), and the
+   log-prob of each sampled token under the logits the sampler computed is set against a
+   teacher-forced forward of the whole sequence (max and mean absolute difference). ``generate``'s
+   difference is the yardstick: bf16 with a KV cache never matches a full forward exactly.
+2. **lit-grpo against TRL 1.16's ``GRPOTrainer``** (``--pairs`` pairs, alternating, each run in its own
+   process: ``bench.trainer_runs``) on the first shape, the quickstart prompts, the same reward, G,
+   completion length, learning rate and precision (``bf16-mixed`` / ``bf16=True``: float32 weights,
+   bf16 autocast; TRL samples with ``generate``): seconds per step, completion tokens per second,
+   peak GPU memory of each, and their ratios; each run's losses are finite, its weights moved and
+   its trainable weights are float32.
+3. **Floors**: the step's parts against what the hardware allows. Generation: every decode step
+   reads every weight once and each running row's KV cache, at the copy bandwidth measured here, or
+   does its matmuls at the fastest bf16 matmul rate measured here, whichever takes longer. Training:
+   its matmul FLOPs (``bench.flops.grpo_step_flops``) at that rate. The part furthest from its floor
+   is named.
+4. **Decoding speed** for every shape and backend: milliseconds per decoding step of 64 rows x 512
+   new tokens against the same generation floor.
+5. With vLLM installed, the ``vllm`` backend's rows in 1, 2 (a lit-grpo run that samples with vLLM)
+   and 4 (the first shape: one engine per process); without it, one line says so.
 
-Results go to ``bench/results/gpu_check_<device>.json`` and ``.md`` (``--out`` elsewhere).
+Results go to ``bench/results/gpu_check_<device>.json`` and ``.md`` (the GPU's name on CUDA;
+``--out`` and ``--name`` elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import math
 import platform
+import re
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from bench.flops import ModelShape, grpo_step_flops
+from bench.flops import ModelShape, forward_flops, grpo_step_flops
+from bench.harness import (
+    QUICKSTART_DATA,
+    RESULTS_DIR,
+    command_line,
+    fmt,
+    markdown_table,
+    per_pair_ratios,
+    run_in_subprocess,
+    summarize_runs,
+    write_outputs,
+)
+from bench.trainer_runs import RunSpec
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-REPO_DIR = Path(__file__).resolve().parents[1]
-
-# Qwen2.5's config.json values; "tiny" for the CPU test (the tokenizer's own vocabulary)
+# Qwen2.5's config.json values; "tiny" for the CPU test (the tokenizer's own vocabulary; head size
+# 32, the least vLLM's CPU build takes, so that its rows run at toy size too)
 SHAPES = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936),
-    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2, vocab_size=None),
 }
-# per device kind: (prompts in the greedy check, new tokens there, decode rows, decode new tokens,
-# fit completions per prompt, fit completion length, fit steps)
-SIZES = {"cuda": (64, 64, 64, 512, 8, 256, 3), "cpu": (8, 8, 4, 16, 4, 8, 2)}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each part does."""
+
+    sampler_prompts: int  # rows of the sampler checks (1 completion each)
+    sampler_tokens: int  # new tokens of each
+    decode_rows: int
+    decode_tokens: int
+    generations: int  # G of the trainer runs
+    prompts_per_step: int
+    completion_length: int
+    warmup_steps: int  # untimed steps at the start of every trainer run
+    timed_steps: int
+    pairs: int  # lit-grpo / TRL runs, alternating
+
+
+SIZES = {
+    "cuda": Sizes(64, 64, 64, 512, generations=8, prompts_per_step=8, completion_length=256, warmup_steps=1, timed_steps=2, pairs=2),
+    "cpu": Sizes(8, 8, 4, 16, generations=4, prompts_per_step=8, completion_length=8, warmup_steps=1, timed_steps=1, pairs=2),
+}
+# a sampler's log-prob differences are "like generate's" within this factor of generate's own (plus
+# the slack, for float32, where both are ~1e-6)
+LIKE_GENERATE_FACTOR, LIKE_GENERATE_SLACK = 2.0, 1e-3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--shapes", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"], choices=sorted(SHAPES))
-    parser.add_argument("--out", type=Path, default=None, help="directory for gpu_check_<device>.json/.md")
+    parser.add_argument("--pairs", type=int, default=None, help="lit-grpo/TRL run pairs (default: 2)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the .json and .md")
+    parser.add_argument("--name", default=None, help="file name (default: gpu_check_<the GPU's name, or cpu>)")
     return parser.parse_args(argv)
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 def synchronize(device: str) -> None:
@@ -75,18 +130,28 @@ def timed(device: str, function):
     return result, time.perf_counter() - start
 
 
-def build(shape_name: str, directory: Path) -> Path:
+def compute_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def release_memory(device: str) -> None:
+    """Give the cached blocks back, so that the next part (another process) has the GPU to itself."""
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------
+
+
+def build_checkpoint(shape_name: str, directory: Path) -> Path:
+    """The shape's random model and tokenizer, saved in bf16 like hub checkpoints."""
     from lit_grpo.tiny import build_tiny_model
 
     return build_tiny_model(
         directory / shape_name, architecture="qwen2", dtype="bfloat16", max_position_embeddings=4096, **SHAPES[shape_name]
     )
-
-
-def prompts(count: int) -> list[str]:
-    """Prompts of varied lengths (left padding matters to the sampler)."""
-    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
-    return [f"Question {i}: " + " ".join(words[: 3 + i % len(words)]) + "?" for i in range(count)]
 
 
 def load(model_dir: Path, device: str, dtype: torch.dtype):
@@ -96,23 +161,53 @@ def load(model_dir: Path, device: str, dtype: torch.dtype):
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
+def random_model(checkpoint: Path, shape_name: str, device: str, dtype: torch.dtype):
+    """A random model of ``shape_name`` built in memory on ``device`` (no checkpoint written), with the
+    configuration and the tokenizer of ``checkpoint`` otherwise."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    shape = {key: value for key, value in SHAPES[shape_name].items() if value is not None}
+    config = AutoConfig.from_pretrained(checkpoint, **shape)
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config = GenerationConfig.from_pretrained(checkpoint)  # both EOS ids
+    return model.eval(), tokenizer
+
+
+def prompts(count: int) -> list[str]:
+    """Prompts of varied lengths (left padding matters to the sampler)."""
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
+    return [f"Question {i}: " + " ".join(words[: 3 + i % len(words)]) + "?" for i in range(count)]
+
+
+def sampling_config(generation_config, new_tokens: int):
+    """Temperature 1 with no filter, every completion ``new_tokens`` long (EOS held back), with the EOS
+    and padding ids of the model's ``generation_config``."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        pad_token_id=generation_config.pad_token_id, eos_token_id=generation_config.eos_token_id,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
-# 1. Greedy agreement
+# 1. The sampler against generate
 # ----------------------------------------------------------------------------------------------
 
 
-def greedy_agreement(model_dir: Path, device: str, num_prompts: int, new_tokens: int) -> dict:
+def greedy_agreement(model, tokenizer, texts: list[str], new_tokens: int) -> dict:
+    """The ``lit`` sampler's greedy tokens against ``generate``'s."""
     from transformers import GenerationConfig
 
     from lit_grpo.generation import generate_completions
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model, tokenizer = load(model_dir, device, dtype)
     config = GenerationConfig(
         do_sample=False, max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=model.generation_config.eos_token_id,
     )
-    texts = prompts(num_prompts)
     rollouts = {backend: generate_completions(model, tokenizer, texts, 1, config, backend=backend) for backend in ("lit", "transformers")}
     lit, reference = (rollouts[b].completion_ids.cpu() for b in ("lit", "transformers"))
     width = max(lit.size(1), reference.size(1))
@@ -120,7 +215,7 @@ def greedy_agreement(model_dir: Path, device: str, num_prompts: int, new_tokens:
     differs = lit != reference  # [rows, width]
     first_difference = torch.where(differs.any(1), differs.int().argmax(1), torch.full((lit.size(0),), width))
     return {
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "rows": lit.size(0),
         "rows_equal": int((~differs.any(1)).sum()),
         "mean_tokens_equal_before_first_difference": float(first_difference.float().mean()),
@@ -128,102 +223,145 @@ def greedy_agreement(model_dir: Path, device: str, num_prompts: int, new_tokens:
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# 2 and 4. A short fit, and its training speed
-# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def teacher_forced_logps(model, rollout) -> torch.Tensor:
+    """``[N, C]`` log-probs of the rollout's completion tokens from one forward of prompt + completion."""
+    from lit_grpo.algorithm import selective_log_softmax
+    from lit_grpo.rollout import position_ids_from_mask
+
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
+    width = rollout.completion_ids.size(1)
+    logits = model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), logits_to_keep=width + 1
+    ).logits[:, :-1]  # [N, C, V]: position P - 1 + t predicts completion token t
+    return selective_log_softmax(logits, rollout.completion_ids)
 
 
-def even_token_fraction(completions, completion_ids, **kwargs) -> list[float]:
-    """The fraction of a completion's tokens with an even id: a reward a random model's completions
-    differ in (most of a random Qwen-sized model's tokens decode to no text)."""
-    return [sum(token % 2 == 0 for token in ids) / max(len(ids), 1) for ids in completion_ids]
-
-
-def register_check_reward() -> None:
-    from lit_grpo import plugins
-
-    if "even_token_fraction" not in plugins.get_rewards():
-        plugins.register_functions("bench.gpu_check", {"even_token_fraction": even_token_fraction})
-
-
-def short_fit(model_dir: Path, device: str, directory: Path, num_generations: int, completion_length: int, steps: int) -> dict:
-    import lightning.pytorch as pl
-    import yaml
-    from transformers import AutoModelForCausalLM
-
-    from lit_grpo.cli import run_cli
-
-    config = {
-        "seed_everything": 0,
-        "trainer": {
-            "accelerator": "gpu" if device == "cuda" else "cpu",
-            "devices": 1,
-            "precision": "bf16-mixed" if device == "cuda" else "32-true",
-            "max_steps": steps,
-            "log_every_n_steps": 1,
-            "default_root_dir": str(directory / "fit"),
-            "enable_progress_bar": False,
-        },
-        "model": {
-            "model_name_or_path": str(model_dir),
-            "num_generations": num_generations,
-            "max_completion_length": completion_length,
-            "micro_batch_size": 2 * num_generations,
-            "forward_token_budget": None if device == "cuda" else 1024,
-            "rewards": [{"name": "even_token_fraction"}],
-        },
-        "data": {"path": "json", "data_files": str(REPO_DIR / "configs/data/quickstart.jsonl"), "batch_size": 8},
-        # no weight decay: the weights move only where the policy gradient moves them
-        "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-5, "weight_decay": 0.0}},
+def logprob_differences(sampler_logps: torch.Tensor, reference_logps: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Max and mean absolute difference over the real completion tokens."""
+    difference = (sampler_logps.float() - reference_logps.float()).abs()[mask.bool()]
+    return {
+        "max_abs_difference": difference.max().item(),
+        "mean_abs_difference": difference.mean().item(),
+        "tokens": difference.numel(),
     }
-    (directory / "fit.yaml").write_text(yaml.safe_dump(config))
-    steps_seen: list[dict] = []
 
-    class Record(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            steps_seen.append({name: float(value) for name, value in trainer.callback_metrics.items()})
 
-    register_check_reward()
-    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    cli = run_cli(["--config", str(directory / "fit.yaml")], run=False)
-    cli.trainer.callbacks.append(Record())
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    trained = {name: tensor.detach().float().cpu() for name, tensor in cli.model.policy.state_dict().items()}
-    moved = max((trained[name] - initial[name]).abs().max().item() for name in initial)
-    prompt_tokens = [len(cli.model.tokenizer(p, add_special_tokens=False).input_ids) for p in cli.datamodule.train_dataset["prompt"][:8]]
-    result = {
-        "precision": config["trainer"]["precision"],
-        "steps": len(steps_seen),
-        "losses": [step["loss"] for step in steps_seen],
-        "all_losses_finite": all(math.isfinite(step["loss"]) for step in steps_seen),
-        "max_weight_change": moved,
-        "weights_changed": moved > 0,
-        "trainable_dtypes": sorted({str(p.dtype) for p in cli.model.policy.parameters() if p.requires_grad}),
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-    }
-    # training speed of the last step (the first one compiles kernels and warms caches)
-    last = steps_seen[-1]
-    mean_completion = last["completions/mean_length"]
-    mean_prompt = sum(prompt_tokens) / len(prompt_tokens)
-    rows = [(round(mean_prompt), round(mean_completion))] * (len(prompt_tokens) * num_generations)
-    trained_tokens = sum(p + c for p, c in rows)
-    shape = ModelShape.from_config(cli.model.policy.config)
-    training_flops = grpo_step_flops(shape, rows, num_generations, beta=0.0).training
-    result.update(
-        time_train_seconds=last["time/train"],
-        time_generate_seconds=last["time/generate"],
-        trained_tokens=trained_tokens,
-        training_tokens_per_second=trained_tokens / last["time/train"],
-        training_flops=training_flops,
+@torch.no_grad()
+def sampled_logprob_check(model, tokenizer, texts: list[str], new_tokens: int, backend: str) -> dict:
+    """Sample one completion per prompt with ``backend`` (a name in ``lit_grpo.generation.SAMPLERS``)
+    and compare the log-prob of each sampled token under the logits the sampler's own forwards
+    returned with a teacher-forced forward of the finished sequence.
+
+    The sampler's logits are caught by a forward hook on the model: one call per new token (the
+    prefill and every decode step but the last), every row in each (no completion may end early:
+    EOS is held back), so call t's logits predicted token t."""
+    from lit_grpo.algorithm import selective_log_softmax
+    from lit_grpo.generation import generate_completions
+
+    calls: list[torch.Tensor] = []
+    hook = model.register_forward_hook(lambda module, args, output: calls.append(output.logits[:, -1]))
+    try:
+        config = sampling_config(model.generation_config, new_tokens)
+        rollout = generate_completions(model, tokenizer, texts, 1, config, backend=backend)
+    finally:
+        hook.remove()
+    if len(calls) != rollout.completion_ids.size(1) or any(logits.size(0) != len(texts) for logits in calls):
+        raise RuntimeError(f"{backend}: {len(calls)} forwards for {rollout.completion_ids.size(1)} new tokens of {len(texts)} rows")
+    sampler_logits = torch.stack(calls, dim=1)  # [N, C, V]
+    sampler_logps = selective_log_softmax(sampler_logits, rollout.completion_ids)
+    return logprob_differences(sampler_logps, teacher_forced_logps(model, rollout), rollout.completion_mask)
+
+
+def like_generate(row: dict, generate: dict) -> bool:
+    """Whether a sampler's log-prob differences are within :data:`LIKE_GENERATE_FACTOR` of ``generate``'s."""
+    return all(
+        row[key] <= LIKE_GENERATE_FACTOR * generate[key] + LIKE_GENERATE_SLACK for key in ("max_abs_difference", "mean_abs_difference")
     )
-    return result
+
+
+def sampler_checks(checkpoint: Path, device: str, sizes: Sizes) -> dict:
+    """Greedy agreement (float32 on the CPU, where it is exact) and the log-prob check (bf16)."""
+    texts = prompts(sizes.sampler_prompts)
+    model, tokenizer = load(checkpoint, device, compute_dtype(device))
+    greedy = greedy_agreement(model, tokenizer, texts, sizes.sampler_tokens)
+    model = model.to(torch.bfloat16)
+    logprobs = {backend: sampled_logprob_check(model, tokenizer, texts, sizes.sampler_tokens, backend) for backend in ("lit", "transformers")}
+    logprobs["lit"]["like_generate"] = like_generate(logprobs["lit"], logprobs["transformers"])
+    del model
+    release_memory(device)
+    return {"greedy": greedy, "logprobs": logprobs, "logprob_dtype": "bfloat16", "logprob_tokens": sizes.sampler_tokens}
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Decoding speed and the memory-bandwidth floor
+# 2. lit-grpo against TRL
 # ----------------------------------------------------------------------------------------------
+
+
+def last_line(error: Exception) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def trainer_runs(model_dir: Path, device: str, sizes: Sizes, trainers: dict[str, tuple[str, dict]]) -> tuple[dict, dict]:
+    """``sizes.pairs`` rounds of one run of each trainer, in turn (A B A B ...), each in its own process.
+    ``trainers`` maps a label to ``(RunSpec.trainer, lit_options)``. Returns the results of each label,
+    and the error of each label whose run failed (it runs no more; the others go on)."""
+    runs: dict[str, list[dict]] = {label: [] for label in trainers}
+    failures: dict[str, str] = {}
+    for round_index in range(sizes.pairs):
+        for label, (trainer, lit_options) in trainers.items():
+            if label in failures:
+                continue
+            spec = RunSpec(
+                trainer=trainer,
+                model_dir=str(model_dir),
+                data_file=str(QUICKSTART_DATA),
+                steps=sizes.warmup_steps + sizes.timed_steps,
+                num_generations=sizes.generations,
+                prompts_per_step=sizes.prompts_per_step,
+                max_completion_length=sizes.completion_length,
+                precision="bf16" if device == "cuda" else "fp32",
+                device=device,
+                reward="even_token_fraction",
+                lit_options=lit_options,
+                record_weight_change=round_index == 0,
+            )
+            start = time.perf_counter()
+            try:
+                runs[label].append(run_in_subprocess(spec))
+            except RuntimeError as error:  # the run's process failed: its stderr's tail
+                failures[label] = str(error)
+                runs.pop(label)
+            print(f"  {label} run {round_index + 1}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return runs, failures
+
+
+def training_facts(results: list[dict]) -> dict:
+    """What the runs did to the model: finite losses, weights moved, trainable dtypes."""
+    losses = [step["loss"] for result in results for step in result["steps"]]
+    moved = [result["max_weight_change"] for result in results if result["max_weight_change"] is not None]
+    return {
+        "losses": losses,
+        "all_losses_finite": all(loss is not None and math.isfinite(loss) for loss in losses),
+        "max_weight_change": max(moved) if moved else None,
+        "weights_changed": bool(moved) and max(moved) > 0,
+        "trainable_dtypes": sorted({dtype for result in results for dtype in result["trainable_dtypes"] or []}),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Floors
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What this device was measured to do: the floors' rates."""
+
+    copy_bytes_per_second: float
+    matmul_flops_per_second: float
 
 
 def copy_bandwidth(device: str, gib: float) -> float:
@@ -237,48 +375,209 @@ def copy_bandwidth(device: str, gib: float) -> float:
 
 
 def matmul_rate(device: str, size: int) -> float:
-    """FLOP/s of a square bf16 (cuda) or float32 (cpu) matmul, the fastest of 5."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    """FLOP/s of a square matmul in the compute dtype (bf16 on CUDA, float32 on the CPU), the fastest of 5."""
+    a = torch.randn(size, size, device=device, dtype=compute_dtype(device))
+    b = torch.randn(size, size, device=device, dtype=compute_dtype(device))
     a @ b
     best = min(timed(device, lambda: a @ b)[1] for _ in range(5))
     return 2 * size**3 / best
 
 
-def decode_speed(model_dir: Path, device: str, rows: int, new_tokens: int, bandwidth: float) -> dict:
+def weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
+    """Bytes of the weights every forward multiplies by: each layer's projections and the (tied) output head."""
+    return (shape.linear_weights_per_layer * shape.num_hidden_layers + shape.vocab_size * shape.hidden_size) * dtype_bytes
+
+
+def kv_bytes_per_position(shape: ModelShape, dtype_bytes: int) -> int:
+    """Bytes of keys and values one position adds to the cache, over all layers."""
+    return 2 * shape.num_hidden_layers * shape.key_value_width * dtype_bytes
+
+
+def generation_floor_seconds(shape: ModelShape, rows: list[tuple[int, int]], group_size: int, dtype_bytes: int, hardware: Hardware) -> float:
+    """The least time sampling ``rows`` (``(prompt_length, completion_length)``, ``group_size`` rows per
+    distinct prompt) can take: each distinct prompt prefilled once, then per decode step the slower of
+    reading every weight and the running rows' KV caches at the copy bandwidth and doing the step's
+    matmuls at the matmul rate. As :func:`bench.flops.generation_flops`, a completion of c tokens takes
+    c - 1 decode steps after the prefill (the prefill's logits give the first token)."""
+    weights, per_position = weight_bytes(shape, dtype_bytes), kv_bytes_per_position(shape, dtype_bytes)
+    seconds = 0.0
+    for prompt_length, _ in rows[::group_size]:  # the prefill: at least one pass over the weights
+        flops = forward_flops(shape, prompt_length, prompt_length * (prompt_length + 1) // 2, 1)
+        seconds += max(weights / hardware.copy_bytes_per_second, flops / hardware.matmul_flops_per_second)
+    for step in range(1, max(length for _, length in rows)):
+        running = [prompt_length for prompt_length, length in rows if length > step]
+        read = weights + sum(prompt_length + step for prompt_length in running) * per_position
+        flops = sum(forward_flops(shape, 1, prompt_length + step, 1) for prompt_length in running)
+        seconds += max(read / hardware.copy_bytes_per_second, flops / hardware.matmul_flops_per_second)
+    return seconds
+
+
+# the parts of a step each trainer times (bench.trainer_runs: lit-grpo's time/* metrics; TRL's
+# profiling sections, its training being the step less _prepare_inputs)
+PARTS = ("generate", "weight_sync", "rewards", "logprobs", "train")
+
+
+def step_parts(step: dict, trainer: str) -> dict[str, float]:
+    """Seconds of each of :data:`PARTS` the trainer timed in ``step``, and ``other``: the rest of the step."""
+    phases = dict(step["phases"])
+    if trainer == "trl":
+        phases["train"] = step["seconds"] - phases.pop("prepare_inputs")
+    parts = {part: phases[part] for part in PARTS if part in phases}
+    parts["other"] = step["seconds"] - sum(parts.values())
+    return parts
+
+
+def step_floors(step: dict, shape: ModelShape, group_size: int, dtype_bytes: int, hardware: Hardware) -> dict[str, float]:
+    """The floor of each part of ``step`` that has one (generation, the log-prob passes and training)."""
+    rows = list(zip(step["prompt_lengths"], step["completion_lengths"]))
+    flops = grpo_step_flops(shape, rows, group_size, beta=0.0)
+    return {
+        "generate": generation_floor_seconds(shape, rows, group_size, dtype_bytes, hardware),
+        "logprobs": flops.logprobs / hardware.matmul_flops_per_second,
+        "train": flops.training / hardware.matmul_flops_per_second,
+    }
+
+
+def parts_against_floors(results: list[dict], warmup_steps: int, trainer: str, shape: ModelShape, group_size: int,
+                         dtype_bytes: int, hardware: Hardware) -> dict:
+    """Median seconds of each part over the timed steps, its floor, and how many times the floor it took;
+    ``furthest``: the part with a floor that is furthest above it; training tokens per second against
+    the matmul floor's."""
+    steps = [step for result in results for step in result["steps"][warmup_steps:]]
+    measured = [step_parts(step, trainer) for step in steps]
+    floors = [step_floors(step, shape, group_size, dtype_bytes, hardware) for step in steps]
+    parts = {}
+    for part in measured[0]:
+        seconds = statistics.median(m[part] for m in measured)
+        floor = statistics.median(f[part] for f in floors) if part in floors[0] else None
+        parts[part] = {"seconds": seconds, "floor_seconds": floor, "over_floor": seconds / floor if floor else None}
+    trained_tokens = statistics.median(sum(step["prompt_lengths"]) + sum(step["completion_lengths"]) for step in steps)
+    with_floor = [part for part in parts if parts[part]["over_floor"] is not None]
+    return {
+        "parts": parts,
+        "furthest": max(with_floor, key=lambda part: parts[part]["over_floor"]),
+        "trained_tokens": trained_tokens,
+        "training_tokens_per_second": trained_tokens / parts["train"]["seconds"],
+        "floor_training_tokens_per_second": trained_tokens / parts["train"]["floor_seconds"],
+    }
+
+
+def trainer_comparison(model_dir: Path, device: str, sizes: Sizes, trainers: dict, hardware: Hardware) -> dict:
+    """Part 2 and the fit's half of part 3."""
+    from transformers import AutoConfig
+
+    shape = ModelShape.from_config(AutoConfig.from_pretrained(model_dir))
+    dtype_bytes = torch.finfo(compute_dtype(device)).bits // 8
+    runs, failures = trainer_runs(model_dir, device, sizes, trainers)
+    summaries = {}
+    for label, results in runs.items():
+        summary = summarize_runs(results, sizes.warmup_steps, shape, hardware.matmul_flops_per_second)
+        summary.update(training_facts(results))
+        summary["floors"] = parts_against_floors(
+            results, sizes.warmup_steps, trainers[label][0], shape, sizes.generations, dtype_bytes, hardware
+        )
+        summaries[label] = summary
+    comparison = {"sizes": asdict(sizes), "summaries": summaries, "runs": runs, "failures": failures}
+    if "trl" in runs and "lit-grpo" in runs:
+        lit, trl = summaries["lit-grpo"], summaries["trl"]
+        ratios = per_pair_ratios(runs["lit-grpo"], runs["trl"], sizes.warmup_steps)
+        comparison.update(
+            tokens_per_second_ratio_per_pair=ratios,
+            tokens_per_second_ratio=statistics.median(ratios),
+            step_seconds_ratio=trl["median_step_seconds"] / lit["median_step_seconds"],
+            peak_gpu_memory_ratio=(
+                lit["peak_gpu_memory_gib"] / trl["peak_gpu_memory_gib"] if lit["peak_gpu_memory_gib"] is not None else None
+            ),
+        )
+    return comparison
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Decoding speed
+# ----------------------------------------------------------------------------------------------
+
+
+def decode_floor(model, rows: list[tuple[int, int]], hardware: Hardware) -> dict:
+    """The generation floor of ``rows`` (one completion per prompt) per decoding step."""
+    shape = ModelShape.from_config(model.config)
+    dtype_bytes = next(model.parameters()).element_size()
+    new_tokens = max(length for _, length in rows)
+    return {
+        "weight_gib": weight_bytes(shape, dtype_bytes) / 2**30,
+        "floor_ms_per_step": 1000 * generation_floor_seconds(shape, rows, 1, dtype_bytes, hardware) / new_tokens,
+    }
+
+
+def decode_speed(model, tokenizer, device: str, rows: int, new_tokens: int, hardware: Hardware) -> dict:
+    """Milliseconds per decoding step of ``rows`` x ``new_tokens`` for the ``lit`` and ``transformers``
+    backends, and the floor."""
     from transformers import GenerationConfig
 
     from lit_grpo.generation import generate_completions
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model, tokenizer = load(model_dir, device, dtype)
-    config = GenerationConfig(
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=model.generation_config.eos_token_id,
-    )
+    config = sampling_config(model.generation_config, new_tokens)
     texts = prompts(rows)
-    prompt_tokens = max(len(tokenizer(t, add_special_tokens=False).input_ids) for t in texts)
-    result = {"rows": rows, "new_tokens": new_tokens, "dtype": str(dtype).removeprefix("torch.")}
+    result = {"rows": rows, "new_tokens": new_tokens, "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
     for backend in ("lit", "transformers"):
-        generate_completions(model, tokenizer, texts[:2], 1, GenerationConfig(**{**config.to_dict(), "max_new_tokens": 4, "min_new_tokens": 4}), backend=backend)
-        _, seconds = timed(device, lambda: generate_completions(model, tokenizer, texts, 1, config, backend=backend))
+        warm_up = GenerationConfig(**{**config.to_dict(), "max_new_tokens": 4, "min_new_tokens": 4})
+        generate_completions(model, tokenizer, texts[:2], 1, warm_up, backend=backend)
+        _, seconds = timed(device, lambda backend=backend: generate_completions(model, tokenizer, texts, 1, config, backend=backend))
         result[f"{backend}_ms_per_step"] = 1000 * seconds / new_tokens
-    # the floor: every weight read once per step, and every row's keys and values so far
-    shape = ModelShape.from_config(model.config)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    head_dim = shape.hidden_size // shape.num_attention_heads
-    kv_bytes_per_position = 2 * shape.num_hidden_layers * shape.num_key_value_heads * head_dim * torch.finfo(dtype).bits // 8
-    mean_context = prompt_tokens + new_tokens / 2
-    step_bytes = weight_bytes + rows * mean_context * kv_bytes_per_position
-    result.update(
-        weight_gib=weight_bytes / 2**30,
-        mean_kv_cache_gib=rows * mean_context * kv_bytes_per_position / 2**30,
-        floor_ms_per_step=1000 * step_bytes / bandwidth,
-    )
-    result["lit_over_floor"] = result["lit_ms_per_step"] / result["floor_ms_per_step"]
-    result["transformers_over_floor"] = result["transformers_ms_per_step"] / result["floor_ms_per_step"]
+    prompt_lengths = [len(tokenizer(text, add_special_tokens=False).input_ids) for text in texts]
+    result.update(decode_floor(model, [(length, new_tokens) for length in prompt_lengths], hardware))
     return result
+
+
+def decode_rows(checkpoint: Path, shape_names: list[str], device: str, sizes: Sizes, hardware: Hardware) -> dict:
+    rows = {}
+    for name in shape_names:
+        model, tokenizer = random_model(checkpoint, name, device, compute_dtype(device))
+        rows[name] = decode_speed(model, tokenizer, device, sizes.decode_rows, sizes.decode_tokens, hardware)
+        del model
+        release_memory(device)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. vLLM
+# ----------------------------------------------------------------------------------------------
+
+
+def vllm_rows(checkpoint: Path, device: str, sizes: Sizes, hardware: Hardware) -> dict:
+    """The ``vllm`` backend (``lit_grpo.vllm_backend.VLLMSampler``, as a run builds it) on the first
+    shape: its log-probs of its own samples against a teacher-forced forward (bf16), and its decoding
+    speed (a completion may stop at EOS here: vLLM's sampler is not told to hold it back, and ms per
+    step divides by the longest completion). The engine is built before the model of the forward is
+    loaded, as a run builds it before its policy."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from lit_grpo.generation import tokenize_prompts
+    from lit_grpo.vllm_backend import VLLMSampler, VLLMSettings
+
+    tokenizer, generation_config = AutoTokenizer.from_pretrained(checkpoint), GenerationConfig.from_pretrained(checkpoint)
+    sampler = VLLMSampler(str(checkpoint), torch.bfloat16, VLLMSettings(), None, sizes.decode_tokens)
+
+    def sample(texts: list[str], new_tokens: int):
+        prompt_ids, prompt_mask, truncated = tokenize_prompts(tokenizer, texts, None, device)
+        config = sampling_config(generation_config, new_tokens)
+        return sampler.generate(prompt_ids, prompt_mask, truncated, 1, config, tokenizer.pad_token_id)
+
+    try:
+        sample(prompts(2), 4)  # builds the engine
+        model, _ = load(checkpoint, device, torch.bfloat16)
+        rollout = sample(prompts(sizes.sampler_prompts), sizes.sampler_tokens)
+        logprobs = logprob_differences(rollout.sampling_logps, teacher_forced_logps(model, rollout), rollout.completion_mask)
+        texts = prompts(sizes.decode_rows)
+        rollout, seconds = timed(device, lambda: sample(texts, sizes.decode_tokens))
+        steps = rollout.completion_ids.size(1)
+        lengths = rollout.completion_mask.sum(1).tolist()
+        prompt_lengths = rollout.prompt_mask.sum(1).tolist()
+        floor = decode_floor(model, list(zip(prompt_lengths, lengths)), hardware)["floor_ms_per_step"]
+        decode = {"vllm_ms_per_step": 1000 * seconds / steps, "vllm_floor_ms_per_step": floor, "vllm_mean_new_tokens": sum(lengths) / len(lengths)}
+        return {"logprobs": logprobs, "decode": decode}
+    finally:
+        sampler.close()
+        release_memory(device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,73 +586,192 @@ def decode_speed(model_dir: Path, device: str, rows: int, new_tokens: int, bandw
 
 
 def machine(device: str) -> dict:
-    facts = {"device": device, "torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor()}
+    from importlib.metadata import PackageNotFoundError, version
+
+    facts = {"device": device, "python": platform.python_version(), "cpu": platform.processor() or platform.machine()}
     if device == "cuda":
         facts["gpu"] = torch.cuda.get_device_name()
         facts["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+    for package in ("torch", "transformers", "lightning", "trl", "vllm"):
+        try:
+            facts[package] = version(package)
+        except PackageNotFoundError:
+            facts[package] = None
     return facts
 
 
-def markdown(report: dict) -> str:
-    lines = [f"# GPU check on {report['machine'].get('gpu', report['machine']['device'])}", "", f"`{report['command']}`", ""]
-    greedy = report["greedy"]
-    lines += [
-        "## Greedy tokens: lit sampler vs transformers generate",
-        f"{greedy['rows_equal']} of {greedy['rows']} rows equal over {greedy['new_tokens']} new tokens ({greedy['dtype']}); "
-        f"on average {greedy['mean_tokens_equal_before_first_difference']:.1f} tokens equal before the first difference.",
+def device_name(facts: dict) -> str:
+    """``cpu``, or the GPU's name as a file name (``nvidia_h100_80gb_hbm3``)."""
+    return re.sub(r"[^a-z0-9]+", "_", facts["gpu"].lower()).strip("_") if "gpu" in facts else facts["device"]
+
+
+def sampler_markdown(report: dict) -> list[str]:
+    samplers = report["samplers"]
+    greedy, logprobs = samplers["greedy"], samplers["logprobs"]
+    generate = logprobs["transformers"]
+    table = [
+        [name, f"{row['max_abs_difference']:.3g}", f"{row['mean_abs_difference']:.3g}",
+         "the yardstick" if name == "transformers" else ("yes" if like_generate(row, generate) else "**no**")]
+        for name, row in logprobs.items()
+    ]
+    return [
+        f"## Samplers against `generate` ({report['shapes'][0]})",
+        "",
+        f"Greedy ({greedy['dtype']}): {greedy['rows_equal']} of {greedy['rows']} rows of the `lit` sampler equal `generate`'s "
+        f"over {greedy['new_tokens']} new tokens; on average {greedy['mean_tokens_equal_before_first_difference']:.1f} tokens "
+        "equal before the first difference (random weights leave near ties, which bf16 breaks either way).",
+        "",
+        f"Log-prob of each sampled token ({samplers['logprob_dtype']}, {greedy['rows']} rows x {samplers['logprob_tokens']} tokens, "
+        "temperature 1) under the logits the sampler computed, against a teacher-forced forward of the same sequence:",
+        "",
+        markdown_table(["sampler", "max abs difference", "mean abs difference",
+                        f"within {LIKE_GENERATE_FACTOR:g}x of generate's"], table),
         "",
     ]
+
+
+def fit_markdown(report: dict) -> list[str]:
     fit = report["fit"]
-    peak = "n/a" if fit["peak_memory_gib"] is None else f"{fit['peak_memory_gib']:.2f} GiB"
-    lines += [
-        f"## Short fit ({report['shapes'][0]}, {fit['precision']})",
-        f"{fit['steps']} steps, losses {[round(x, 4) for x in fit['losses']]} (finite: {fit['all_losses_finite']}), "
-        f"largest weight change {fit['max_weight_change']:.3g}, trainable dtypes {fit['trainable_dtypes']}, peak memory {peak}.",
-        f"Training: {fit['trained_tokens']} tokens in {fit['time_train_seconds']:.2f} s = {fit['training_tokens_per_second']:.0f} tokens/s; "
-        f"the matmul floor at {report['matmul_tflops']:.1f} TFLOP/s allows {fit['floor_tokens_per_second']:.0f} tokens/s "
-        f"({100 * fit['training_tokens_per_second'] / fit['floor_tokens_per_second']:.1f} % of it).",
+    sizes, summaries = fit["sizes"], fit["summaries"]
+    precision = "bf16 autocast, float32 weights" if report["machine"]["device"] == "cuda" else "float32"
+    lines = [
+        f"## lit-grpo against TRL's GRPOTrainer ({report['shapes'][0]}, {precision})",
         "",
-        f"## Decoding ({report['copy_bandwidth_gbs']:.0f} GB/s measured copy bandwidth)",
-        "| shape | rows x new tokens | lit ms/step | transformers ms/step | floor ms/step | lit / floor | transformers / floor |",
-        "|---|---|---|---|---|---|---|",
+        f"G = {sizes['generations']} completions of up to {sizes['completion_length']} tokens for {sizes['prompts_per_step']} "
+        f"quickstart prompts per step, reward `even_token_fraction`; {sizes['pairs']} run(s) of each, alternating, each in its "
+        f"own process; {sizes['warmup_steps']} warm-up step(s) per run, then {sizes['timed_steps']} timed.",
+        "",
     ]
-    for name, row in report["decode"].items():
+    table = []
+    for label, s in summaries.items():
+        peak = "n/a" if s["peak_gpu_memory_gib"] is None else f"{s['peak_gpu_memory_gib']:.2f}"
+        moved = "n/a" if s["max_weight_change"] is None else f"{s['max_weight_change']:.2g}"
+        table.append([label, fmt(s["median_step_seconds"]), fmt(s["tokens_per_second"], 0), peak,
+                      "yes" if s["all_losses_finite"] else "**no**", moved, ", ".join(s["trainable_dtypes"])])
+    lines += [markdown_table(["trainer", "s/step", "completion tok/s", "peak GPU GiB", "losses finite",
+                              "largest weight change", "trainable dtypes"], table), ""]
+    if "tokens_per_second_ratio" in fit:
+        memory = "" if fit["peak_gpu_memory_ratio"] is None else f"; peak GPU memory lit-grpo/TRL {fit['peak_gpu_memory_ratio']:.2f}"
+        pairs = ", ".join(f"{ratio:.2f}" for ratio in fit["tokens_per_second_ratio_per_pair"])
+        lines += [f"lit-grpo/TRL completion tokens per second: {fit['tokens_per_second_ratio']:.2f} (per pair: {pairs}); "
+                  f"TRL/lit-grpo seconds per step {fit['step_seconds_ratio']:.2f}{memory}.", ""]
+    return lines
+
+
+def floors_markdown(report: dict) -> list[str]:
+    hardware = report["hardware"]
+    lines = [
+        "## Parts of a step against their floors",
+        "",
+        f"Measured here: copy bandwidth {hardware['copy_bytes_per_second'] / 1e9:.0f} GB/s, "
+        f"matmul {hardware['matmul_flops_per_second'] / 1e12:.2f} TFLOP/s ({report['samplers']['greedy']['dtype']}). "
+        "Median seconds per timed step; `other` is the step less the timed parts.",
+        "",
+    ]
+    table = []
+    for label, summary in report["fit"]["summaries"].items():
+        floors = summary["floors"]
+        for part, row in floors["parts"].items():
+            floor = "" if row["floor_seconds"] is None else fmt(row["floor_seconds"], 3)
+            over = "" if row["over_floor"] is None else f"{row['over_floor']:.1f}"
+            table.append([label, part, fmt(row["seconds"], 3), floor, over])
+    lines += [markdown_table(["trainer", "part", "seconds", "floor seconds", "x floor"], table), ""]
+    for label, summary in report["fit"]["summaries"].items():
+        floors = summary["floors"]
+        furthest = floors["parts"][floors["furthest"]]
         lines.append(
-            f"| {name} | {row['rows']} x {row['new_tokens']} | {row['lit_ms_per_step']:.2f} | {row['transformers_ms_per_step']:.2f} "
-            f"| {row['floor_ms_per_step']:.3f} | {row['lit_over_floor']:.1f} | {row['transformers_over_floor']:.1f} |"
+            f"- {label}: furthest from its floor: `{floors['furthest']}` ({furthest['over_floor']:.1f}x). Training: "
+            f"{floors['training_tokens_per_second']:.0f} tokens/s, the matmul floor allows "
+            f"{floors['floor_training_tokens_per_second']:.0f} ({100 * floors['training_tokens_per_second'] / floors['floor_training_tokens_per_second']:.1f} %)."
         )
-    return "\n".join(lines) + "\n"
+    return lines + [""]
+
+
+def decode_markdown(report: dict) -> list[str]:
+    backends = ["lit", "transformers"] + (["vllm"] if any("vllm_ms_per_step" in row for row in report["decode"].values()) else [])
+    table = []
+    for name, row in report["decode"].items():
+        cells = [name, f"{row['rows']} x {row['new_tokens']}", fmt(row["floor_ms_per_step"], 3)]
+        for backend in backends:
+            ms = row.get(f"{backend}_ms_per_step")
+            floor = row.get(f"{backend}_floor_ms_per_step", row["floor_ms_per_step"])
+            cells += ["n/a", ""] if ms is None else [fmt(ms), f"{ms / floor:.1f}"]
+        table.append(cells)
+    header = ["shape", "rows x new tokens", "floor ms/step"] + [h for b in backends for h in (f"{b} ms/step", f"{b} / floor")]
+    return ["## Decoding", "", markdown_table(header, table), ""]
+
+
+def markdown(report: dict) -> str:
+    facts = report["machine"]
+    versions = ", ".join(f"{package} {facts[package]}" for package in ("torch", "transformers", "lightning", "trl", "vllm") if facts[package])
+    lines = [
+        f"# GPU check on {facts.get('gpu', facts['device'])}",
+        "",
+        f"`{report['command']}`",
+        "",
+        f"Python {facts['python']}, {versions}. The check took {report['seconds']:.0f} s "
+        f"({', '.join(f'{part} {seconds:.0f} s' for part, seconds in report['part_seconds'].items())}).",
+        "",
+    ]
+    if facts["device"] == "cpu":
+        lines += ["On the CPU at toy size: a smoke test of the mechanics; its numbers say nothing about a GPU.", ""]
+    lines += [f"- {note}" for note in report["notes"]] + ([""] if report["notes"] else [])
+    lines += sampler_markdown(report) + fit_markdown(report) + floors_markdown(report) + decode_markdown(report)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("python -m bench.gpu_check: no CUDA device here; use --device cpu --shapes tiny")
-    greedy_prompts, greedy_tokens, decode_rows, decode_tokens, fit_generations, fit_length, fit_steps = SIZES[args.device]
+    sizes = SIZES[args.device]
+    if args.pairs is not None:
+        sizes = Sizes(**{**asdict(sizes), "pairs": args.pairs})
     start = time.perf_counter()
-    report: dict = {
-        "command": "python -m bench.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": machine(args.device),
-        "shapes": args.shapes,
-    }
+    report: dict = {"command": command_line("gpu_check", argv), "machine": machine(args.device), "shapes": args.shapes, "notes": []}
+    trainers = {"lit-grpo": ("lit-grpo", {})}
+    if installed("trl"):
+        trainers["trl"] = ("trl", {})
+    else:
+        report["notes"].append("TRL is not installed (the bench extra, `pip install -e \".[bench]\"`): no TRL rows.")
+    with_vllm = installed("vllm")
+    if with_vllm:
+        trainers["lit-grpo (vllm)"] = ("lit-grpo", {"generation_backend": "vllm"})
+    else:
+        report["notes"].append("vLLM is not installed: no vLLM rows.")
+    part_seconds = report["part_seconds"] = {}
+
+    def part(name: str, function):
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        begin = time.perf_counter()
+        result = function()
+        part_seconds[name] = time.perf_counter() - begin
+        return result
+
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        directory = Path(tmp)
-        built = {name: build(name, directory) for name in args.shapes}
-        report["greedy"] = greedy_agreement(built[args.shapes[0]], args.device, greedy_prompts, greedy_tokens)
-        report["fit"] = short_fit(built[args.shapes[0]], args.device, directory, fit_generations, fit_length, fit_steps)
-        bandwidth = copy_bandwidth(args.device, 1.0 if args.device == "cuda" else 0.25)
-        rate = matmul_rate(args.device, 8192 if args.device == "cuda" else 1024)
-        report["copy_bandwidth_gbs"] = bandwidth / 1e9
-        report["matmul_tflops"] = rate / 1e12
-        fit = report["fit"]
-        fit["floor_tokens_per_second"] = fit["trained_tokens"] / (fit["training_flops"] / rate)
-        report["decode"] = {name: decode_speed(path, args.device, decode_rows, decode_tokens, bandwidth) for name, path in built.items()}
+        checkpoint = part("build", lambda: build_checkpoint(args.shapes[0], Path(tmp)))
+        report["samplers"] = part("samplers", lambda: sampler_checks(checkpoint, args.device, sizes))
+        hardware = part("hardware", lambda: Hardware(
+            copy_bandwidth(args.device, 1.0 if args.device == "cuda" else 0.25),
+            matmul_rate(args.device, 8192 if args.device == "cuda" else 1024),
+        ))
+        release_memory(args.device)
+        report["hardware"] = asdict(hardware)
+        report["fit"] = part("trainers", lambda: trainer_comparison(checkpoint, args.device, sizes, trainers, hardware))
+        report["notes"] += [f"{label} failed: {last_line(error)}" for label, error in report["fit"]["failures"].items()]
+        report["decode"] = part("decode", lambda: decode_rows(checkpoint, args.shapes, args.device, sizes, hardware))
+        if with_vllm:
+            try:
+                vllm = part("vllm", lambda: vllm_rows(checkpoint, args.device, sizes, hardware))
+            except Exception as error:  # noqa: BLE001 - an optional backend's failure is a finding, not the end of the check
+                report["notes"].append(f"the vllm backend's sampler rows failed: {type(error).__name__}: {last_line(error)}")
+            else:
+                vllm["logprobs"]["like_generate"] = like_generate(vllm["logprobs"], report["samplers"]["logprobs"]["transformers"])
+                report["samplers"]["logprobs"]["vllm"] = vllm["logprobs"]
+                report["decode"][args.shapes[0]].update(vllm["decode"])
     report["seconds"] = time.perf_counter() - start
-    out = args.out or RESULTS_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"gpu_check_{args.device}.json").write_text(json.dumps(report, indent=2) + "\n")
     text = markdown(report)
-    (out / f"gpu_check_{args.device}.md").write_text(text)
+    write_outputs(args.name or f"gpu_check_{device_name(report['machine'])}", text, report, args.out)
     print(text)
     return report
 

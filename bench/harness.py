@@ -316,6 +316,7 @@ def summarize_runs(results: list[dict], warmup_steps: int, shape: ModelShape, ma
         ),
         "percent_of_floor": 100 * sum(floors) / sum(seconds),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
+        "peak_gpu_memory_gib": max((r["peak_gpu_memory_gib"] for r in results if r.get("peak_gpu_memory_gib") is not None), default=None),
         "rss_before_training_mib": max(r["rss_before_training_mib"] for r in results),
         "setup_seconds": statistics.median(r["setup_seconds"] for r in results),
         "phases_median_seconds": phases,

@@ -8,8 +8,10 @@ the completion lengths, the mean reward and the phase split each trainer exposes
 peak resident memory. One process per run, so peak memory is that run's alone.
 
 Both trainers get identical work: the same model directory, the same prompts, the same reward
-function (``char_fraction`` of ``lit_grpo_rewards``, wrapped to record prompt and completion token
-counts), the same sampling and loss settings and a fused AdamW with the same learning rate.
+function (``spec.reward``: ``char_fraction`` of ``lit_grpo_rewards``, or ``even_token_fraction`` for
+random models with a real vocabulary; wrapped to record prompt and completion token counts), the
+same sampling and loss settings and a fused AdamW with the same learning rate, on ``spec.device``
+(the CPU, or one CUDA GPU: then the peak GPU memory of the process is recorded too).
 
 How a step is timed: the wall time between consecutive "optimizer step finished" callbacks
 (Lightning's ``on_train_batch_end``, the Hugging Face ``on_step_end``), so every per-step overhead of
@@ -37,8 +39,6 @@ from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-REWARD_NAME = "recorded_char_fraction"
-
 
 @dataclass
 class RunSpec:
@@ -56,6 +56,8 @@ class RunSpec:
     num_iterations: int = 1  # passes over each generation batch (the GRPO paper's mu), both trainers
     steps_per_generation: int = 1  # optimizer steps per pass, each on 1/S of the completions, both trainers
     precision: str = "fp32"  # "fp32" | "bf16" (autocast, float32 weights)
+    device: str = "cpu"  # "cpu" | "cuda" (one GPU)
+    reward: str = "char_fraction"  # a key of RECORDED_REWARDS
     learning_rate: float = 1e-5
     epsilon: float = 0.2
     epsilon_high: float = 0.28
@@ -66,6 +68,7 @@ class RunSpec:
     threads: int | None = None  # torch.set_num_threads; None keeps torch's default (one per core)
     lit_options: dict = field(default_factory=dict)  # extra GRPOModule arguments (bench/ablation.py), lit-grpo only
     lit_code_dir: str | None = None  # import lit_grpo from this checkout instead of the installed one (bench/ablation.py --against-commit)
+    record_weight_change: bool = False  # keep a copy of the trainable weights to report how far training moved them
 
 
 @dataclass
@@ -78,6 +81,7 @@ class StepRecord:
     reward: float
     phases: dict[str, float] = field(default_factory=dict)  # seconds by phase, as the trainer reports them
     minor_faults: int | None = None  # page faults of the process during the step (fresh memory touched)
+    loss: float | None = None  # the trainer's logged loss of the step (its last optimizer step's)
 
 
 @dataclass
@@ -92,6 +96,9 @@ class RunResult:
     counted_step_completion_lengths: list[int] | None
     counted_step_prompt_lengths: list[int] | None
     op_profile: dict | None = None  # from the profiled step (:class:`OpTimer`)
+    peak_gpu_memory_gib: float | None = None  # torch.cuda.max_memory_allocated of the process (device "cuda")
+    trainable_dtypes: list[str] | None = None  # dtypes of the weights the optimizer updates
+    max_weight_change: float | None = None  # largest |after - before| of a trainable weight (record_weight_change)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,16 +127,35 @@ RECORDER = LengthRecorder()
 TOKENIZER = None  # set by the runner; counts prompt tokens exactly as both trainers tokenize them
 
 
-def recorded_char_fraction(prompts, completions, completion_ids, target=None, **kwargs):
-    """``lit_grpo_rewards``' ``char_fraction`` (the quickstart reward: the fraction of the completion's
-    characters in the ``target`` column), recording each completion's prompt and completion length."""
-    from lit_grpo_rewards.text import char_fraction
-
-    scores = char_fraction(completions=completions, target=target)
+def record(prompts, completion_ids, scores) -> list:
+    """Record each completion's prompt and completion length and its reward; returns ``scores``."""
     RECORDER.prompt_lengths += [len(TOKENIZER(p, add_special_tokens=False)["input_ids"]) for p in prompts]
     RECORDER.completion_lengths += [len(ids) for ids in completion_ids]
     RECORDER.rewards += [s for s in scores if s is not None]
     return scores
+
+
+def recorded_char_fraction(prompts, completions, completion_ids, target=None, **kwargs):
+    """``lit_grpo_rewards``' ``char_fraction`` (the quickstart reward: the fraction of the completion's
+    characters in the ``target`` column), recorded."""
+    from lit_grpo_rewards.text import char_fraction
+
+    return record(prompts, completion_ids, char_fraction(completions=completions, target=target))
+
+
+def even_token_fraction(completion_ids) -> list[float]:
+    """The fraction of a completion's tokens with an even id: a reward the completions of a random model
+    with a real vocabulary differ in (most of its tokens decode to no text, so text rewards are all 0
+    and every group would be skipped as having no gradient)."""
+    return [sum(token % 2 == 0 for token in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def recorded_even_token_fraction(prompts, completions, completion_ids, **kwargs):
+    """:func:`even_token_fraction`, recorded."""
+    return record(prompts, completion_ids, even_token_fraction(completion_ids))
+
+
+RECORDED_REWARDS = {"char_fraction": recorded_char_fraction, "even_token_fraction": recorded_even_token_fraction}
 
 
 def peak_rss_mib() -> float:
@@ -319,12 +345,14 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
     from lit_grpo.module import GRPOModule
     from lit_grpo.plugins import register_plugin
 
+    reward = RECORDED_REWARDS[spec.reward]
+
     class BenchRewardPlugin:
         """Registers the recording reward through lit-grpo's public plugin API."""
 
         @lit_grpo.hookimpl
         def register_rewards(self, register):
-            register(recorded_char_fraction)
+            register(reward)
 
     register_plugin(BenchRewardPlugin(), name="bench", package="bench")
 
@@ -358,12 +386,12 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
         def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
             pass
 
-    recorder = RecordingCallback.for_lightning(spec.steps, spec.count_matmuls, spec.profile_ops)
+    recorder = RecordingCallback.for_lightning(spec.steps, spec.count_matmuls, spec.profile_ops, spec.record_weight_change)
 
     module_class = FixedLengthGRPOModule if spec.fixed_length else GRPOModule
     module_options = dict(
         model_name_or_path=spec.model_dir,
-        rewards=[{"name": REWARD_NAME}],
+        rewards=[{"name": reward.__name__}],
         num_generations=spec.num_generations,
         max_completion_length=spec.max_completion_length,
         temperature=spec.temperature,
@@ -390,7 +418,7 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
     )
     pl.seed_everything(spec.seed, verbose=False)
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator="gpu" if spec.device == "cuda" else "cpu",
         devices=1,
         # ``steps`` counts generation batches; max_steps counts optimizer steps
         max_steps=(spec.steps + recorder.extra_steps) * module.hparams.num_iterations * module.hparams.steps_per_generation,
@@ -409,12 +437,16 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
 class RecordingCallback:
     """Times optimizer steps, takes the recorded token counts, and runs the matmul counter and the
     operator timer on the extra steps; shared by the Lightning and the Hugging Face callback
-    adapters below."""
+    adapters below. It also notes what training did to the model it is given at the start: the
+    trainable weights' dtypes and, with ``record_weight_change``, how far they moved."""
 
-    def __init__(self, recorded_steps: int, count_matmuls: bool, profile_ops: bool = False) -> None:
+    def __init__(self, recorded_steps: int, count_matmuls: bool, profile_ops: bool = False, record_weight_change: bool = False) -> None:
         """The first ``recorded_steps`` steps are timed (warm-up included); then, each on a step of its
         own, the matmul counter (``count_matmuls``) and the operator timer (``profile_ops``)."""
         self.recorded_steps = recorded_steps
+        self.record_weight_change = record_weight_change
+        self.model = None  # the trained model, given at the start of training
+        self.initial_weights: dict[str, object] | None = None  # its trainable weights then, on the CPU
         self.instruments = ["count_matmuls"] * count_matmuls + ["profile_ops"] * profile_ops
         self.extra_steps = len(self.instruments)  # steps the trainer runs after the timed ones
         self.records: list[StepRecord] = []
@@ -429,7 +461,12 @@ class RecordingCallback:
         self.setup_seconds = float("nan")
         self.rss_before_training = float("nan")
 
-    def train_start(self) -> None:
+    def train_start(self, model=None) -> None:
+        import torch
+
+        self.model = model
+        if model is not None and self.record_weight_change:
+            self.initial_weights = {name: w.detach().to("cpu", torch.float32, copy=True) for name, w in trainable_weights(model)}
         self.last_time = time.perf_counter()
         self.last_cpu_time = time.process_time()
         self.last_faults = minor_page_faults()
@@ -446,7 +483,7 @@ class RecordingCallback:
                 self.active = self.timer = OpTimer()
             self.active.__enter__()
 
-    def step_end(self, phases: dict[str, float] | None = None) -> None:
+    def step_end(self, phases: dict[str, float] | None = None, loss: float | None = None) -> None:
         now, cpu_now, faults_now = time.perf_counter(), time.process_time(), minor_page_faults()
         step_index = self.completed_steps
         self.completed_steps += 1
@@ -471,6 +508,7 @@ class RecordingCallback:
                     reward,
                     phases or {},
                     faults_now - self.last_faults,
+                    loss,
                 )
             )
         self.last_time, self.last_cpu_time, self.last_faults = time.perf_counter(), time.process_time(), minor_page_faults()
@@ -478,6 +516,10 @@ class RecordingCallback:
     def result(self, spec: RunSpec) -> RunResult:
         import torch
 
+        weights = dict(trainable_weights(self.model)) if self.model is not None else {}
+        moved = None
+        if self.initial_weights is not None:
+            moved = max((weights[name].detach().float().cpu() - before).abs().max().item() for name, before in self.initial_weights.items())
         return RunResult(
             spec=dataclasses.asdict(spec),
             steps=self.records,
@@ -489,15 +531,18 @@ class RecordingCallback:
             counted_step_prompt_lengths=self.counted_lengths[0] if self.counted_lengths else None,
             counted_step_completion_lengths=self.counted_lengths[1] if self.counted_lengths else None,
             op_profile=self.timer.summary if self.timer is not None else None,
+            peak_gpu_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if spec.device == "cuda" else None,
+            trainable_dtypes=sorted({str(w.dtype).removeprefix("torch.") for w in weights.values()}) or None,
+            max_weight_change=moved,
         )
 
     @classmethod
-    def for_lightning(cls, recorded_steps: int, count_matmuls: bool, profile_ops: bool = False):
+    def for_lightning(cls, recorded_steps: int, count_matmuls: bool, profile_ops: bool = False, record_weight_change: bool = False):
         import lightning.pytorch as pl
 
         class _LightningRecorder(cls, pl.Callback):
             def on_train_start(self, trainer, pl_module) -> None:
-                self.train_start()
+                self.train_start(pl_module.policy)
 
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
                 self.step_start()
@@ -506,20 +551,22 @@ class RecordingCallback:
                 # the time/* metrics GRPOModule logged in this step ("n/a" in the tables when absent)
                 metrics = trainer.callback_metrics
                 phases = {k.removeprefix("time/"): float(v) for k, v in metrics.items() if k.startswith("time/")}
-                self.step_end(phases)
+                self.step_end(phases, float(metrics["loss"]) if "loss" in metrics else None)
 
-        return _LightningRecorder(recorded_steps, count_matmuls, profile_ops)
+        return _LightningRecorder(recorded_steps, count_matmuls, profile_ops, record_weight_change)
 
     @classmethod
     def for_transformers(
-        cls, recorded_steps: int, count_matmuls: bool, profile_ops: bool = False, optimizer_steps_per_record: int = 1
+        cls, recorded_steps: int, count_matmuls: bool, profile_ops: bool = False, optimizer_steps_per_record: int = 1,
+        record_weight_change: bool = False,
     ):
-        """A ``TrainerCallback`` whose records each cover ``optimizer_steps_per_record`` trainer steps."""
+        """A ``TrainerCallback`` whose records each cover ``optimizer_steps_per_record`` trainer steps
+        (a record's loss is filled in from the trainer's log history after training)."""
         from transformers import TrainerCallback
 
         class _TransformersRecorder(cls, TrainerCallback):
-            def on_train_begin(self, args, state, control, **kwargs):
-                self.train_start()
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                self.train_start(model)
 
             def on_step_begin(self, args, state, control, **kwargs):
                 if state.global_step % optimizer_steps_per_record == 0:  # the first step of a generation batch
@@ -529,7 +576,12 @@ class RecordingCallback:
                 if state.global_step % optimizer_steps_per_record == 0:  # global_step counts this step already
                     self.step_end()
 
-        return _TransformersRecorder(recorded_steps, count_matmuls, profile_ops)
+        return _TransformersRecorder(recorded_steps, count_matmuls, profile_ops, record_weight_change)
+
+
+def trainable_weights(model):
+    """``(name, tensor)`` of every weight of ``model`` that the optimizer updates."""
+    return [(name, weight) for name, weight in model.named_parameters() if weight.requires_grad]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -592,14 +644,16 @@ def run_trl(spec: RunSpec) -> RunResult:
     # TRL's optimizer steps alternate: the first of each num_iterations * steps_per_generation samples a
     # generation batch, the others train on it; a record covers them all, as one lit-grpo training_step does
     optimizer_steps = spec.num_iterations * spec.steps_per_generation  # per generation batch
-    recorder = RecordingCallback.for_transformers(spec.steps, spec.count_matmuls, spec.profile_ops, optimizer_steps)
+    recorder = RecordingCallback.for_transformers(
+        spec.steps, spec.count_matmuls, spec.profile_ops, optimizer_steps, spec.record_weight_change
+    )
     dataset = datasets.load_dataset("json", data_files=spec.data_file, split="train")
     completions_per_step = spec.num_generations * spec.prompts_per_step
     generation_kwargs = {"min_new_tokens": spec.max_completion_length} if spec.fixed_length else None
     with tempfile.TemporaryDirectory() as output_dir:
         config = GRPOConfig(
             output_dir=output_dir,
-            use_cpu=True,
+            use_cpu=spec.device == "cpu",
             bf16=spec.precision == "bf16",
             gradient_checkpointing=False,  # GRPOConfig defaults to True; lit-grpo's default is False
             per_device_train_batch_size=completions_per_step // spec.steps_per_generation,
@@ -634,7 +688,7 @@ def run_trl(spec: RunSpec) -> RunResult:
         )
         trainer = GRPOTrainer(
             model=spec.model_dir,
-            reward_funcs=[recorded_char_fraction],
+            reward_funcs=[RECORDED_REWARDS[spec.reward]],
             args=config,
             train_dataset=dataset,
             callbacks=[recorder],
@@ -642,8 +696,10 @@ def run_trl(spec: RunSpec) -> RunResult:
         global TOKENIZER
         TOKENIZER = trainer.processing_class
         trainer.train()
+    losses = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
     for record in recorder.records:
         record.phases = phase_timer.phases(range(record.step * optimizer_steps, (record.step + 1) * optimizer_steps))
+        record.loss = losses.get((record.step + 1) * optimizer_steps)  # the record's last optimizer step
     return recorder.result(spec)
 
 
