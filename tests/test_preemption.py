@@ -234,10 +234,16 @@ def test_the_clock_restarts_when_the_step_interval_checkpoints(tiny_model_dir, s
     # 20 minutes (3 steps) after the start, then by steps at 4; 21 minutes after step 4 is step 7, then
     # by steps at 8, then 11: each checkpoint, by steps or by time, restarts the clock, and none is written twice
     assert saved.steps == [3, 4, 7, 8, 11]
+    # the user's own interval is kept, and the signal callback added beside it
+    assert trainer.checkpoint_callbacks[:2] == [every_4_steps, callbacks[2]]
+    assert type(trainer.checkpoint_callbacks[2]).__name__ == "CheckpointOnSignal"
     assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt"]  # never last-v1.ckpt
 
 
-def test_plain_trainer_without_checkpointing_gets_no_preemption_callbacks():
+def test_a_plain_trainer_gets_both_callbacks_with_checkpointing_on_and_none_with_it_off(tmp_path):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)
+    kinds = [type(callback).__name__ for callback in default_checkpointing_of(trainer)]
+    assert kinds == ["ModelCheckpoint", "CheckpointEveryNMinutes", "CheckpointOnSignal"]
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     assert default_checkpointing_of(trainer) == []
 
