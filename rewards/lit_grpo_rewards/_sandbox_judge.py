@@ -835,6 +835,7 @@ _INTERPRETER_CLASSES = _INTERPRETER_TYPES + (type(_a_closure), type(Endpoint.__i
 _REFLECTIVE_BUILTINS = tuple(getattr(builtins, name) for name in (
     "getattr", "setattr", "delattr", "vars", "globals", "locals", "eval", "exec", "compile", "__import__",
     "breakpoint", "open", "input", "help") if hasattr(builtins, name)) + (str.format, str.format_map)
+_NEVER_HANDED_OVER = _INTERPRETER_CLASSES + _REFLECTIVE_BUILTINS
 #: Modules whose functions and classes reach frames, objects, code or descriptors (``sys._getframe``,
 #: ``gc.get_referrers``, ``inspect.stack``, ``pickle.loads``, ``os.write`` to the results descriptor).
 _REFLECTIVE_MODULES = frozenset({
@@ -861,19 +862,16 @@ def leads_into_the_interpreter(obj):
     """
     if isinstance(obj, _INTERPRETER_TYPES):
         return True
-    try:
-        if obj in _INTERPRETER_CLASSES or any(obj is f for f in _REFLECTIVE_BUILTINS):
-            return True
-    except Exception:  # noqa: BLE001 - an object whose == raises is not one of them
-        pass
+    if any(obj is known for known in _NEVER_HANDED_OVER):
+        return True
     if not callable(obj):
         return False
     try:
         module = getattr(obj, "__module__", None)
         if module is None and hasattr(obj, "__objclass__"):  # a method descriptor: str.format
             module = getattr(obj.__objclass__, "__module__", None)
-        name = getattr(obj, "__name__", None)
-    except Exception:  # noqa: BLE001
+        name = getattr(obj, "__name__", None) or type(obj).__name__  # a function's, or an instance's class
+    except Exception:  # noqa: BLE001 - an object that will not say what it is is not handed over
         return True
     if type(module) is not str:
         return False

@@ -1373,6 +1373,8 @@ def sort_by(items, key):
 def fill(box):
     box.put(3)
     return box.items
+def echo(stream, text):
+    stream.write(text)
 def join_all(parts):
     return "-".join(str(p) for p in parts)
 import math
@@ -1385,6 +1387,9 @@ def root(x):
         "class Node:\n    def __init__(self, v, next=None):\n        self.v, self.next = v, next\n"
         "head = reverse(Node(1, Node(2, Node(3))))\nassert [head.v, head.next.v, head.next.next.v] == [3, 2, 1]",
         "assert sort_by(['ccc', 'a', 'bb'], len) == ['a', 'bb', 'ccc']",
+        "import operator\nassert sort_by([(1, 'b'), (2, 'a')], operator.itemgetter(1)) == [(2, 'a'), (1, 'b')]",
+        "import io\nout = io.StringIO()\nassert apply(lambda s: s, 'x') == 'x' and echo(out, 'hi') is None\n"
+        "assert out.getvalue() == 'hi'",
         "class Box:\n    def __init__(self):\n        self.items = []\n    def put(self, v):\n"
         "        self.items.append(v)\nassert fill(Box()) == [3]",
         "import operator, functools\nassert apply(functools.partial(operator.add, 1), 1) == 3",
