@@ -63,7 +63,7 @@ TRL_NAMES: dict[str, str] = {
     "logging_steps": "trainer.log_every_n_steps",
     "save_steps": (
         "trainer.callbacks: a ModelCheckpoint with every_n_train_steps and save_last: true (without one, "
-        "last.ckpt is written every 100 optimizer steps)"
+        "last.ckpt is written every 100 optimizer steps; also every 30 minutes and on SIGTERM)"
     ),
     "log_completions": (
         "model.log_completions_every_n_steps (0 turns the logger's completions table off); completions.jsonl "

@@ -43,6 +43,9 @@ class RecordingScorer:
     def __init__(self, scorer):
         self.scorer, self.weights, self.names, self.calls = scorer, scorer.weights, scorer.names, []
 
+    def check_columns(self, columns, source):
+        self.scorer.check_columns(columns, source)
+
     def __call__(self, prompts, completions, completion_ids, columns):
         rewards = self.scorer(prompts, completions, completion_ids, columns)
         self.calls.append((completions, rewards.clone()))

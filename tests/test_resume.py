@@ -108,12 +108,13 @@ def killed_during_step_after(config: dict, step: int) -> dict:
     return config
 
 
-WALL_CLOCK_TAGS = ("step_time", "tokens_per_second", "hp_metric")
+WALL_CLOCK_TAGS = ("step_time", "tokens_per_second", "hp_metric", "cpu/threads")
 
 
 def logged_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
-    """{tag: {step: value}} of the TensorBoard events in ``log_dir``, without the wall-clock
-    measurements (``step_time``, ``time/*``, ``tokens_per_second``) and the logger's ``hp_metric``."""
+    """{tag: {step: value}} of the TensorBoard events in ``log_dir``, without the measurements of the
+    machine (``step_time``, ``time/*``, ``tokens_per_second``, the CPU threads other jobs left free)
+    and the logger's ``hp_metric``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})

@@ -333,7 +333,7 @@ def test_chunked_logps_and_gradients_equal_one_forward(tiny_model_dir):
 
 
 def test_forward_token_budget_must_be_positive(tiny_model_dir):
-    with pytest.raises(ValueError, match="model.forward_token_budget must be at least 1 or null, got 0"):
+    with pytest.raises(ValueError, match="model.forward_token_budget must be at least 1 or null or auto, got 0"):
         GRPOModule(str(tiny_model_dir), rewards=[{"name": "char_fraction", "args": {"chars": "a"}}], forward_token_budget=0)
 
 
