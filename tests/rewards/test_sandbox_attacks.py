@@ -7,6 +7,14 @@ each stop an attack alone, each is switched off on its own (the attack still fai
 (it succeeds). The audit hook is off (``audit_hook=False``) unless a test says otherwise: it is a
 tripwire in the program's own interpreter, and the other layers must hold without it.
 
+Attacks that no layer switch can show (the judge's own rules, the trainer's side of the wall, the
+program's process group: the forgeries through plain data in section 7, sections 14, 15 and 18, the
+signal in 17, and 20) were each run against the code before the change that contains them (issue
+46: a worktree of the commit before, ``PYTHONPATH`` pointing at it), where they succeeded: forged
+passes through named tuples and fake modules, parsers taking seconds, the trainer's peak memory,
+the judge killed by ``kill(0)``, the judge's frames, builtins and modules reached from what a test
+handed over, writes through stdin.
+
 Every test also checks, through the fixtures, that the scoring process and a bystander process of
 the machine survive and that nothing of the sandbox outlives the call (directory, process, cgroup).
 
