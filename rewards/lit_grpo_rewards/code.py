@@ -145,7 +145,8 @@ def _output_matches(stdout: bytes, expected_lines: list[str]) -> bool:
     :func:`_normalize_output`, without normalizing the output itself.
 
     The output is the program's: up to ``max_output_bytes`` of anything. It is decoded once (one
-    string, at most 4 bytes per byte of output) and read in place: no per-line strings (four
+    string of at most 4 bytes per byte of output; the decoder needs up to 5 on the way) and read in
+    place: no per-line strings (four
     million one-character lines would take hundreds of MiB), no copies, one pass that stops at the
     first difference; the time is linear in the output's length.
     """
@@ -233,8 +234,9 @@ def code_execution(
       program exits with status 0 and its stdout equals the expected output, both with line
       endings normalized, trailing whitespace of each line and surrounding blank lines stripped.
       The output is compared where it lies, in linear time and without an object per line: the
-      trainer's memory for one completion stays under ``5 * max_output_bytes`` (the output, and its
-      text at up to 4 bytes per character), whatever the program prints.
+      trainer's memory for one completion stays under ``6 * max_output_bytes`` (the output, and the
+      decoder's text of it: up to 4 bytes a character, and a copy while it widens), whatever the
+      program prints.
 
     Either may be given as a JSON string. A sample without test cases (None, empty) scores None.
 
