@@ -22,7 +22,16 @@ __version__ = "0.1.0"
 hookspec = pluggy.HookspecMarker("lit_grpo")
 hookimpl = pluggy.HookimplMarker("lit_grpo")
 
-__all__ = ["GRPODataModule", "GRPOModule", "__version__", "hookimpl", "hookspec"]
+__all__ = ["GRPODataModule", "GRPOModule", "__version__", "hookimpl", "hookspec", "reward_group"]
+
+
+def reward_group(function):
+    """Mark a registered reward ``function`` as a group of rewards: a ``model.rewards`` entry naming it
+    calls ``function(**args)``, which returns ``[(reward, weight), ...]``, and stands for those rewards,
+    each scored and logged under its own name (``rewards/<its __name__>/mean``) with its weight times
+    the entry's (another framework's rubric: one reward per scoring function)."""
+    function.lit_grpo_reward_group = True
+    return function
 
 
 def __getattr__(name: str):

@@ -343,11 +343,21 @@ def rewards_main(argv: list[str]) -> None:
 
 def environments_main(argv: list[str]) -> None:
     parser = CommandParser(prog="lit-grpo environments",
-                           description="List the installed environments (multi-turn tool use: model.environment).")
+                           description="List the installed environments (multi-turn tool use: model.environment) "
+                           "and the data sets plugins make (data.path).")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     options = parser.parse_args(argv)
     infos = list(plugins.get_environments().values())
-    print(rewards_as_json(infos) if options.json else format_rewards_table(infos, "environments"))
+    datasets = list(plugins.get_datasets().values())
+    if options.json:
+        listed = [{**entry, "provides": "environment"} for entry in json.loads(rewards_as_json(infos))]
+        listed += [{**entry, "provides": "data set"} for entry in json.loads(rewards_as_json(datasets))]
+        print(json.dumps(listed, indent=2))
+        return
+    print(format_rewards_table(infos, "environments"))
+    if datasets:  # what a plugin brings beside its environments: prompts to train on
+        print("\nData sets (data.path: NAME, data.args: its arguments):")
+        print(format_rewards_table(datasets))
 
 
 class PromptsCLI(GRPOCLI):

@@ -12,7 +12,9 @@ first training step, and reported as a ``ValueError`` that names the offending c
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import json
 import string
 from dataclasses import dataclass
@@ -22,8 +24,10 @@ from typing import Any
 import datasets
 import lightning.pytorch as pl
 import torch
+from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lit_grpo import plugins
 from lit_grpo.checkpointing import ResumableDataLoader
 from lit_grpo.config import AsWritten
 from lit_grpo.errors import DataError
@@ -189,11 +193,16 @@ class GRPODataModule(pl.LightningDataModule):
         path: openai/gsm8k               # a dataset on the Hugging Face Hub
         name: main
 
+        path: reasoning_gym              # a data set a plugin makes (`lit-grpo environments` lists them)
+        args: {datasets: [{name: basic_arithmetic}], size: 1000}
+
     Args:
         path: Hugging Face Hub dataset id (``openai/gsm8k``), ``datasets`` builder name (``json``,
             ``parquet``, ``csv``, ...) or local directory, exactly as for ``datasets.load_dataset``.
             A single local ``.json``, ``.jsonl``, ``.parquet`` or ``.csv`` file may also be given
-            here directly, in which case ``data_files`` must be left unset.
+            here directly, in which case ``data_files`` must be left unset. The name of a data set
+            that an installed plugin registers (``register_datasets``; ``lit-grpo environments``
+            lists them) loads that one instead, made with ``args``.
         data_files: Data file(s) for a builder: a path, a list of paths (globs allowed), or a mapping
             from split name to path(s). Files given without a split name form the split ``train``.
         name: Dataset configuration name (the ``name`` argument of ``datasets.load_dataset``).
@@ -219,6 +228,8 @@ class GRPODataModule(pl.LightningDataModule):
         val_data_files: Data file(s) for validation, in the same forms as ``data_files``; requires
             ``val_split`` (``train`` for files given without a split name).
         num_workers: Number of ``DataLoader`` worker processes (0 loads in the main process).
+        args: The arguments of the plugin data set ``path`` names (each split is
+            ``function(split=..., **args)``); only for such a data set.
     """
 
     def __init__(
@@ -238,6 +249,7 @@ class GRPODataModule(pl.LightningDataModule):
         val_split: str | None = None,
         val_data_files: DataFiles | None = None,
         num_workers: int = 0,
+        args: dict[str, AsWritten] | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -261,6 +273,7 @@ class GRPODataModule(pl.LightningDataModule):
         self.val_split = val_split
         self.val_data_files = val_data_files
         self.num_workers = num_workers
+        self.args = dict(args or {})
         self.train_dataset: datasets.Dataset | None = None
         self.val_dataset: datasets.Dataset | None = None
         self.in_memory: dict[str, datasets.Dataset] | None = None  # splits given in Python (from_data)
@@ -367,17 +380,65 @@ class GRPODataModule(pl.LightningDataModule):
     def _load_train(self) -> datasets.Dataset:
         if self.in_memory is not None:
             return self.in_memory[self.split]
-        return _load_split(self.path, name=self.name, data_files=self.data_files, split=self.split)
+        make = self._plugin_dataset()
+        if make is not None:
+            return _make_plugin_split(self.path, make, self.args, self.split)
+        return self._with_plugin_hint(_load_split, self.path, name=self.name, data_files=self.data_files,
+                                      split=self.split)
 
     def _load_val(self) -> datasets.Dataset:
         if self.in_memory is not None:
             return self.in_memory[self.val_split]
-        return _load_split(
-            self.path, name=self.name, data_files=self._val_source_files(), split=self.val_split
-        )
+        make = self._plugin_dataset()
+        if make is not None:
+            return _make_plugin_split(self.path, make, self.args, self.val_split)
+        return self._with_plugin_hint(_load_split, self.path, name=self.name, data_files=self._val_source_files(),
+                                      split=self.val_split)
+
+    def _plugin_dataset(self):
+        """The function of the plugin data set ``path`` names, or None when ``datasets.load_dataset``
+        loads ``path`` (a local path always does). ``args`` without such a data set are an error."""
+        if self.path in _PACKAGED_DATASETS_MODULES or "/" in self.path or Path(self.path).exists():
+            registered = None  # a builder (json, csv, ...), a hub id or a local path
+        else:
+            registered = plugins.get_datasets().get(self.path)
+        if registered is not None:
+            return registered.obj
+        if self.args:
+            raise DataError(f"data.args are the arguments of a data set a plugin makes, and data.path={self.path!r} "
+                            f"names none: {plugins.unknown_dataset_message(self.path)}")
+        return None
+
+    def _with_plugin_hint(self, load, *args, **kwargs) -> datasets.Dataset:
+        """``load(*args, **kwargs)``; a failure for a ``path`` close to a plugin data set's name says so."""
+        try:
+            return load(*args, **kwargs)
+        except DataError as error:
+            close = difflib.get_close_matches(self.path, list(plugins.get_datasets()), n=1)
+            if not close:
+                raise
+            raise DataError(f"{error} (did you mean data.path: {close[0]}, the data set of plugin "
+                            f"{plugins.get_datasets()[close[0]].label}?)") from error
 
     def _val_source_files(self) -> DataFiles | None:
         return self.val_data_files if self.val_data_files is not None else self.data_files
+
+
+def _make_plugin_split(name: str, make, args: dict[str, Any], split: str) -> datasets.Dataset:
+    """Split ``split`` of the plugin data set ``name``: ``make(split=split, **args)``, checked."""
+    try:
+        inspect.signature(make).bind(split=split, **args)
+    except TypeError as error:
+        parameters = [p for p in inspect.signature(make).parameters if p != "split"]
+        unknown = [key for key in args if key not in parameters]
+        close = difflib.get_close_matches(unknown[0], parameters, n=1) if unknown else []
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise DataError(f"data.args of data set {name!r}: {error}{hint} (its arguments: {', '.join(parameters)})") from None
+    dataset = make(split=split, **args)
+    if not isinstance(dataset, datasets.Dataset):
+        raise DataError(f"data set {name!r} made {type(dataset).__name__} for split {split!r}; a plugin's data set "
+                        "function returns a datasets.Dataset")
+    return dataset
 
 
 def _in_memory_split(data: Any, split: str, role: str) -> datasets.Dataset:

@@ -14,6 +14,10 @@ a class:
 * and ``close()``, called once the rollout is over and its reward read (also when the rollout
   failed): release processes, sandboxes or files there.
 
+An environment whose tools are known only once it is built (an adapter of another framework's
+environments, whose tools depend on its arguments) defines ``tools()`` instead of tool methods: it
+returns the instance's tools as functions, shown to the model like methods are.
+
 ``model.environment: {name: ..., args: {...}, weight: 1.0}`` picks one for every sample; a dataset
 column ``environment`` picks one per sample by name (an empty value: the configured one, or none).
 In Python the class itself may stand for the name (``environment=MyEnv`` or ``{"name": MyEnv, ...}``):
@@ -34,7 +38,7 @@ from lit_grpo.tools import Tool, make_tool
 __all__ = ["ENVIRONMENT_COLUMN", "EnvironmentSpec", "Environments", "environment_tool_methods"]
 
 ENVIRONMENT_COLUMN = "environment"
-NOT_TOOLS = frozenset({"get_reward", "reset", "close"})
+NOT_TOOLS = frozenset({"get_reward", "reset", "close", "tools"})
 
 
 @dataclass
@@ -144,6 +148,16 @@ class Environments:
         tools = dict(self.shared_tools)
         for method, schema in self._method_schemas[name].items():
             tools[method] = Tool(method, getattr(instance, method), schema)
+        if callable(getattr(instance, "tools", None)):  # tools known once it is built
+            try:
+                for function in instance.tools():
+                    tool = make_tool(function, f"environment {name!r}, tool {getattr(function, '__name__', function)!r}")
+                    if tool.name in tools:
+                        raise ConfigError(f"environment {name!r} has two tools named {tool.name!r} (model.tools or its own)")
+                    tools[tool.name] = tool
+            except BaseException:
+                self.close(name, instance)
+                raise
         return name, instance, tools
 
     def reward(self, name: str, instance: Any, row: int) -> float | None:

@@ -10,6 +10,10 @@ A plugin module implements them with the ``lit_grpo.hookimpl`` marker and is fou
     @lit_grpo.hookimpl
     def register_environments(register):
         register(MyEnvironment, name="my_environment")
+
+    @lit_grpo.hookimpl
+    def register_datasets(register):
+        register(make_my_prompts, name="my_prompts")
 """
 
 from __future__ import annotations
@@ -43,4 +47,14 @@ class Hookspecs:
         built from ``model.environment.args`` and the sample's columns its constructor names; its
         public methods are the tools the policy may call, and an optional ``get_reward()`` scores
         the rollout. ``name`` defaults to ``cls.__name__``.
+        """
+
+    @hookspec
+    def register_datasets(self, register: Callable[..., None]) -> None:
+        """Register prompt data sets that a plugin makes (generated, or read from another framework).
+
+        Call ``register(function, name=None)`` once per data set. ``data.path: <name>`` loads it as
+        ``function(split=..., **data.args)`` (``split``: ``data.split`` or ``data.val_split``), which
+        returns a ``datasets.Dataset`` of prompts and the columns the rewards and environments read.
+        ``name`` defaults to ``function.__name__``.
         """

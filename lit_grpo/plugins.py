@@ -69,6 +69,7 @@ __all__ = [
     "RewardInfo",
     "UnknownEnvironmentError",
     "UnknownRewardError",
+    "get_datasets",
     "get_environment",
     "get_environments",
     "get_plugin_manager",
@@ -166,6 +167,7 @@ class PluginInfo:
     rewards: list[str] = field(default_factory=list)
     error: str | None = None  # why it failed to load, if it did
     environments: list[str] = field(default_factory=list)
+    datasets: list[str] = field(default_factory=list)
 
 
 def _package_label(package: str, version: str) -> str:
@@ -215,7 +217,7 @@ class _Registry:
         # was built from, and the names each plugin registered
         self.items: dict[str, dict[str, RewardInfo]] = {}
         self.items_key: dict[str, tuple] = {}
-        self.by_plugin: dict[str, dict[str, list[str]]] = {"reward": {}, "environment": {}}
+        self.by_plugin: dict[str, dict[str, list[str]]] = {"reward": {}, "environment": {}, "dataset": {}}
         self.quiet = False  # strict mode raises instead of warning
 
 
@@ -337,13 +339,13 @@ def _register(reg: _Registry, plugin: Any, source: _Source) -> None:
         else f"plugin {source.package}"
     )
     if unknown:
-        hint = difflib.get_close_matches(unknown[0], ["register_rewards", "register_environments"], n=1)
+        hint = difflib.get_close_matches(unknown[0], ["register_rewards", "register_environments", "register_datasets"], n=1)
         _record_failure(
             reg,
             source,
             f"lit-grpo {where} implements unknown hook(s) {', '.join(unknown)}"
             + (f" (did you mean {hint[0]}?)" if hint else "")
-            + "; the hooks are register_rewards(register) and register_environments(register)",
+            + "; the hooks are register_rewards, register_environments and register_datasets (each takes register)",
         )
         return
     try:
@@ -369,7 +371,7 @@ def _collect_rewards(reg: _Registry) -> dict[str, RewardInfo]:
 
 def _collect(reg: _Registry, kind: str) -> dict[str, RewardInfo]:
     """Call every plugin's ``register_<kind>s`` hook (once per set of plugins) and index what they
-    registered by name; ``kind`` is ``reward`` or ``environment``."""
+    registered by name; ``kind`` is ``reward``, ``environment`` or ``dataset``."""
     impls = getattr(reg.pm.hook, f"register_{kind}s").get_hookimpls()
     key = tuple((impl.plugin_name, id(impl.plugin)) for impl in impls)
     if kind in reg.items and reg.items_key.get(kind) == key:
@@ -386,7 +388,7 @@ def _collect(reg: _Registry, kind: str) -> dict[str, RewardInfo]:
         def register(obj: Any, name: str | None = None, *, _mine=mine, _source=source) -> None:
             label = _package_label(_source.package, _source.version)
             if not callable(obj):
-                what = "a class" if kind == "environment" else "a function or a class"
+                what = {"environment": "a class", "dataset": "a function"}.get(kind, "a function or a class")
                 raise PluginError(f"plugin {label} registered {obj!r}, which is not callable; register {what}")
             if name is None:
                 name = getattr(obj, "__name__", None)
@@ -447,6 +449,7 @@ def load_plugins(strict: bool | None = None) -> pluggy.PluginManager:
             _load_entry_points(reg)
             _collect(reg, "reward")
             _collect(reg, "environment")
+            _collect(reg, "dataset")
         finally:
             reg.quiet = False
         if reg.failures and strict:
@@ -482,27 +485,24 @@ def register_plugin(plugin: Any, name: str | None = None, *, package: str | None
 
 
 def register_functions(package: str, rewards: Mapping[str, Any] | None = None,
-                       environments: Mapping[str, Any] | None = None, version: str = "") -> Any:
-    """Register ``rewards`` (name -> function or class) and ``environments`` (name -> class) as one
-    plugin attributed to ``package``, without a distribution (notebooks, tests, benchmarks). Returns
-    the plugin module; :func:`unregister_plugin` undoes it."""
+                       environments: Mapping[str, Any] | None = None, version: str = "",
+                       datasets: Mapping[str, Any] | None = None) -> Any:
+    """Register ``rewards`` (name -> function or class), ``environments`` (name -> class) and ``datasets``
+    (name -> function) as one plugin attributed to ``package``, without a distribution (notebooks, tests,
+    benchmarks). Returns the plugin module; :func:`unregister_plugin` undoes it."""
     import types
 
     from lit_grpo import hookimpl
 
     module = types.ModuleType("lit_grpo_functions_" + re.sub(r"\W", "_", package) + f"_{next(_function_plugins)}")
 
-    @hookimpl
-    def register_rewards(register):
-        for name, obj in (rewards or {}).items():
-            register(obj, name=name)
+    def hook(items: Mapping[str, Any] | None):
+        def register_all(register):
+            for name, obj in (items or {}).items():
+                register(obj, name=name)
+        return hookimpl(register_all)
 
-    @hookimpl
-    def register_environments(register):
-        for name, obj in (environments or {}).items():
-            register(obj, name=name)
-
-    module.register_rewards, module.register_environments = register_rewards, register_environments
+    module.register_rewards, module.register_environments, module.register_datasets = map(hook, (rewards, environments, datasets))
     register_plugin(module, package=package, version=version)
     return module
 
@@ -553,6 +553,22 @@ def get_environment(name: str) -> Any:
     )
 
 
+def get_datasets() -> dict[str, RewardInfo]:
+    """Every installed data set (``register_datasets``), by name (sorted)."""
+    with _lock:
+        load_plugins()
+        return dict(_collect(_get_registry(), "dataset"))
+
+
+def unknown_dataset_message(name: str) -> str:
+    """``Unknown data set 'x'. Did you mean 'y'? Installed data sets: ...`` in one line."""
+    datasets = get_datasets()
+    close = difflib.get_close_matches(name, list(datasets), n=1)
+    listing = ", ".join(f"{info.name} ({info.label})" for info in datasets.values()) or "none"
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"Unknown data set {name!r}.{hint} Installed data sets: {listing} (`lit-grpo environments` lists them)."
+
+
 def get_plugins() -> list[PluginInfo]:
     """Every plugin package seen, including those that failed to load (``error`` set)."""
     with _lock:
@@ -565,7 +581,8 @@ def get_plugins() -> list[PluginInfo]:
             source = _source_for(reg, name, plugin)
             out.append(
                 PluginInfo(source.name, source.package, source.version, list(reg.by_plugin["reward"].get(name, [])),
-                           environments=list(reg.by_plugin["environment"].get(name, [])))
+                           environments=list(reg.by_plugin["environment"].get(name, [])),
+                           datasets=list(reg.by_plugin["dataset"].get(name, [])))
             )
         for source, message in reg.failures.values():
             out.append(PluginInfo(source.name, source.package, source.version, [], message))

@@ -86,7 +86,7 @@ from lit_grpo.errors import ConfigError
 from lit_grpo.scoring.arguments import build_reward, check_columns
 from lit_grpo.scoring.pool import PoolCancelled, PoolInitError, WorkerPool
 from lit_grpo.scoring.failures import SampleFailure, indent, keep_training_hint, preview, sample_lines
-from lit_grpo.scoring.specs import RewardError, RewardSpec, as_spec, check_spec, metric_names
+from lit_grpo.scoring.specs import RewardError, RewardSpec, as_spec, check_spec, expand_reward_groups, metric_names
 
 try:  # numpy comes with torch in practice, but the scorer does not require it
     import numpy as np
@@ -259,6 +259,11 @@ class RewardScorer:
                     f"{key}[{i}] ({spec.name!r}): weight must be a finite number, got {spec.weight!r}"
                 )
             check_spec(f"{key}[{i}]", spec)
+        specs = expand_reward_groups(specs, key)
+        duplicated = [name for name, count in Counter(spec.name for spec in specs).items() if count > 1]
+        if duplicated:
+            raise ConfigError(f"reward {duplicated[0]!r} is configured twice in {key} (once through a reward group); "
+                              "each reward may appear once, since its name keys its metrics")
         self.specs: list[RewardSpec] = specs
         self.names: list[str] = metric_names([spec.name for spec in specs])
         self.infos: list[plugins.RewardInfo] = [plugins.get_reward(spec.name) for spec in specs]

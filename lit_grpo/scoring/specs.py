@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import numbers
 from collections import Counter
@@ -12,9 +14,10 @@ from typing import Any
 
 from lit_grpo.config import AsWritten
 from lit_grpo.errors import ConfigError, UserError
+from lit_grpo import plugins
 from lit_grpo.plugins import register_object_reward
 
-__all__ = ["ON_ERROR", "RewardError", "RewardSpec", "as_spec", "check_spec", "metric_names"]
+__all__ = ["ON_ERROR", "RewardError", "RewardSpec", "as_spec", "check_spec", "expand_reward_groups", "metric_names"]
 
 ON_ERROR = ("raise", "none", "zero")
 _SPEC_KEYS = ("name", "weight", "args", "on_error", "num_workers", "timeout")
@@ -96,6 +99,29 @@ def check_spec(where: str, spec: RewardSpec) -> None:
         raise ConfigError(
             f"{where}.timeout ({spec.name!r}) must be a number of seconds > 0, or null for no limit; got {timeout!r}"
         )
+
+
+def expand_reward_groups(specs: Sequence[RewardSpec], key: str) -> list[RewardSpec]:
+    """``specs`` with every entry that names a reward group (:func:`lit_grpo.reward_group`) replaced by
+    the rewards it stands for: ``group(**args)`` gives ``[(reward, weight), ...]``; each reward keeps the
+    entry's ``on_error``, ``num_workers`` and ``timeout``, and gets its weight times the entry's."""
+    expanded = []
+    for index, spec in enumerate(specs):
+        group = plugins.get_reward(spec.name).obj if isinstance(spec.name, str) else None
+        if not getattr(group, "lit_grpo_reward_group", False):
+            expanded.append(spec)
+            continue
+        try:
+            inspect.signature(group).bind(**spec.args)
+        except TypeError as error:
+            parameters = list(inspect.signature(group).parameters)
+            close = [match for key in spec.args for match in difflib.get_close_matches(key, parameters, n=1)]
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise plugins.RewardArgumentError(f"reward {spec.name!r}: {error}{hint} ({key}[{index}].args)") from None
+        for reward, weight in group(**spec.args):
+            expanded.append(RewardSpec(name=register_object_reward(reward), weight=float(weight) * float(spec.weight),
+                                       on_error=spec.on_error, num_workers=spec.num_workers, timeout=spec.timeout))
+    return expanded
 
 
 def metric_names(names: Sequence[str]) -> list[str]:
