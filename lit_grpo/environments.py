@@ -26,6 +26,7 @@ it is then called by its class name.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import warnings
 from collections.abc import Mapping, Sequence
@@ -143,8 +144,11 @@ class Environments:
         try:
             instance = cls(**args)
         except TypeError as error:
+            unknown = [key for key in spec.args if key not in parameters and not takes_all]
+            close = difflib.get_close_matches(unknown[0], list(parameters), n=1) if unknown else []
+            hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"environment {name!r} cannot be built from model.environment.args and sample {row}'s "
-                              f"columns {sorted(columns)}: {error}") from None
+                              f"columns {sorted(columns)}: {error}{hint}") from None
         tools = dict(self.shared_tools)
         for method, schema in self._method_schemas[name].items():
             tools[method] = Tool(method, getattr(instance, method), schema)

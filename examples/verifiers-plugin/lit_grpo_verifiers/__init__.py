@@ -115,7 +115,7 @@ def verifiers_dataset(split: str, environment: str, environment_args: dict | Non
 class VerifiersEnvironment:
     """The tools of a verifiers ToolEnv, for one rollout (a SingleTurnEnv has none)."""
 
-    def __init__(self, environment: str, environment_args: dict | None = None, **columns):
+    def __init__(self, environment: str, environment_args: dict | None = None):
         self.env = load(environment, environment_args)
 
     def tools(self) -> list:
