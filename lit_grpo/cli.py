@@ -3,7 +3,8 @@
 - ``lit-grpo fit|validate --config FILE [--key value ...]``: LightningCLI over :class:`GRPOModule`
   and :class:`GRPODataModule` (``--print_config`` shows the full resolved configuration).
 - ``lit-grpo rewards [--json]``: every installed reward with its package and version.
-- ``lit-grpo environments [--json]``: every installed environment, likewise.
+- ``lit-grpo environments [--json]``: every installed environment, likewise, and the data sets and rewards
+  of the plugin packages that bring them.
 - ``lit-grpo init-tiny DIR``: a tiny random Llama model and character tokenizer for offline runs.
 - ``lit-grpo export CKPT DIR [--no-merge-lora] [--overwrite]``: a checkpoint's policy as a Hugging Face
   ``save_pretrained`` directory (LoRA merged, or as a peft adapter), with its tokenizer; given a peft
@@ -343,21 +344,28 @@ def rewards_main(argv: list[str]) -> None:
 
 def environments_main(argv: list[str]) -> None:
     parser = CommandParser(prog="lit-grpo environments",
-                           description="List the installed environments (multi-turn tool use: model.environment) "
-                           "and the data sets plugins make (data.path).")
+                           description="List the installed environments (multi-turn tool use: model.environment), "
+                           "the data sets plugins make (data.path) and the rewards of those plugins (model.rewards).")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     options = parser.parse_args(argv)
     infos = list(plugins.get_environments().values())
     datasets = list(plugins.get_datasets().values())
+    # the rewards of those packages, so that each package's line-up shows whole (lit-grpo rewards lists all)
+    packages = {info.package for info in infos + datasets}
+    rewards = [info for info in plugins.get_rewards().values() if info.package in packages]
     if options.json:
         listed = [{**entry, "provides": "environment"} for entry in json.loads(rewards_as_json(infos))]
         listed += [{**entry, "provides": "data set"} for entry in json.loads(rewards_as_json(datasets))]
+        listed += [{**entry, "provides": "reward"} for entry in json.loads(rewards_as_json(rewards))]
         print(json.dumps(listed, indent=2))
         return
     print(format_rewards_table(infos, "environments"))
     if datasets:  # what a plugin brings beside its environments: prompts to train on
         print("\nData sets (data.path: NAME, data.args: its arguments):")
         print(format_rewards_table(datasets))
+    if rewards:
+        print("\nRewards of these packages (model.rewards; all installed rewards: lit-grpo rewards):")
+        print(format_rewards_table(rewards))
 
 
 class PromptsCLI(GRPOCLI):
@@ -365,10 +373,9 @@ class PromptsCLI(GRPOCLI):
     tokenizer are built (no model weights are loaded)."""
 
     def instantiate_classes(self) -> None:
+        from lit_grpo.agent import ToolUse
         from lit_grpo.data import GRPODataModule
         from lit_grpo.models import load_tokenizer
-
-        from lit_grpo.agent import ToolUse
 
         self.datamodule = GRPODataModule(**self.config.data.as_dict())
         self.tool_use = ToolUse.from_settings(self.config.model.as_dict())  # a misspelt tool fails here

@@ -91,7 +91,11 @@ def test_lit_grpo_environments_lists_the_data_set_with_its_package(fresh_cli, ca
 
     main(["environments"])
     out = capsys.readouterr().out
-    assert any(line.split()[:2] == ["reasoning_gym", "lit-grpo-reasoning-gym"] for line in out.split("Data sets", 1)[1].splitlines())
+    datasets, rewards = out.split("Data sets", 1)[1].split("Rewards of these packages", 1)
+    assert any(line.split()[:2] == ["reasoning_gym", "lit-grpo-reasoning-gym"] for line in datasets.splitlines())
+    # what the package brings, its reward too; not the rewards of packages that bring no environment or data set
+    listed = [line.split()[:2] for line in rewards.splitlines()[2:]]
+    assert ["reasoning_gym_score", "lit-grpo-reasoning-gym"] in listed and "lit-grpo-rewards" not in {row[1] for row in listed}
     assert plugins.get_rewards()["reasoning_gym_score"].package == "lit-grpo-reasoning-gym"
 
 

@@ -151,4 +151,5 @@ def test_lit_grpo_environments_lists_what_the_plugin_brings(fresh_cli, capsys):
 
     listed = {(entry["name"], entry["provides"]): entry["package"] for entry in json.loads(capsys.readouterr().out)}
     assert listed[("verifiers", "environment")] == listed[("verifiers", "data set")] == "lit-grpo-verifiers"
+    assert listed[("verifiers_rubric", "reward")] == "lit-grpo-verifiers"
     assert plugins.get_rewards()["verifiers_rubric"].package == "lit-grpo-verifiers"
