@@ -227,8 +227,10 @@ def log_step_completions(module: Any, scored: Any, completions: list) -> None:
     if not (to_table or to_file):
         return
     prompts = [prompt for prompt in scored.prompts for _ in range(hp.num_generations)]
+    # the columns of rewards_per_func: the rewards', then the environments' (logged even at weight 0)
+    reward_names = module.scorer.names + (module.tool_use.reward_names if module.tool_use is not None else [])
     records = completion_records(
-        step, prompts, completions, module.scorer.names,
+        step, prompts, completions, reward_names,
         scored.rewards_per_func.tolist(), scored.rewards.tolist(), scored.group.advantages.tolist(),
     )
     for logger in module.loggers if to_table else []:

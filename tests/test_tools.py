@@ -569,6 +569,27 @@ def test_environments_are_closed_when_the_rollout_fails(counted_environment, tok
     assert (counted_environment.live, counted_environment.closed) == (0, 5)
 
 
+def test_the_completions_table_shows_the_environments_reward_also_at_weight_0(
+        tmp_path, tiny_qwen2_dir, scripted, reward_plugin, counted_environment, write_jsonl, fast_trainer):
+    """Every reward column a run logs is in completions.jsonl and `lit-grpo completions`: the
+    environment's get_reward() beside the rewards', also when its weight adds nothing to `reward`."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_grpo.completions import show_step
+
+    reward_plugin(half=lambda prompts, completions, **kw: [0.5] * len(completions))
+    module = GRPOModule(str(tiny_qwen2_dir), [{"name": "half"}], num_generations=2, max_completion_length=128,
+                        environment={"name": "counted", "args": {"reward": 0.25}, "weight": 0.0},
+                        model_init_kwargs={"dtype": "float32"})
+    data = GRPODataModule(path="json", data_files=str(questions_file(write_jsonl, ["once 5"])), batch_size=1,
+                          conversational=True)
+    fast_trainer(max_steps=1, logger=CSVLogger(tmp_path)).fit(module, data)
+    records = [json.loads(line) for line in next(tmp_path.rglob("completions.jsonl")).read_text().splitlines()]
+    assert [(r["rewards"], r["reward"]) for r in records] == [({"half": 0.5, "counted": 0.25}, 0.5)] * 2
+    header = show_step(tmp_path).splitlines()[1]
+    assert header == "| prompt | completion | half | counted | reward | advantage |"
+
+
 def test_tools_quickstart_config_runs_through_the_cli_with_the_environment(tmp_path, warm_tool_model):
     """configs/tools-quickstart.yaml as shipped (the model replaced by the warm-started one, 3 steps)."""
     command = [str(Path(sys.executable).with_name("lit-grpo")), "fit", "--config", str(REPO / "configs/tools-quickstart.yaml"),
