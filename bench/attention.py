@@ -101,7 +101,7 @@ def sampler_rows(size: str, model_dir: str, length: int, repeats: int) -> list[d
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     import lit_grpo.cpu as cpu
-    import lit_grpo.generation as generation
+    import lit_grpo.engines.policy as generation
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

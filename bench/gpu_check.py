@@ -202,7 +202,7 @@ def greedy_agreement(model, tokenizer, texts: list[str], new_tokens: int) -> dic
     """The ``lit`` sampler's greedy tokens against ``generate``'s."""
     from transformers import GenerationConfig
 
-    from lit_grpo.generation import generate_completions
+    from lit_grpo.engines.policy import generate_completions
 
     config = GenerationConfig(
         do_sample=False, max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
@@ -250,7 +250,7 @@ def logprob_differences(sampler_logps: torch.Tensor, reference_logps: torch.Tens
 
 @torch.no_grad()
 def sampled_logprob_check(model, tokenizer, texts: list[str], new_tokens: int, backend: str) -> dict:
-    """Sample one completion per prompt with ``backend`` (a name in ``lit_grpo.generation.SAMPLERS``)
+    """Sample one completion per prompt with ``backend`` (a name in ``lit_grpo.engines.policy.SAMPLERS``)
     and compare the log-prob of each sampled token under the logits the sampler's own forwards
     returned with a teacher-forced forward of the finished sequence.
 
@@ -258,7 +258,7 @@ def sampled_logprob_check(model, tokenizer, texts: list[str], new_tokens: int, b
     prefill and every decode step but the last), every row in each (no completion may end early:
     EOS is held back), so call t's logits predicted token t."""
     from lit_grpo.algorithm import selective_log_softmax
-    from lit_grpo.generation import generate_completions
+    from lit_grpo.engines.policy import generate_completions
 
     calls: list[torch.Tensor] = []
     hook = model.register_forward_hook(lambda module, args, output: calls.append(output.logits[:, -1]))
@@ -513,7 +513,7 @@ def decode_speed(model, tokenizer, device: str, rows: int, new_tokens: int, hard
     backends, and the floor."""
     from transformers import GenerationConfig
 
-    from lit_grpo.generation import generate_completions
+    from lit_grpo.engines.policy import generate_completions
 
     config = sampling_config(model.generation_config, new_tokens)
     texts = prompts(rows)
@@ -544,18 +544,18 @@ def decode_rows(checkpoint: Path, shape_names: list[str], device: str, sizes: Si
 
 
 def vllm_rows(checkpoint: Path, device: str, sizes: Sizes, hardware: Hardware) -> dict:
-    """The ``vllm`` backend (``lit_grpo.vllm_backend.VLLMSampler``, as a run builds it) on the first
+    """The ``vllm`` backend (``lit_grpo.engines.vllm_colocated.ColocatedVLLMEngine``, as a run builds it) on the first
     shape: its log-probs of its own samples against a teacher-forced forward (bf16), and its decoding
     speed (a completion may stop at EOS here: vLLM's sampler is not told to hold it back, and ms per
     step divides by the longest completion). The engine is built before the model of the forward is
     loaded, as a run builds it before its policy."""
     from transformers import AutoTokenizer, GenerationConfig
 
+    from lit_grpo.engines.vllm_colocated import ColocatedVLLMEngine, VLLMSettings
     from lit_grpo.generation import tokenize_prompts
-    from lit_grpo.vllm_backend import VLLMSampler, VLLMSettings
 
     tokenizer, generation_config = AutoTokenizer.from_pretrained(checkpoint), GenerationConfig.from_pretrained(checkpoint)
-    sampler = VLLMSampler(str(checkpoint), torch.bfloat16, VLLMSettings(), None, sizes.decode_tokens)
+    sampler = ColocatedVLLMEngine(str(checkpoint), torch.bfloat16, VLLMSettings(), None, sizes.decode_tokens)
 
     def sample(texts: list[str], new_tokens: int):
         prompt_ids, prompt_mask, truncated = tokenize_prompts(tokenizer, texts, None, device)

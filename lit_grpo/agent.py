@@ -116,7 +116,8 @@ class ToolUse:
                 any_rank_active: Callable[[bool], bool] | None, device: torch.device,
                 max_sequence_length: int | None = None) -> Rollout:
         """Run the conversations with ``generate_ids(prompt_ids, prompt_mask, config) -> Rollout | None``
-        (the module's sampler, one completion per row) and return them as a rollout; then read the
+        (the module's engine, one completion per row: any of :mod:`lit_grpo.engines`) and return them
+        as a rollout, each row with the oldest weights that sampled one of its turns; then read the
         environments' rewards and close them (closed also when anything failed).
         ``max_sequence_length``: the longest prompt + completion the sampler takes (the model's or the
         engine's context), which tool results may not overflow."""
@@ -161,7 +162,8 @@ class ToolUse:
                 row_mask = rollout.completion_mask[row].bool()
                 tokens = rollout.completion_ids[row][row_mask].tolist()
                 logps = rollout.sampling_logps[row][row_mask].tolist() if rollout.sampling_logps is not None else None
-                outputs.append(TurnOutput(tokens, logps, bool(tokens) and not bool(rollout.is_truncated[row])))
+                version = int(rollout.weight_versions[row]) if rollout.weight_versions is not None else None
+                outputs.append(TurnOutput(tokens, logps, bool(tokens) and not bool(rollout.is_truncated[row]), version))
             return outputs
 
         run_conversations(

@@ -226,6 +226,14 @@ class ResumableDataLoader(DataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._state_to_resume = state_dict
 
+    def rewind(self, state: dict[str, Any], batches: int) -> None:
+        """Go back to ``state`` (a :meth:`state_dict` of this loader) less its last ``batches`` batches:
+        they were handed out but not trained on (a step that stopped before its update), so a
+        checkpoint written now resumes with them."""
+        self._epoch, self._batches_yielded = state["epoch"], state["batches_yielded"] - batches
+        self._generator_at_epoch_start = state["generator_at_epoch_start"]
+        self.generator.set_state(state["generator"])
+
     def __iter__(self):
         return self._iterate_epoch()
 

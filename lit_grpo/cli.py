@@ -11,6 +11,7 @@
   adapter directory, the adapter merged into its base model.
 - ``lit-grpo completions RUN_DIR [--step N]``: the completions a run logged at a step, as a table.
 - ``lit-grpo prompts --config FILE [-n N]``: the first prompts exactly as the model sees them.
+- ``lit-grpo serve MODEL [...]``: a vLLM server for ``model.generation_backend: vllm_server``.
 """
 
 from __future__ import annotations
@@ -464,6 +465,12 @@ def completions_main(argv: list[str]) -> None:
     print(show_step(Path(options.path), options.step, options.limit, options.width, options.json), flush=True)
 
 
+def serve_main(argv: list[str]) -> None:
+    from lit_grpo.engines.vllm_serve import serve_main as serve
+
+    serve(argv)
+
+
 SUBCOMMANDS = {
     "init-tiny": init_tiny_main,
     "rewards": rewards_main,
@@ -471,6 +478,7 @@ SUBCOMMANDS = {
     "export": export_main,
     "completions": completions_main,
     "prompts": prompts_main,
+    "serve": serve_main,
 }
 
 
@@ -487,6 +495,7 @@ commands:
   completions  show the completions a run logged at a step
   export       write a checkpoint's policy as a Hugging Face save_pretrained directory
   init-tiny    write a tiny random model and tokenizer for offline runs
+  serve        start a vLLM server for model.generation_backend: vllm_server
 
 `lit-grpo COMMAND --help` describes a command; `lit-grpo fit --help` lists every config key.
 Errors in the input end with one line `error: ...`; LIT_GRPO_TRACEBACK=1 shows the traceback."""
@@ -530,7 +539,9 @@ def main(argv: list[str] | None = None) -> None:
     except (UserError, argparse.ArgumentError) as error:
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        # an error that stopped a run after a checkpoint says how to resume it (a lost generation server)
+        describe = getattr(error, "describe", None)
+        print(f"error: {describe(resume_command(words)) if describe else error}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

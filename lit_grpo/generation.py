@@ -1,51 +1,26 @@
-"""Sampling a group of G completions per prompt, with a choice of backends.
+"""What a generation engine is given: prompts as token ids, and the sampling settings of a run.
 
 The policy model is a ``transformers`` causal LM; prompts are plain strings or chat message lists
-(rendered with the tokenizer's chat template and a generation prompt, :func:`render_prompts`). Every
-prompt is repeated G times so that rows ``g*G .. g*G+G-1`` of every tensor form the group of prompt
-``g`` (:class:`lit_grpo.rollout.Rollout`).
-
-Backends (``model.generation_backend``; :data:`SAMPLERS` maps each name to a function from left-padded
-prompt ids to completion ids, so another backend is one more entry):
-
-* ``"lit"`` (default): the group sampler of :mod:`lit_grpo.group_sampler` (each prompt encoded once,
-  KV cache written in place, finished completions leave the batch). For models or generation options
-  it does not implement it falls back to ``generate``, with a warning.
-* ``"transformers"``: Hugging Face ``generate`` on the prompts repeated G times.
-* ``"vllm"``: a colocated vLLM engine (:mod:`lit_grpo.vllm_backend`, an optional extra), which keeps
-  state between calls (its own copy of the weights) and so is driven by the module.
-
-Both give the same completions for the same settings (greedy decoding gives the same tokens;
-sampling draws from the same distribution), and both stop at every EOS id of the generation config.
-CPU-only speed-ups around sampling live in :mod:`lit_grpo.cpu` (:func:`lit_grpo.cpu.sampling`).
+(rendered with the tokenizer's chat template and a generation prompt, :func:`render_prompts`), then
+tokenized, left-padded (:func:`tokenize_prompts`). The engines that sample from them are in
+:mod:`lit_grpo.engines`; every prompt gets G completions, and rows ``g*G .. g*G+G-1`` of every tensor
+form the group of prompt ``g`` (:class:`lit_grpo.rollout.Rollout`).
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from lit_grpo import cpu
-from lit_grpo.algorithm import completion_mask_from_ids
 from lit_grpo.errors import ConfigError
-from lit_grpo.group_sampler import lit_sampler_unsupported, sample_groups
-from lit_grpo.rollout import Rollout, is_conversational
+from lit_grpo.rollout import is_conversational
 
 __all__ = [
-    "GENERATION_BACKENDS",
     "NO_CHAT_TEMPLATE",
-    "SAMPLERS",
-    "generate_completions",
-    "generate_from_ids",
     "generation_config",
     "run_generation_configs",
     "render_prompts",
     "tokenize_prompts",
-    "weights_cast_once",
 ]
 
 
@@ -93,39 +68,6 @@ def tokenize_prompts(
     return prompt_ids.to(device), prompt_mask.to(device), truncated.to(device)
 
 
-def sample_with_generate(
-    model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int, config: GenerationConfig
-) -> torch.Tensor:
-    """``[B * G, C]`` completion tokens from Hugging Face ``generate`` on the prompts repeated G times."""
-    repeated_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
-    repeated_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
-    # synced_gpus=False: each rank decodes on its own (with FSDP2 the caller has gathered the
-    # weights, see lit_grpo.distributed), so ranks that finish early do not run dummy steps.
-    output = model.generate(input_ids=repeated_ids, attention_mask=repeated_mask, generation_config=config, synced_gpus=False)
-    return output[:, repeated_ids.size(1) :]  # [N, C]
-
-
-def sample_with_group_sampler(
-    model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int, config: GenerationConfig
-) -> torch.Tensor:
-    """``[B * G, C]`` from the ``lit`` group sampler, or from ``generate`` (with a warning) for what
-    it does not implement."""
-    reason = lit_sampler_unsupported(model, config)
-    if reason is not None:
-        warnings.warn(
-            f"model.generation_backend=lit does not implement {reason}; sampling with transformers' generate",
-            stacklevel=4,
-        )
-        return sample_with_generate(model, prompt_ids, prompt_mask, num_generations, config)
-    return sample_groups(model, prompt_ids, prompt_mask, num_generations, config)
-
-
-# name -> (model, prompt_ids [B, P], prompt_mask [B, P], G, generation config) -> completion ids [B * G, C]
-SAMPLERS: dict[str, Callable[..., torch.Tensor]] = {"lit": sample_with_group_sampler, "transformers": sample_with_generate}
-# and an engine with state of its own: ``vllm`` (lit_grpo.vllm_backend.VLLMSampler, the module drives it)
-GENERATION_BACKENDS = (*SAMPLERS, "vllm")
-
-
 def generation_config(
     *,
     max_new_tokens: int,
@@ -167,71 +109,3 @@ def run_generation_configs(hp, tokenizer: PreTrainedTokenizerBase, eos_token_ids
     )
     eval_temperature = hp.temperature if hp.temperature_eval is None else hp.temperature_eval
     return generation_config(temperature=hp.temperature, **sampling), generation_config(temperature=eval_temperature, **sampling)
-
-
-@torch.no_grad()
-def generate_completions(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompt_texts: list[str],
-    num_generations: int,
-    generation_config: GenerationConfig,
-    max_prompt_length: int | None = None,
-    backend: str = "lit",
-) -> Rollout:
-    """Sample ``num_generations`` completions for each prompt text with ``backend`` (see the module doc)."""
-    device = next(model.parameters()).device
-    prompt_ids, prompt_mask, prompt_truncated = tokenize_prompts(tokenizer, prompt_texts, max_prompt_length, device)  # [B, P]
-    return generate_from_ids(
-        model, prompt_ids, prompt_mask, prompt_truncated, num_generations, generation_config, tokenizer.pad_token_id, backend
-    )
-
-
-def generate_from_ids(
-    model: PreTrainedModel,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    prompt_truncated: torch.Tensor,
-    num_generations: int,
-    generation_config: GenerationConfig,
-    pad_token_id: int,
-    backend: str = "lit",
-) -> Rollout:
-    """:func:`generate_completions` from left-padded prompt tokens ``[B, P]`` (a multi-turn rollout's
-    contexts are tokens: decoding and re-encoding them would not give the same tokens back)."""
-    if backend not in SAMPLERS:
-        raise ConfigError(f"generate_completions samples with {tuple(SAMPLERS)}, got {backend!r} (vllm: lit_grpo.vllm_backend)")
-    device = prompt_ids.device
-    # Sample in eval mode: no dropout, and gradient checkpointing (active in training mode only)
-    # would turn the KV cache off.
-    was_training = model.training
-    model.eval()
-    try:
-        with weights_cast_once(device.type), cpu.sampling(model, device):
-            completion_ids = SAMPLERS[backend](model, prompt_ids, prompt_mask, num_generations, generation_config)
-    finally:
-        model.train(was_training)
-    completion_mask, is_truncated = completion_mask_from_ids(completion_ids, generation_config.eos_token_id)
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_token_id)
-    repeated_ids, repeated_mask, repeated_truncated = (
-        tensor.repeat_interleave(num_generations, dim=0) for tensor in (prompt_ids, prompt_mask, prompt_truncated)
-    )  # [N, P], [N, P], [N]
-    rollout = Rollout(repeated_ids, repeated_mask, completion_ids, completion_mask, is_truncated, repeated_truncated)
-    return rollout.trimmed()
-
-
-@contextmanager
-def weights_cast_once(device_type: str) -> Iterator[None]:
-    """Under autocast every linear layer casts its float32 weight to the half dtype at each call,
-    and Lightning turns autocast's cache of those casts off (its optimizer steps change the weights
-    inside the autocast block). While a batch is sampled the weights do not change: within this
-    block each trainable weight is cast once (autocast caches casts of leaf tensors that require
-    grad), and the cache is emptied on exit so that no stale copy outlives the block."""
-    if not torch.is_autocast_enabled(device_type):
-        yield
-        return
-    with torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=True):
-        try:
-            yield
-        finally:
-            torch.clear_autocast_cache()

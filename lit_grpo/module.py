@@ -51,23 +51,13 @@ from lit_grpo.completions import log_step_completions
 from lit_grpo.config import AsWritten, check_batch_sizes, check_settings
 from lit_grpo.data import PromptBatch
 from lit_grpo.dynamic_sampling import dynamic_sampling
-from lit_grpo.distributed import (
-    data_parallel_mesh,
-    gather_rows,
-    gathered_for_generation,
-    mixed_precision_policy,
-    shard_model,
-)
+from lit_grpo.distributed import data_parallel_mesh, gather_rows, mixed_precision_policy, shard_model
+from lit_grpo.engines import GENERATION_BACKENDS, check_backend, engine_for_run
+from lit_grpo.engines.base import GenerationEngine
+from lit_grpo.engines.server_lost import CheckpointWhenServerLost
 from lit_grpo.errors import ConfigError
 from lit_grpo.evaluation import ValidationMetrics
-from lit_grpo.generation import (
-    GENERATION_BACKENDS,
-    NO_CHAT_TEMPLATE,
-    generate_from_ids,
-    render_prompts,
-    run_generation_configs,
-    tokenize_prompts,
-)
+from lit_grpo.generation import NO_CHAT_TEMPLATE, render_prompts, run_generation_configs, tokenize_prompts
 from lit_grpo.logprobs import LogProbEngine
 from lit_grpo.reference import ReferenceModelSync
 from lit_grpo.rollout import (
@@ -81,7 +71,6 @@ from lit_grpo.rollout import (
 from lit_grpo.python_objects import storable
 from lit_grpo.runs import run_directory
 from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
-from lit_grpo.vllm_backend import VLLMSampler, require_vllm
 
 __all__ = ["GRPOModule"]
 
@@ -157,12 +146,14 @@ class GRPOModule(pl.LightningModule):
             auto: 1024 on the CPU, from the free memory on CUDA (``lit_grpo.device_defaults``).
         share_prompt_forward: encode each distinct prompt once in the log-prob forwards; auto: on the CPU only.
         skip_zero_gradient_rows: rows whose loss terms have no gradient skip the backward pass.
-        generation_backend: ``lit``, ``transformers`` (``lit_grpo.generation``) or ``vllm``
-            (``lit_grpo.vllm_backend``, the ``lit-grpo[vllm]`` extra).
+        generation_backend: ``lit``, ``transformers``, ``vllm`` or ``vllm_server`` (``lit_grpo.engines``;
+            vLLM: the ``lit-grpo[vllm]`` extra).
         vllm_gpu_memory_utilization: GPU memory share of the colocated engine (weights and KV cache).
         vllm_enable_sleep_mode: release the engine's GPU memory while the trainer trains.
         vllm_tensor_parallel_size: the engine's tensor-parallel degree (1 for now).
         vllm_max_model_length: the engine's longest sequence; None: prompt + completion maximum (tools: the model's).
+        vllm_server_urls: ``vllm_server``: the servers' addresses (``lit-grpo serve``), ``[http://HOST:PORT, ...]``.
+        vllm_server_timeout: seconds a server may be unreachable (at start, mid-run) before the run stops.
         vllm_importance_sampling_correction: reweight the engine's samples by trainer / engine probability,
             ``vllm_importance_sampling_mode`` (``token|sequence`` x ``truncate|mask``) within
             [``vllm_importance_sampling_clip_min``, ``vllm_importance_sampling_clip_max``] (TRL 1.16).
@@ -237,6 +228,8 @@ class GRPOModule(pl.LightningModule):
         vllm_enable_sleep_mode: bool = False,
         vllm_tensor_parallel_size: int = 1,
         vllm_max_model_length: int | None = None,
+        vllm_server_urls: list[str] | None = None,
+        vllm_server_timeout: float = 300.0,
         vllm_importance_sampling_correction: bool = True,
         vllm_importance_sampling_mode: str = "sequence_mask",
         vllm_importance_sampling_clip_min: float | None = None,
@@ -288,10 +281,9 @@ class GRPOModule(pl.LightningModule):
         self.run_log_dir: Path | None = None  # the logger's directory of this run, set in setup
         self._warned_prompt_truncation = False
         self.loggers_told: set[type] = set()  # loggers without a completions table, said once
-        self.vllm: VLLMSampler | None = None  # the vllm backend's engine (configure_model)
-        self.policy_version = 0  # optimizer steps the policy has taken (checkpointed): when to push weights
-        if generation_backend == "vllm":
-            require_vllm()  # a missing extra fails before any model is loaded
+        self.engine: GenerationEngine | None = None  # what samples (lit_grpo.engines), made by configure_model
+        self.policy_version = 0  # optimizer steps the policy has taken (checkpointed): the weights' version
+        check_backend(self.hparams)  # a missing extra or server address fails before any model is loaded
 
     # ------------------------------------------------------------------------------------------
     # Setup
@@ -305,9 +297,9 @@ class GRPOModule(pl.LightningModule):
             return
         hp = self.hparams
         precision = self._precision()
-        if hp.generation_backend == "vllm":  # the engine first: vLLM's memory check then sees none of the trainer's
-            self.vllm = VLLMSampler.for_run(hp, self.model_source, precision, grows_with_tools=self.tool_use is not None)
-            self.vllm.engine()
+        # the engine first: vLLM's memory check then sees none of the trainer's; a server not found fails now
+        self.engine = engine_for_run(hp, self.model_source, precision, grows_with_tools=self.tool_use is not None)
+        self.engine.start()
         if hp.beta > 0 and hp.lora is None:  # with LoRA: the policy, adapter disabled
             self.ref_model = models.build_reference(self.model_source, hp.model_init_kwargs, precision)
         self.policy = models.build_policy(self.model_source, models.model_init_kwargs(hp.model_init_kwargs), lora=hp.lora,
@@ -359,8 +351,8 @@ class GRPOModule(pl.LightningModule):
             )
 
     def teardown(self, stage: str) -> None:
-        if self.vllm is not None:
-            self.vllm.close()  # before Lightning tears the process group down
+        if self.engine is not None:
+            self.engine.close()  # before Lightning tears the process group down
         self.scorer.close()  # stop reward worker processes and the async-reward event loop
         if self.eval_scorer is not self.scorer:
             self.eval_scorer.close()
@@ -395,6 +387,8 @@ class GRPOModule(pl.LightningModule):
             callbacks.append(ValidateBeforeTraining())
         if self.hparams.sync_ref_model:
             callbacks.append(ReferenceModelSync(self.hparams.ref_model_sync_steps, self.hparams.ref_model_mixup_alpha))
+        if self.hparams.generation_backend == "vllm_server":  # a server lost mid-run: a checkpoint, then a stop
+            callbacks.append(CheckpointWhenServerLost())
         return callbacks
 
     def configure_optimizers(self):
@@ -462,7 +456,7 @@ class GRPOModule(pl.LightningModule):
                         scored.old_logps[rows, : logps.size(1)] = logps  # logps [n, c]
                 grad_norm = self._clip_gradients()
                 optimizer.step()
-                self.policy_version += 1  # the engine's weights are stale from here (_sync_engine_weights)
+                self.policy_version += 1  # the engine's weights are stale from here (engine.sync_weights)
                 # free the gradients now (set to None), which also starts the next mini-batch's
                 # accumulation from nothing: kept, they would stay allocated through the next
                 # generation batch and forward pass, one float32 copy of the trainable weights
@@ -550,9 +544,9 @@ class GRPOModule(pl.LightningModule):
         hp = self.hparams
         G = hp.num_generations
 
-        # 1. Sample G completions per prompt (the vllm engine gets the current weights first).
-        if self.vllm is not None:
-            timings["weight_sync"] = timings.get("weight_sync", 0.0) + self._sync_engine_weights()
+        # 1. Sample G completions per prompt (an engine with weights of its own gets the current ones first).
+        if self.engine.holds_weights:
+            timings["weight_sync"] = timings.get("weight_sync", 0.0) + self.engine.sync_weights(self.policy, self.policy_version)
         start = time.perf_counter()
         rollout = self.generate(batch.prompts, columns=batch.columns)
         timings["generate"] += time.perf_counter() - start
@@ -592,29 +586,20 @@ class GRPOModule(pl.LightningModule):
                                                 hp.chat_template_kwargs)
             any_rank_active = lambda local: bool(self.trainer.strategy.reduce(  # noqa: E731
                 torch.tensor(float(local), device=self.device), reduce_op="max")) if self._trainer is not None else local
-            # the longest sequence the sampler takes, which tool results may not overflow
-            max_length = self.vllm.max_sequence_length() if self.vllm else getattr(self.policy.config, "max_position_embeddings", None)
+            self.engine.sync_weights(self.policy, self.policy_version)  # then it knows its longest sequence
             return self.tool_use.rollout(conversations, self._generate_ids, self.tokenizer, config, hp.max_completion_length,
-                                         hp.chat_template_kwargs, any_rank_active, self.device, max_length)
+                                         hp.chat_template_kwargs, any_rank_active, self.device, self.engine.max_sequence_length())
         texts = render_prompts(self.tokenizer, prompts, hp.chat_template_kwargs)
         ids, mask, cut = tokenize_prompts(self.tokenizer, texts, hp.max_prompt_length, self.device)
         return self._generate_ids(ids, mask, config, G, cut)
 
     def _generate_ids(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
                       num_generations: int = 1, prompt_truncated: torch.Tensor | None = None) -> Rollout | None:
-        """G completions of each left-padded prompt ``[B, P]`` with the configured backend (None for
-        no prompts: under FSDP2 the weights' gathering is still joined, as it is a collective)."""
+        """G completions of each left-padded prompt ``[B, P]`` with the run's engine, which gets this
+        step's weights first (None for no prompts: the engine's collectives are still joined)."""
         prompt_truncated = torch.zeros(len(prompt_ids), dtype=torch.bool, device=self.device) if prompt_truncated is None else prompt_truncated
-        if self.vllm is not None:
-            self._sync_engine_weights()  # the weights of this step (nothing to do when already pushed)
-            if len(prompt_ids) == 0:
-                return None
-            return self.vllm.generate(prompt_ids, prompt_mask, prompt_truncated, num_generations, config, self.tokenizer.pad_token_id)
-        with gathered_for_generation(self.policy):  # FSDP2: gather the weights once, not per token
-            if len(prompt_ids) == 0:
-                return None
-            return generate_from_ids(self.policy, prompt_ids, prompt_mask, prompt_truncated, num_generations, config,
-                                     self.tokenizer.pad_token_id, backend=self.hparams.generation_backend)
+        self.engine.sync_weights(self.policy, self.policy_version)  # nothing to do when it has them already
+        return self.engine.generate(prompt_ids, prompt_mask, prompt_truncated, num_generations, config, self.tokenizer.pad_token_id)
 
     def _score(self, scorer: RewardScorer, batch: PromptBatch, rollout: Rollout, k: int) -> tuple[list, torch.Tensor]:
         """The completions as the rewards saw them and ``[B * k, K]`` rewards: ``scorer``'s, then the
@@ -629,10 +614,6 @@ class GRPOModule(pl.LightningModule):
     def _reward_weights(self, scorer: RewardScorer) -> torch.Tensor:  # [K + environments]
         extra = self.tool_use.reward_weights if self.tool_use is not None else []
         return torch.cat([scorer.weights, torch.tensor(extra, dtype=scorer.weights.dtype)]) if extra else scorer.weights
-
-    def _sync_engine_weights(self) -> float:
-        """Seconds spent pushing the policy's weights to the vllm engine (when they changed since)."""
-        return self.vllm.sync_weights(self.policy, self.policy_version)
 
     def _grad_scaler_scale(self) -> float:
         """The loss scale of a ``16-mixed`` GradScaler (1 without one)."""

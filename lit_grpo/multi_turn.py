@@ -58,6 +58,7 @@ class TurnOutput:
     token_ids: list[int]  # the new tokens, up to and including the EOS id when it stopped
     logps: list[float] | None  # the sampler's log-probs of them (vLLM), or None
     stopped: bool  # ended with an EOS id (False: it reached max_new_tokens)
+    weight_version: int | None = None  # the policy version whose weights sampled them
 
 
 # generate_turn(contexts, max_new_tokens) -> one TurnOutput per context; contexts are token ids
@@ -89,6 +90,7 @@ class Conversation:
     truncated: bool = False  # the budget or the context ran out before the policy finished
     pending: list[ToolCall] = field(default_factory=list)  # calls of the last turn, not yet run
     environment_reward: float | None = None  # the environment's get_reward(), read when the rollout ended
+    weight_version: int | None = None  # the oldest policy version that sampled one of its turns
 
     @property
     def schemas(self) -> list[dict]:
@@ -173,6 +175,9 @@ def _take_turn(conversation: Conversation, output: TurnOutput, limits: TurnLimit
     conversation.sampling_logps += logps
     conversation.generated += len(ids)
     conversation.turns += 1
+    if output.weight_version is not None:
+        earlier = conversation.weight_version
+        conversation.weight_version = output.weight_version if earlier is None else min(earlier, output.weight_version)
     if not stopped:  # cut off mid-turn: no tool call is read from an unfinished turn
         conversation.messages.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
         conversation.done = conversation.truncated = True
@@ -331,6 +336,8 @@ def to_rollout(conversations: Sequence[Conversation], pad_token_id: int, device:
         torch.tensor([c.prompt_truncated for c in conversations], device=device),
         sampling_logps=sampling_logps.to(device) if with_sampling_logps else None,
         tool_mask=tool_mask.to(device),
+        weight_versions=(torch.tensor([c.weight_version for c in conversations], device=device)
+                         if all(c.weight_version is not None for c in conversations) else None),
     )
 
 

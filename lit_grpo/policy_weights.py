@@ -5,6 +5,8 @@ An engine that samples for the trainer (the colocated vLLM engine, a vLLM server
 checkpoint would hold them, one tensor at a time (an FSDP2 shard gathered only when its turn comes):
 without the wrappers' prefixes (peft, activation checkpointing, ``torch.compile``), and with every
 LoRA adapter merged as ``merge_and_unload()`` would merge it, the policy itself never merged.
+:func:`hf_weight_shapes` says what it will yield (names, dtypes, full shapes) without gathering or
+merging anything: a receiver that sizes its buffers first (vLLM's weight transfer) needs that.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from lit_grpo.errors import ConfigError
 
-__all__ = ["hf_named_weights"]
+__all__ = ["hf_named_weights", "hf_weight_shapes"]
 
 
 def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -30,6 +32,32 @@ def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     DTensor (FSDP2) parameters are gathered one at a time with ``full_tensor()`` (a collective:
     every rank must iterate in the same order).
     """
+    for name, parameter, adapter_layer in _weights_in_checkpoint_order(model):
+        if adapter_layer is None:
+            yield _checkpoint_name(name), _full(parameter.detach())
+        else:
+            for base_name, tensor in _merged_layer(name, adapter_layer):
+                yield _checkpoint_name(base_name), tensor
+
+
+def hf_weight_shapes(model: torch.nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``(name, dtype, full shape)`` of every tensor :func:`hf_named_weights` yields, in its order,
+    without gathering a shard or merging an adapter (a merged layer has its base layer's shapes)."""
+    shapes = []
+    for name, parameter, adapter_layer in _weights_in_checkpoint_order(model):
+        if adapter_layer is None:
+            shapes.append((_checkpoint_name(name), parameter.dtype, tuple(parameter.shape)))
+            continue
+        base = adapter_layer.get_base_layer()
+        prefix = name + ".base_layer" if base is not adapter_layer else name
+        shapes += [(_checkpoint_name(f"{prefix}.{key}"), tensor.dtype, tuple(tensor.shape))
+                   for key, tensor in base.named_parameters(recurse=True)]
+    return shapes
+
+
+def _weights_in_checkpoint_order(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor | None, torch.nn.Module | None]]:
+    """``(name, parameter, None)`` for a plain parameter, ``(layer name, None, layer)`` once for each
+    adapter layer (where its first parameter comes), in ``named_parameters`` order."""
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:  # pragma: no cover
@@ -41,12 +69,10 @@ def hf_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
         owner = next((layer for layer in tuner_layers if name.startswith(layer + ".")), None)
         if owner is None:
             if "original_module" not in name:
-                yield _checkpoint_name(name), _full(parameter.detach())
-            continue
-        if owner not in done:
+                yield name, parameter, None
+        elif owner not in done:
             done.add(owner)
-            for base_name, tensor in _merged_layer(owner, tuner_layers[owner]):
-                yield _checkpoint_name(base_name), tensor
+            yield owner, None, tuner_layers[owner]
 
 
 def _merged_layer(name: str, layer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -52,6 +52,8 @@ class Rollout:
     # generated, 0 on tool messages and template tokens between its turns; and each row's conversation
     tool_mask: torch.Tensor | None = None
     conversations: list | None = None  # [N] lit_grpo.multi_turn.Conversation
+    # [N] the policy version (optimizer steps taken) whose weights sampled each row (lit_grpo.engines)
+    weight_versions: torch.Tensor | None = None
 
     @property
     def policy_token_mask(self) -> torch.Tensor:  # [N, C] the tokens that count in the loss
@@ -73,6 +75,7 @@ class Rollout:
             sampling_logps=None if self.sampling_logps is None else self.sampling_logps[rows],
             tool_mask=None if self.tool_mask is None else self.tool_mask[rows],
             conversations=None if self.conversations is None else [self.conversations[i] for i in rows.tolist()],
+            weight_versions=None if self.weight_versions is None else self.weight_versions[rows],
         )
 
     def trimmed(self, prompts: bool = True) -> "Rollout":
@@ -91,6 +94,7 @@ class Rollout:
             sampling_logps=None if self.sampling_logps is None else self.sampling_logps[:, :completion_cols],
             tool_mask=None if self.tool_mask is None else self.tool_mask[:, :completion_cols],
             conversations=self.conversations,
+            weight_versions=self.weight_versions,
         )
 
 
@@ -124,6 +128,9 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         ),
         conversations=(
             None if any(r.conversations is None for r in rollouts) else [c for r in rollouts for c in r.conversations]
+        ),
+        weight_versions=(
+            None if any(r.weight_versions is None for r in rollouts) else torch.cat([r.weight_versions for r in rollouts])
         ),
     )
 

@@ -90,11 +90,13 @@ TRL_NAMES: dict[str, str] = {
     "repetition_penalty": "model.repetition_penalty",
     "use_vllm": "model.generation_backend: vllm",
     "vllm_mode": (
-        "model.generation_backend: vllm, one engine inside each training process (TRL's colocate); there is "
-        "no server mode yet"
+        "model.generation_backend: vllm, one engine inside each training process (TRL's colocate), or "
+        "model.generation_backend: vllm_server (TRL's server)"
     ),
     "vllm_gpu_memory_utilization": "model.vllm_gpu_memory_utilization",
     "vllm_max_model_length": "model.vllm_max_model_length",
+    "vllm_server_base_url": "model.vllm_server_urls, one or more",
+    "vllm_server_timeout": "model.vllm_server_timeout",
     "max_tool_calling_iterations": "model.max_tool_calling_iterations",
     # the loss
     "beta": "model.beta",

@@ -113,6 +113,7 @@ def main() -> None:
 
     import lightning.pytorch as pl
 
+    import lit_grpo.engines.policy
     import lit_grpo.logprobs
     import lit_grpo.module
     from lit_grpo.cli import run_cli
@@ -134,11 +135,11 @@ def main() -> None:
     cli.trainer.callbacks.append(RecordMetrics())
     module = cli.model
     if args.fixed_completions:
-        lit_grpo.module.generate_from_ids = functools.partial(fixed_generate_from_ids, tokenizer=module.tokenizer)
+        lit_grpo.engines.policy.generate_from_ids = functools.partial(fixed_generate_from_ids, tokenizer=module.tokenizer)
     if args.scripted_tools:
         from scripted_policy import scripted_generate_from_ids
 
-        lit_grpo.module.generate_from_ids = functools.partial(scripted_generate_from_ids, tokenizer=module.tokenizer)
+        lit_grpo.engines.policy.generate_from_ids = functools.partial(scripted_generate_from_ids, tokenizer=module.tokenizer)
 
     if args.generation_check:
         generation_check(cli, module, args.out)

@@ -1,6 +1,6 @@
 """A scripted policy for multi-turn tests: deterministic turns that call tools, in place of sampling.
 
-:func:`scripted_generate_from_ids` stands in for ``lit_grpo.generation.generate_from_ids`` (patched
+:func:`scripted_generate_from_ids` stands in for ``lit_grpo.engines.policy.generate_from_ids`` (patched
 into ``lit_grpo.module``, so under FSDP2 the weights are still gathered around every call). For
 each context it finds the question (the last user message of the prompt) and the number of tool
 results so far, and writes that turn of :data:`SCRIPTS` (``{n}`` is replaced by the question's

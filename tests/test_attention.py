@@ -16,7 +16,7 @@ import lit_grpo.cpu.attention as attention
 import lit_grpo.logprobs
 import lit_grpo.module
 from lit_grpo.cpu.attention import NAME, cpu_half_attention, use_cpu_half_attention
-from lit_grpo.generation import generate_completions
+from lit_grpo.engines.policy import generate_completions
 
 GQA_MODULE = SimpleNamespace(num_key_value_groups=2, is_causal=True)  # 4 query heads on 2 key/value heads
 

@@ -12,7 +12,7 @@ import torch
 from bench import gpu_check
 from bench.flops import ModelShape, forward_flops
 from bench.trainer_runs import even_token_fraction
-from lit_grpo import generation
+from lit_grpo.engines import policy as generation
 
 TRL_INSTALLED = gpu_check.installed("trl")
 

@@ -199,11 +199,12 @@ def qwen3_model_dir(tmp_path, tiny_qwen2_dir):
 
 def test_training_with_qwen3s_template_and_thinking_off(qwen3_model_dir, monkeypatch, reward_plugin, write_jsonl,
                                                         fast_trainer):
+    import lit_grpo.engines.policy
     import lit_grpo.module
     from lit_grpo.data import GRPODataModule
 
     tokenizer = AutoTokenizer.from_pretrained(qwen3_model_dir)
-    monkeypatch.setattr(lit_grpo.module, "generate_from_ids",
+    monkeypatch.setattr(lit_grpo.engines.policy, "generate_from_ids",
                         lambda *args, **kwargs: scripted_policy.scripted_generate_from_ids(*args, **kwargs, tokenizer=tokenizer))
     seen = []
 

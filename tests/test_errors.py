@@ -214,7 +214,7 @@ def test_help_lists_the_commands_that_exist_and_test_predict_are_not_offered(cap
     main(["--help"])
     out = capsys.readouterr().out
     commands = [line.split()[0] for line in out.split("commands:")[1].split("\n\n")[0].strip().splitlines()]
-    assert commands == ["fit", "validate", "rewards", "environments", "prompts", "completions", "export", "init-tiny"]
+    assert commands == ["fit", "validate", "rewards", "environments", "prompts", "completions", "export", "init-tiny", "serve"]
     for command in ("test", "predict"):
         assert error_line(capsys, command).startswith(f"argument subcommand: invalid choice: '{command}' (choose from 'fit', 'validate')")
 

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lit_grpo.data import GRPODataModule
-from lit_grpo.generation import SAMPLERS, generate_completions
+from lit_grpo.engines.policy import SAMPLERS, generate_completions
 from lit_grpo.module import GRPOModule
 
 LOWERCASE = [{"name": "char_fraction", "args": {"chars": string.ascii_lowercase}}]

@@ -7,7 +7,7 @@ import torch
 from transformers import GenerationConfig
 
 import lit_grpo.cpu as cpu
-import lit_grpo.generation as generation
+import lit_grpo.engines.policy as generation
 from lit_grpo.cpu.prepacked import prepack_dtype, prepacked_linear_weights
 
 CPU = torch.device("cpu")

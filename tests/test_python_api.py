@@ -184,11 +184,12 @@ def test_a_model_object_under_fsdp2_on_two_processes(tmp_path, tiny_model_dir):
 
 
 def test_tools_and_environments_as_python_objects(tiny_qwen2_dir, monkeypatch):
+    import lit_grpo.engines.policy
     import lit_grpo.module
     from lit_grpo import GRPOModule
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
-    monkeypatch.setattr(lit_grpo.module, "generate_from_ids",
+    monkeypatch.setattr(lit_grpo.engines.policy, "generate_from_ids",
                         lambda *args, **kwargs: scripted_policy.scripted_generate_from_ids(*args, **kwargs, tokenizer=tokenizer))
 
     class Adder:

@@ -9,8 +9,8 @@ import torch
 from conftest import logps_entropy_grads
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from lit_grpo.generation import generate_completions
-from lit_grpo.group_sampler import PreallocatedKVLayer, lit_sampler_unsupported
+from lit_grpo.engines.lit_sampler import PreallocatedKVLayer, lit_sampler_unsupported
+from lit_grpo.engines.policy import generate_completions
 from lit_grpo.models import cache_argument
 from lit_grpo.module import GRPOModule
 from lit_grpo.rollout import length_chunks
@@ -258,7 +258,7 @@ def test_unsupported_options_and_models_fall_back_to_generate(chaotic_model, tin
     with pytest.raises(ValueError, match=r"generate_completions samples with \('lit', 'transformers'\), got 'sglang'"):
         generate_completions(model, tokenizer, PROMPTS, 2, generation_config, backend="sglang")
     rewards = [{"name": "char_fraction", "args": {"chars": "a"}}]
-    with pytest.raises(ValueError, match=r"model.generation_backend must be one of \('lit', 'transformers', 'vllm'\), got 'sglang'"):
+    with pytest.raises(ValueError, match=r"model.generation_backend must be one of \('lit', 'transformers', 'vllm', 'vllm_server'\), got 'sglang'"):
         GRPOModule(str(tiny_model_dir), rewards=rewards, generation_backend="sglang")
     try:
         import vllm  # noqa: F401

@@ -21,6 +21,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import lit_grpo.engines.policy
 import lit_grpo.module
 import scripted_policy
 from lit_grpo import plugins
@@ -29,7 +30,7 @@ from lit_grpo.cli import main
 from lit_grpo.data import GRPODataModule
 from lit_grpo.errors import ConfigError, DataError
 from lit_grpo.module import GRPOModule
-from lit_grpo.multi_turn import Conversation, TurnOutput, render, run_conversations
+from lit_grpo.multi_turn import Conversation, TurnOutput, render, run_conversations, to_rollout
 from lit_grpo.tools import ToolCall, make_tool, parse_hermes, parse_tool_calls, run_tool_calls
 
 TESTS = Path(__file__).resolve().parent
@@ -256,6 +257,23 @@ def scripted_turns(tokenizer, budgets: list | None = None):
     return generate_turn
 
 
+def test_a_rollout_row_carries_the_oldest_weights_that_sampled_one_of_its_turns(tokenizer):
+    """Each turn comes with the weight version of the engine that sampled it (lit_grpo.engines); the
+    rollout row keeps the oldest, the one its staleness is counted from."""
+    scripted, versions = scripted_turns(tokenizer), iter([7, 5])
+
+    def generate_turn(contexts, max_new_tokens):
+        version = next(versions)
+        return [TurnOutput(out.token_ids, out.logps, out.stopped, version) for out in scripted(contexts, max_new_tokens)]
+
+    calls, none = conversation(tokenizer, "once 41"), conversation(tokenizer, "never 2")
+    run_conversations([calls, none], generate_turn, tokenizer, max_completion_length=200)
+    assert calls.turns == 2 and calls.weight_version == 5 and none.turns == 1 and none.weight_version == 7
+    rollout = to_rollout([calls, none], tokenizer.pad_token_id, torch.device("cpu"), with_sampling_logps=False)
+    assert rollout.weight_versions.tolist() == [5, 7]
+    assert rollout.select(torch.tensor([1])).weight_versions.tolist() == [7]
+
+
 def test_the_conversation_is_the_chat_template_rendering_and_only_policy_tokens_are_masked_in(tokenizer):
     c = conversation(tokenizer, "once 41")
     budgets = []
@@ -383,7 +401,7 @@ def test_a_chat_template_that_rewrites_history_does_not_change_the_tool_tokens(t
 def scripted(monkeypatch, tiny_qwen2_dir):
     """The module samples with the scripted policy (inside the FSDP2 gathering, as real sampling)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
-    monkeypatch.setattr(lit_grpo.module, "generate_from_ids",
+    monkeypatch.setattr(lit_grpo.engines.policy, "generate_from_ids",
                         lambda *args, **kwargs: scripted_policy.scripted_generate_from_ids(*args, **kwargs, tokenizer=tokenizer))
 
 

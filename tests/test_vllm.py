@@ -1,4 +1,4 @@
-"""vLLM as the generation backend (``lit_grpo.vllm_backend``), run for real with vLLM's CPU build.
+"""vLLM as the colocated generation engine (``lit_grpo.engines.vllm_colocated``), run for real with vLLM's CPU build.
 
 These tests run in the environment of the README's vLLM block (``.ci/run`` builds it and runs this
 file there). Where vLLM is not installed they are skipped with the reason, unless
@@ -37,13 +37,14 @@ except ImportError:
 import yaml  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
-from lit_grpo import vllm_backend  # noqa: E402
+from lit_grpo.engines import vllm_colocated  # noqa: E402
+from lit_grpo.engines.lit_sampler import eos_token_ids  # noqa: E402
+from lit_grpo.engines.policy import generate_completions  # noqa: E402
+from lit_grpo.engines.vllm_colocated import build_engine, push_weights, sample  # noqa: E402
 from lit_grpo.errors import ConfigError  # noqa: E402
-from lit_grpo.generation import generate_completions  # noqa: E402
-from lit_grpo.group_sampler import eos_token_ids  # noqa: E402
 from lit_grpo.module import GRPOModule  # noqa: E402
+from lit_grpo.policy_weights import hf_named_weights  # noqa: E402
 from lit_grpo.tiny import build_tiny_model  # noqa: E402
-from lit_grpo.vllm_backend import build_engine, hf_named_weights, push_weights, sample  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LIT_GRPO = str(Path(sys.executable).with_name("lit-grpo"))
@@ -79,7 +80,7 @@ def setup(tmp_path_factory):
     llm = build_engine(path, dtype="float32", seed=0, max_model_len=256, num_threads=torch.get_num_threads())
     rng_after = (torch.get_rng_state(), __import__("random").getstate())
     yield dict(path=path, base=base, tokenizer=tokenizer, llm=llm, rng=(rng_before, rng_after))
-    vllm_backend.shutdown_engine(llm)
+    vllm_colocated.shutdown_engine(llm)
 
 
 @pytest.fixture
@@ -196,20 +197,25 @@ def test_greedy_equals_transformers_after_training_steps_and_push(setup, engine)
     assert after.completion_ids == backend_tokens(model, tokenizer, config, "transformers")
 
 
-def test_lora_merged_into_pushed_weights(setup, engine):
+def with_an_adapter(model):
+    """A copy of ``model`` with a LoRA adapter that changes its outputs (B starts at zero: drawn here)."""
     peft = pytest.importorskip("peft")
-    tokenizer = setup["tokenizer"]
-    config = generation_config(tokenizer)
-    ids = prompt_ids(tokenizer)
     model = peft.get_peft_model(
-        copy.deepcopy(setup["base"]),
-        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]),
+        copy.deepcopy(model), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]),
     )
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if "lora_B" in name:  # B starts at zero: make the adapter do something
+            if "lora_B" in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return model
+
+
+def test_lora_merged_into_pushed_weights(setup, engine):
+    tokenizer = setup["tokenizer"]
+    config = generation_config(tokenizer)
+    ids = prompt_ids(tokenizer)
+    model = with_an_adapter(setup["base"])
     base_weight = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.clone()
     push_weights(engine, hf_named_weights(model))
     out = sample(engine, ids, 1, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=eos_token_ids(config))
@@ -227,9 +233,9 @@ def test_lora_merged_into_pushed_weights(setup, engine):
 
 @pytest.fixture
 def vllm_module(setup, engine, monkeypatch):
-    """A GRPOModule on the tiny model whose VLLMSampler uses the shared engine (one per process:
+    """A GRPOModule on the tiny model whose ColocatedVLLMEngine uses the shared engine (one per process:
     configure_model builds the engine, here handed the shared one)."""
-    monkeypatch.setattr(vllm_backend, "build_engine", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(vllm_colocated, "build_engine", lambda *args, **kwargs: engine)
     module = GRPOModule(
         str(setup["path"]),
         [{"name": "char_fraction", "args": {"chars": "a"}}],
@@ -240,7 +246,7 @@ def vllm_module(setup, engine, monkeypatch):
         temperature_eval=0.0,
     )
     module.configure_model()
-    assert module.vllm.llm is engine
+    assert module.engine.llm is engine
     return module
 
 
@@ -262,8 +268,8 @@ def test_module_greedy_equals_transformers_before_and_after_the_policy_changes(v
             parameter.copy_(new)
     stale = rows(module.generate(PROMPTS, 2, config))  # same version: nothing pushed
     assert stale == before and stale != transformers_rows()  # so the check below can fail
-    assert module.vllm.sync_weights(module.policy, version="after a step") > 0
-    assert module.vllm.sync_weights(module.policy, version="after a step") == 0.0  # already there
+    assert module.engine.sync_weights(module.policy, version="after a step") > 0
+    assert module.engine.sync_weights(module.policy, version="after a step") == 0.0  # already there
     assert rows(module.generate(PROMPTS, 2, config)) == transformers_rows()
 
 
@@ -418,9 +424,9 @@ def test_engine_leaves_global_random_state_alone(setup, engine):
 
 
 def test_sleep_and_wake_up_are_noops_on_cpu(setup, engine):
-    assert vllm_backend.is_cpu_platform()
-    assert vllm_backend.sleep(engine, level=1) is False
-    assert vllm_backend.wake_up(engine) is False
+    assert vllm_colocated.is_cpu_platform()
+    assert vllm_colocated.sleep(engine, level=1) is False
+    assert vllm_colocated.wake_up(engine) is False
 
 
 def test_unsupported_head_size_is_refused_before_building(tmp_path):
@@ -433,7 +439,8 @@ BF16_SCRIPT = """
 import json, os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from transformers import AutoModelForCausalLM
-from lit_grpo.vllm_backend import build_engine, hf_named_weights, push_weights, sample
+from lit_grpo.engines.vllm_colocated import build_engine, push_weights, sample
+from lit_grpo.policy_weights import hf_named_weights
 llm = build_engine({start!r}, dtype="bfloat16", max_model_len=128)
 if {push!r}:
     push_weights(llm, hf_named_weights(AutoModelForCausalLM.from_pretrained({target!r})))
@@ -484,8 +491,8 @@ for backend in ("vllm", "transformers"):
     rollout = module.generate(prompts, 2, module.eval_generation_config, columns)
     out[backend] = [dict(ids=c.token_ids, mask=c.tool_mask, messages=c.messages, logps=c.sampling_logps)
                     for c in rollout.conversations]
-    if module.vllm is not None:
-        module.vllm.close()
+    if module.engine is not None:
+        module.engine.close()
 print(json.dumps(out))
 """
 
@@ -512,8 +519,8 @@ def test_a_row_the_engine_capped_at_max_model_len_is_truncated_not_finished(setu
     longer row with a pad id that is also an EOS id (as Qwen's <|endoftext|>), it must not count as
     finished, nor train on a pad token it never sampled: the mask comes from the engine's lengths."""
     tokenizer = setup["tokenizer"]
-    sampler = vllm_backend.VLLMSampler.__new__(vllm_backend.VLLMSampler)
-    sampler.llm, sampler.pushed_version, sampler.settings = engine, "base", vllm_backend.VLLMSettings()
+    sampler = vllm_colocated.ColocatedVLLMEngine.__new__(vllm_colocated.ColocatedVLLMEngine)
+    sampler.llm, sampler.pushed_version, sampler.settings = engine, 0, vllm_colocated.VLLMSettings()
     long_prompt = prompt_ids(tokenizer, ["ab" * 125])[0][:250]  # the engine takes 256 tokens: room for 6
     short_prompt = prompt_ids(tokenizer, ["Hello there"])[0]
     ids = torch.full((2, 250), tokenizer.pad_token_id)

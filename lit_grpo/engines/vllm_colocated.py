@@ -9,14 +9,15 @@ from the policy's directory, so that weights are handed over as tensors, without
 * :func:`push_weights` loads new weights in place (vLLM's ``reload_weights``), layer by layer as a
   generator yields them (:func:`hf_named_weights`: LoRA merged on the fly, FSDP2 shards gathered one
   parameter at a time), then clears the prefix cache.
-* :func:`sample` draws G completions per prompt of token ids with per-request seeds, returning the
-  tokens, the sampler's log-probs of them (``processed_logprobs``: after penalties, temperature and
+* :func:`sample` draws G completions per prompt of token ids (the requests of
+  :mod:`lit_grpo.engines.vllm_sampling`, which the server client sends too), returning the tokens,
+  the sampler's log-probs of them (``processed_logprobs``: after penalties, temperature and
   filtering) and whether each stopped.
-* :class:`VLLMSampler` is what the module uses: the engine built on first use, weights pushed when
+* :class:`ColocatedVLLMEngine` is the run's engine: built before the policy, weights pushed when
   the policy has changed, prompts in and a :class:`lit_grpo.rollout.Rollout` out.
 
-A separate vLLM server (for policies that do not fit beside their engine) would be another class
-with the same ``generate`` / ``sync_weights`` / ``close`` methods.
+A policy that does not fit beside its engine samples on vLLM servers instead
+(:mod:`lit_grpo.engines.vllm_server`).
 """
 
 from __future__ import annotations
@@ -27,23 +28,31 @@ import os
 import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lit_grpo.cpu.amx import request_amx_permission
+from lit_grpo.engines.base import GenerationEngine
+from lit_grpo.engines.vllm_sampling import (
+    EngineOutput,
+    draw_engine_seed,
+    engine_rollout,
+    sampling_requests,
+    sampling_settings,
+)
 from lit_grpo.errors import ConfigError
 from lit_grpo.policy_weights import hf_named_weights
+from lit_grpo.rollout import Rollout
 
 __all__ = [
-    "EngineOutput",
-    "VLLMSampler",
+    "ColocatedVLLMEngine",
     "VLLMSettings",
     "build_engine",
-    "hf_named_weights",
     "push_weights",
+    "reprocess_tied_heads",
     "require_vllm",
     "sample",
     "shutdown_engine",
@@ -70,19 +79,6 @@ def outside_autocast() -> Iterator[None]:
                 yield
         else:
             yield
-
-
-def engine_seed(drawn: int, rank: int) -> int:
-    """The engine's seed for one call: ``drawn`` from the rank's (checkpointed) torch generator, made
-    distinct per rank (Lightning seeds every rank alike, so equal prompts on two ranks would
-    otherwise sample equal completions)."""
-    return (drawn * 1_000_003 + rank) % (2**31 - 1)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def require_vllm():
@@ -261,7 +257,7 @@ def build_engine(
     try:
         # the chat template is not vLLM's business here (token ids in, token ids out)
         no_chat_warmup = lambda message: message == "Chat template warmup failed"  # noqa: E731
-        with preserved_random_state(), _dropping_log_messages("vllm.renderers.base", no_chat_warmup):
+        with preserved_random_state(), dropping_log_messages("vllm.renderers.base", no_chat_warmup):
             llm = vllm.LLM(**kwargs)
             if warmup:
                 _warmup(llm)
@@ -350,19 +346,19 @@ def push_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> floa
         layer = message.removesuffix(": Failed to load weights")
         return layer != message and ("Rotary" in layer or (layer == "ParallelLMHead" and "lm_head.weight" not in pushed))
 
-    with _dropping_log_messages("vllm.model_executor.model_loader.reload.layerwise", nothing_to_load):
+    with dropping_log_messages("vllm.model_executor.model_loader.reload.layerwise", nothing_to_load):
         llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
     # A tied lm_head receives no weight of its own, so reload_weights does not re-run its
     # processing; on the CPU that processing prepacks the GEMM weight (oneDNN / sgl), and the
     # head would go on multiplying with the old embedding matrix.
-    llm.apply_model(_reprocess_tied_heads)
+    llm.apply_model(reprocess_tied_heads)
     # prefix-cache blocks hold keys/values computed with the old weights
     llm.reset_prefix_cache()
     return time.perf_counter() - start
 
 
 @contextlib.contextmanager
-def _dropping_log_messages(logger_name: str, drop) -> Iterator[None]:
+def dropping_log_messages(logger_name: str, drop) -> Iterator[None]:
     """Drop the records of one of vLLM's loggers for which ``drop(message)`` is true, meanwhile."""
 
     class Drop(logging.Filter):
@@ -377,7 +373,7 @@ def _dropping_log_messages(logger_name: str, drop) -> Iterator[None]:
         logger.removeFilter(log_filter)
 
 
-def _reprocess_tied_heads(model: torch.nn.Module) -> int:
+def reprocess_tied_heads(model: torch.nn.Module) -> int:
     """Re-run ``process_weights_after_loading`` on modules whose weight is another module's
     (tied word embeddings); returns how many were redone."""
     owners: dict[int, str] = {}
@@ -397,118 +393,50 @@ def _reprocess_tied_heads(model: torch.nn.Module) -> int:
     return redone
 
 
-@dataclass
-class EngineOutput:
-    """G completions per prompt, prompt-major: rows ``i*G .. i*G+G-1`` belong to prompt i."""
-
-    completion_ids: list[list[int]]  # [N][C_i] sampled tokens, EOS included when it stopped
-    logprobs: list[list[float]]  # [N][C_i] sampler log-probs of those tokens (processed_logprobs)
-    finish_reasons: list[str]  # [N] "stop" (an EOS / stop id) or "length" (max_tokens)
-    stop_token_ids: list[int | None] = field(default_factory=list)  # [N] the id it stopped at
-
-    @property
-    def is_truncated(self) -> list[bool]:
-        return [reason == "length" for reason in self.finish_reasons]
-
-
 def sample(
     llm,
     prompt_token_ids: Sequence[Sequence[int]],
     num_generations: int,
     *,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    max_tokens: int = 16,
-    stop_token_ids: Sequence[int] = (),
     seed: int | Sequence[int] | None = None,
-    return_logprobs: bool = True,
     engine_seed: int | None = None,
+    **settings: Any,
 ) -> EngineOutput:
-    """Sample ``num_generations`` completions per prompt (``n=G`` per request).
+    """Sample ``num_generations`` completions per prompt of token ids with the engine
+    (:func:`~lit_grpo.engines.vllm_sampling.sampling_requests`: ``temperature``, ``top_p``, ``top_k``,
+    ``min_p``, ``repetition_penalty``, ``max_tokens``, ``stop_token_ids``, ``return_logprobs``).
 
-    ``seed``: an int is the base seed of this call: prompt i is one
-    request with seed ``seed + i * G``, whose G completions vLLM seeds ``seed + i*G + g``. A sequence
-    gives each prompt its own seed (its completions get ``seed_i + g``), e.g. derived from the prompt's
-    global index, so that samples do not depend on how prompts are split over calls or ranks. Every
-    completion has its own generator; its tokens depend only on (weights, prompt, seed), not on the
-    other requests in the batch or on any global random state (up to floating-point
-    batch-variance of the logits). ``seed=None`` falls back to vLLM's global generator (not
-    reproducible across a resume).
+    ``seed``: an int is the base seed of this call: prompt i is one request with seed ``seed + i*G``,
+    whose G completions vLLM seeds ``seed + i*G + g``; a sequence gives each prompt its own seed.
+    Every completion then has its own generator; its tokens depend only on (weights, prompt, seed),
+    not on the other requests in the batch or on any global random state (up to floating-point
+    batch-variance of the logits). ``seed=None`` falls back to vLLM's global generator.
     ``engine_seed`` (with ``seed=None``) instead seeds the generators vLLM samples unseeded requests
     with (torch's, for every device) once for the whole call: vLLM then samples the batch at once,
     where a seed per request makes it sample row by row (one kernel per seeded row and decode step:
     slow on a GPU). The tokens then depend on the batch as well as on the seed; the same call
-    (a resumed run's) samples the same ones. ``temperature=0`` is greedy. ``stop_token_ids``: every EOS id (generation config and
-    tokenizer); they are the only stop conditions besides ``max_tokens`` (vLLM also adds the model
-    directory's ``generation_config.json`` EOS ids, read once when the engine was built).
+    (a resumed run's) samples the same ones. The stop ids are every EOS id (generation config and
+    tokenizer); vLLM also adds the model directory's ``generation_config.json`` EOS ids, read once
+    when the engine was built.
     """
     from vllm import SamplingParams
 
-    G = num_generations
-    stop_token_ids = sorted(set(int(token) for token in stop_token_ids))
-    common = dict(
-        n=G,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k if top_k and top_k > 0 else 0,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        max_tokens=max_tokens,
-        stop_token_ids=stop_token_ids,
-        logprobs=0 if return_logprobs else None,
-        flat_logprobs=True,
-        detokenize=False,
-        skip_special_tokens=False,
-    )
-    if seed is None or isinstance(seed, int):
-        seeds = [None if seed is None else seed + index * G for index in range(len(prompt_token_ids))]
-    else:
-        seeds = [int(value) for value in seed]
-        if len(seeds) != len(prompt_token_ids):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompt_token_ids)} prompts")
-    prompts = [{"prompt_token_ids": list(map(int, ids))} for ids in prompt_token_ids]
-    greedy = temperature < 1e-5  # vLLM's own threshold; it refuses n > 1 with greedy decoding
-    if greedy and G > 1:
-        common["n"] = 1
-        prompts = [prompt for prompt in prompts for _ in range(G)]
-        seeds = [value for value in seeds for _ in range(G)]
-    params = [SamplingParams(**common, seed=value) for value in seeds]
+    requests = sampling_requests(prompt_token_ids, num_generations, seed=seed, **settings)
+    prompts = [{"prompt_token_ids": prompt} for prompt, _ in requests]
+    params = [SamplingParams(**arguments) for _, arguments in requests]
     with preserved_random_state():
         if engine_seed is not None:  # the unseeded requests draw from the global generators
             torch.manual_seed(engine_seed)
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    result = EngineOutput([], [], [], [])
-    for request in outputs:
+    result = EngineOutput()
+    for request, (_, arguments) in zip(outputs, requests):
         completions = sorted(request.outputs, key=lambda completion: completion.index)
-        assert len(completions) == common["n"], (len(completions), common["n"])
+        assert len(completions) == arguments["n"], (len(completions), arguments["n"])
         for completion in completions:
             token_ids = list(completion.token_ids)
-            result.completion_ids.append(token_ids)
-            result.logprobs.append(_sampled_logprobs(completion.logprobs, token_ids) if return_logprobs else [])
-            result.finish_reasons.append(completion.finish_reason)
-            stopped_at = token_ids[-1] if completion.finish_reason == "stop" and token_ids else None
-            result.stop_token_ids.append(stopped_at)
+            logprobs = _sampled_logprobs(completion.logprobs, token_ids) if arguments["logprobs"] is not None else []
+            result.add(token_ids, logprobs, completion.finish_reason)
     return result
-
-
-def completion_tensors(output: EngineOutput, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``output`` as right-padded ``completion_ids``, ``completion_mask``, ``sampling_logps`` ``[N, C]``
-    and ``is_truncated`` ``[N]``, from the engine's own lengths and finish reasons: never by looking for
-    EOS ids in the padded tensor, where a pad id that is also an EOS id (Qwen's ``<|endoftext|>``)
-    would end a row that stopped at its length limit with a token it never sampled."""
-    width = max(1, max((len(ids) for ids in output.completion_ids), default=0))
-    completion_ids = torch.full((len(output.completion_ids), width), pad_token_id, dtype=torch.long)
-    completion_mask = torch.zeros(completion_ids.shape, dtype=torch.long)
-    sampling_logps = torch.zeros(completion_ids.shape, dtype=torch.float32)
-    for row, (ids, logps) in enumerate(zip(output.completion_ids, output.logprobs)):
-        completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        completion_mask[row, : len(ids)] = 1
-        sampling_logps[row, : len(logps)] = torch.tensor(logps, dtype=torch.float32)
-    is_truncated = torch.tensor([reason != "stop" for reason in output.finish_reasons], dtype=torch.bool)
-    return completion_ids, completion_mask, sampling_logps, is_truncated
 
 
 def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
@@ -562,28 +490,31 @@ class VLLMSettings:
     max_num_batched_tokens: int | None = 4096
 
 
-class VLLMSampler:
+class ColocatedVLLMEngine(GenerationEngine):
     """``model.generation_backend: vllm`` for one training process.
 
-    The engine is built on first use (every rank generates at the same step, and building is a
-    collective under several processes) from ``model_name_or_path``, in the run's compute dtype.
+    The engine is built by :meth:`start` (``configure_model`` calls it before the trainer's own
+    allocations, so that vLLM's start-up memory check does not count them against it; under several
+    processes building is a collective) from ``model_name_or_path``, in the run's compute dtype.
     :meth:`sync_weights` pushes the policy's weights whenever they changed since the last push (and
     after the engine slept); :meth:`generate` samples G completions per prompt and returns a
     :class:`~lit_grpo.rollout.Rollout` whose ``sampling_logps`` are the engine's log-probs.
 
     Random numbers: each call draws one seed from torch's global generator (per rank, saved in
-    every checkpoint), mixes in the rank (:func:`engine_seed`) and seeds the engine's sampler with it
-    for that call (:func:`sample`'s ``engine_seed``: no seed per request, which would make vLLM sample
-    row by row): a resumed run samples the same completions as the uninterrupted one, given the same
-    weights and batch, up to vLLM's floating-point batch variance (``VLLM_BATCH_INVARIANT=1`` on GPUs
-    removes it) and preemption under KV-cache pressure. The trainer's generators advance only by
-    that one draw. The weights are pushed when the policy's ``version`` (its optimizer steps,
-    checkpointed) changed.
+    every checkpoint), mixes in the rank (:func:`~lit_grpo.engines.vllm_sampling.engine_seed`) and
+    seeds the engine's sampler with it for that call (:func:`sample`'s ``engine_seed``: no seed per
+    request, which would make vLLM sample row by row): a resumed run samples the same completions as
+    the uninterrupted one, given the same weights and batch, up to vLLM's floating-point batch
+    variance (``VLLM_BATCH_INVARIANT=1`` on GPUs removes it) and preemption under KV-cache pressure.
+    The trainer's generators advance only by that one draw. The weights are pushed when the
+    policy's ``version`` (its optimizer steps, checkpointed) changed.
     """
 
+    holds_weights = True
+
     @classmethod
-    def for_run(cls, hp, model_source: Any, precision: str, grows_with_tools: bool) -> "VLLMSampler":
-        """The backend of a run with settings ``hp`` (``model.vllm_*``), whose policy comes from
+    def for_run(cls, hp, model_source: Any, precision: str, grows_with_tools: bool) -> "ColocatedVLLMEngine":
+        """The engine of a run with settings ``hp`` (``model.vllm_*``), whose policy comes from
         ``model_source`` (its directory; a model object needs one, its ``name_or_path``)."""
         from lit_grpo.models import compute_dtype, model_label
 
@@ -610,9 +541,11 @@ class VLLMSampler:
         self.llm = None
         self.pushed_version: Any = None  # the policy version the engine holds (None: none pushed)
 
+    def start(self) -> None:
+        self.engine()
+
     def engine(self):
-        """The engine, built on the first call (``configure_model`` makes it, before the trainer's own
-        allocations, so that vLLM's start-up memory check does not count them against it)."""
+        """The engine, built on the first call."""
         if self.llm is None:
             with outside_autocast():
                 self.llm = build_engine(
@@ -644,43 +577,21 @@ class VLLMSampler:
         return seconds
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_truncated: torch.Tensor,
-                 num_generations: int, config, pad_token_id: int):
-        """G completions for each left-padded prompt ``[B, P]`` with the sampling settings of
-        ``config`` (a ``GenerationConfig``; greedy without ``do_sample``), as a ``Rollout``."""
-        from lit_grpo.rollout import Rollout
-
+                 num_generations: int, config, pad_token_id: int) -> Rollout | None:
+        if len(prompt_ids) == 0:
+            return None
         llm = self.engine()
-        eos = config.eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        version = self.pushed_version
         # one seed per call, from this rank's checkpointed generator, mixed with the rank (a resumed
         # run draws the same; two ranks never the same); the engine's sampler seeded with it once
-        seed = engine_seed(int(torch.randint(0, 2**31 - 1, (1,)).item()), _rank())
+        seed = draw_engine_seed()
         with outside_autocast():
             wake_up(llm, ["kv_cache"])
-            output = sample(
-                llm,
-                [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)],
-                num_generations,
-                temperature=config.temperature if config.do_sample else 0.0,
-                top_p=config.top_p if config.do_sample and config.top_p is not None else 1.0,
-                top_k=config.top_k if config.do_sample and config.top_k else 0,
-                min_p=config.min_p if config.do_sample and config.min_p else 0.0,
-                repetition_penalty=config.repetition_penalty or 1.0,
-                max_tokens=config.max_new_tokens,
-                stop_token_ids=eos,
-                engine_seed=seed,
-            )
+            output = sample(llm, [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)], num_generations,
+                            engine_seed=seed, **sampling_settings(config))
         if sleep(llm, level=2):  # the weights are gone: push them again before the next generation
             self.pushed_version = None
-        completion_ids, completion_mask, sampling_logps, is_truncated = (
-            tensor.to(prompt_ids.device) for tensor in completion_tensors(output, pad_token_id)
-        )
-        repeat = lambda tensor: tensor.repeat_interleave(num_generations, dim=0)  # noqa: E731
-        rollout = Rollout(
-            repeat(prompt_ids), repeat(prompt_mask), completion_ids, completion_mask, is_truncated, repeat(prompt_truncated),
-            sampling_logps=sampling_logps,
-        )
-        return rollout.trimmed()
+        return engine_rollout(output, prompt_ids, prompt_mask, prompt_truncated, num_generations, pad_token_id, version or 0)
 
     def close(self) -> None:
         """Shut the engine down (before the trainer's process group goes)."""

@@ -1,0 +1,74 @@
+"""The interface every generation engine implements, and what they share.
+
+A run samples with one engine (``model.generation_backend``). Before every generation the module
+hands it the policy and the policy's version, the optimizer steps it has taken
+(:meth:`GenerationEngine.sync_weights`); then it asks for completions of left-padded prompt ids
+(:meth:`GenerationEngine.generate`). A multi-turn rollout (:mod:`lit_grpo.agent`) calls ``generate``
+once per turn, whatever the engine. Every rollout an engine returns says which weights sampled each
+row (``Rollout.weight_versions``), and carries the engine's own log-probs of its tokens where it has
+them (``Rollout.sampling_logps``: vLLM's, for the importance-sampling correction).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from lit_grpo.rollout import Rollout
+
+__all__ = ["GenerationEngine", "agreed_failure", "any_rank"]
+
+
+class GenerationEngine:
+    """Samples completions for the trainer.
+
+    ``holds_weights``: the engine keeps a copy of the policy's weights of its own (vLLM), which
+    :meth:`sync_weights` brings up to date, and whose seconds are logged as ``time/weight_sync``;
+    without one (the ``lit`` and ``transformers`` samplers) it samples with the policy itself.
+    """
+
+    holds_weights = False
+
+    def start(self) -> None:
+        """Build the engine or connect to it: called once, before the trainer builds the policy."""
+
+    def sync_weights(self, policy: torch.nn.Module, version: int) -> float:
+        """Make the engine sample with ``policy`` at ``version`` (its optimizer steps); the seconds it
+        took, 0 when it already did. Every rank calls it (pushing FSDP2 shards is a collective)."""
+        raise NotImplementedError
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_truncated: torch.Tensor,
+                 num_generations: int, config: GenerationConfig, pad_token_id: int) -> Rollout | None:
+        """``num_generations`` completions of each left-padded prompt ``[B, P]`` with the sampling
+        settings of ``config`` (greedy without ``do_sample``), as a :class:`~lit_grpo.rollout.Rollout`
+        whose rows ``i*G .. i*G+G-1`` are prompt i's. None for no prompts: a rank without prompts still
+        calls it when the others do (it may take part in collectives)."""
+        raise NotImplementedError
+
+    def max_sequence_length(self) -> int | None:
+        """The longest prompt + completion the engine takes (None: the model's own)."""
+        return None
+
+    def close(self) -> None:
+        """Release the engine (before the trainer's process group goes)."""
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """``flag`` or-ed over every process of the run (itself alone without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def agreed_failure(error: BaseException | None, device: torch.device, make: Any) -> None:
+    """Raise on every rank when ``error`` happened on any: ``error`` itself where it happened, elsewhere
+    ``make()`` (an exception that says another rank failed). Every rank calls it at the same point, so
+    that no rank goes on into a collective the failed one never reaches."""
+    if any_rank(error is not None, device):
+        raise error if error is not None else make()

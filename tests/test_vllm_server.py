@@ -1,0 +1,358 @@
+"""vLLM servers as the generation engine (``lit_grpo.engines.vllm_server``), run for real on the CPU.
+
+Servers are started by the tests (``lit-grpo serve`` on a free loopback port, vLLM's CPU build, one
+thread each) and always stopped (their whole process group). One server serves most tests; a second
+one the two-server run and the server killed mid-run. Like tests/test_vllm.py these run in the
+environment of the README's vLLM block and fail, rather than skip, without vLLM there when
+``LIT_GRPO_REQUIRE_VLLM=1``.
+
+What is checked: the server samples what the colocated engine samples for the same seeds and
+weights (a colocated engine in a subprocess: one vLLM engine per process); pushed weights, LoRA
+merged, reach it, each completion labelled with the weights' version; ``lit-grpo fit`` learns through
+it with one training process and with two (one server, two servers); a server killed mid-run stops
+the run with a checkpoint and one line, and a restarted server and ``--ckpt_path last`` give the run
+an uninterrupted one gives; an address where no server answers is one line naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported (tests/test_vllm.py's engine)
+
+import pytest
+import torch
+
+try:
+    import vllm  # noqa: F401
+except ImportError:
+    if os.environ.get("LIT_GRPO_REQUIRE_VLLM") == "1":
+        raise
+    pytest.skip('vLLM is not installed (the README\'s vLLM block, or pip install "lit-grpo[vllm]")', allow_module_level=True)
+
+import yaml  # noqa: E402
+from test_vllm import (  # noqa: E402
+    LOGPROB_ATOL,
+    MAX_NEW,
+    PROMPTS,
+    TINY,
+    assert_engine_had_the_trained_weights,
+    generation_config,
+    hf_greedy,
+    hf_logprobs,
+    perturbed_model,
+    prompt_ids,
+    scalars,
+    train_a_little,
+    with_an_adapter,
+)
+from transformers import AutoTokenizer, GenerationConfig  # noqa: E402
+
+from lit_grpo.engines.server_lost import GenerationServerLost  # noqa: E402
+from lit_grpo.engines.vllm_sampling import sampling_requests  # noqa: E402
+from lit_grpo.engines.vllm_server import VLLMServerEngine  # noqa: E402
+from lit_grpo.errors import ConfigError  # noqa: E402
+from lit_grpo.module import GRPOModule  # noqa: E402
+from lit_grpo.tiny import build_tiny_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+LIT_GRPO = str(Path(sys.executable).with_name("lit-grpo"))
+QUIET = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A ``lit-grpo serve`` process (its own process group) serving ``model`` at ``url``."""
+
+    model: Path
+    port: int
+    log: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Server":
+        command = [LIT_GRPO, "serve", str(self.model), "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32"]
+        with open(self.log, "a") as log:
+            # in the log's directory: not in the checkout, whose lit_grpo.egg-info (when one is there) would hide
+            # the installed lit-grpo's vLLM plugin from vLLM's processes
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=QUIET, cwd=self.log.parent,
+                                            start_new_session=True)
+        import requests
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"the server stopped:\n{self.log.read_text()[-3000:]}"
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"no server at {self.url} after 300 s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=60)
+
+    def requests_served(self, path: str) -> int:
+        return self.log.read_text().count(f'"POST {path} HTTP')
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The 2-head tiny model that ``lit-grpo init-tiny DIR --num-heads 2`` writes (the quickstart's, as the
+    fits below use it); the servers start from it."""
+    path = tmp_path_factory.mktemp("tiny-model-2h")
+    build_tiny_model(path, **TINY)
+    return path
+
+
+def started_server(request, tmp_path_factory, model_dir: Path, name: str) -> Server:
+    server = Server(model_dir, free_port(), tmp_path_factory.mktemp(name) / "server.log")
+    request.addfinalizer(server.stop)
+    return server.start()
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory, model_dir) -> Server:
+    return started_server(request, tmp_path_factory, model_dir, "server")
+
+
+@pytest.fixture(scope="module")
+def second_server(request, tmp_path_factory, model_dir) -> Server:
+    return started_server(request, tmp_path_factory, model_dir, "second-server")
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    """The server engine of this process (the trainer's side), on the shared server."""
+    engine = VLLMServerEngine([server.url], timeout=60)
+    engine.start()
+    yield engine
+    engine.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The server samples as the colocated engine does; pushed weights reach it
+# ----------------------------------------------------------------------------------------------
+
+COLOCATED_SCRIPT = """
+import json, os
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from lit_grpo.engines.vllm_colocated import build_engine, sample
+llm = build_engine({model!r}, dtype="float32", max_model_len=256)
+prompts, stop = {prompts!r}, {stop!r}
+greedy = sample(llm, prompts, 2, temperature=0.0, max_tokens={max_new}, stop_token_ids=stop)
+sampled = sample(llm, prompts, 4, temperature=0.7, max_tokens={max_new}, stop_token_ids=stop, seed=11)
+print(json.dumps(dict(greedy=greedy.completion_ids, sampled=sampled.completion_ids, logprobs=sampled.logprobs)))
+"""
+
+
+@pytest.fixture(scope="module")
+def perturbed(model_dir, tmp_path_factory):
+    """The tiny model with noise added (varied greedy paths), saved for the colocated engine."""
+    model = perturbed_model(model_dir)
+    path = tmp_path_factory.mktemp("perturbed")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
+    return model, path
+
+
+def server_sample(engine, ids, G, **settings):
+    return engine.sample(sampling_requests(ids, G, **settings))
+
+
+def test_the_server_samples_what_the_colocated_engine_samples(engine, server, perturbed, model_dir):
+    model, path = perturbed
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids, stop = prompt_ids(tokenizer), [tokenizer.eos_token_id]
+    script = COLOCATED_SCRIPT.format(model=str(path), prompts=ids, stop=stop, max_new=MAX_NEW)
+    colocated = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=QUIET)
+    assert colocated.returncode == 0, colocated.stderr[-3000:]
+    colocated = json.loads(colocated.stdout.strip().splitlines()[-1])
+
+    assert engine.sync_weights(model, version=1) > 0  # the server started from other weights
+    greedy = server_sample(engine, ids, 2, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=stop)
+    expected = hf_greedy(model, ids, generation_config(tokenizer))
+    assert greedy.completion_ids == colocated["greedy"] == [row for row in expected for _ in range(2)]
+    assert len({tuple(row) for row in expected}) == len(expected)  # varied: the pushed weights, not the start's
+    assert set(greedy.weight_versions) == {"1"}  # every completion says which weights sampled it
+
+    # sampled with the same seeds: the same tokens, log-probs within the colocated tests' tolerance
+    sampled = server_sample(engine, ids, 4, temperature=0.7, max_tokens=MAX_NEW, stop_token_ids=stop, seed=11)
+    assert sampled.completion_ids == colocated["sampled"]
+    assert len({tuple(row) for row in sampled.completion_ids}) > len(ids)  # really sampled
+    for row, (completion, logprobs) in enumerate(zip(sampled.completion_ids, sampled.logprobs)):
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(colocated["logprobs"][row]), atol=LOGPROB_ATOL)
+        # and the trainer's own recomputation at temperature 0.7 (processed log-probs)
+        assert torch.allclose(torch.tensor(logprobs), hf_logprobs(model, ids[row // 4], completion, 0.7), atol=LOGPROB_ATOL)
+
+
+def test_pushed_weights_reach_the_server_after_each_step_lora_merged(engine, perturbed, model_dir):
+    model, _ = perturbed
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids, config = prompt_ids(tokenizer), generation_config(tokenizer)
+    greedy = lambda: server_sample(engine, ids, 1, temperature=0.0, max_tokens=MAX_NEW,  # noqa: E731
+                                   stop_token_ids=[tokenizer.eos_token_id])
+    engine.sync_weights(model, version=1)
+    before = greedy().completion_ids
+
+    trained = train_a_little(model, tokenizer)  # as optimizer steps leave the policy
+    assert engine.sync_weights(trained, version=1) == 0.0  # the same version: nothing pushed
+    assert greedy().completion_ids == before
+    assert engine.sync_weights(trained, version=2) > 0
+    after = greedy()
+    assert after.completion_ids == hf_greedy(trained, ids, config) != before
+    assert set(after.weight_versions) == {"2"}
+
+    adapted = with_an_adapter(model)
+    base_weight = adapted.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.clone()
+    engine.sync_weights(adapted, version=3)
+    assert greedy().completion_ids == hf_greedy(adapted.eval(), ids, config) != hf_greedy(model, ids, config)
+    layer = adapted.base_model.model.model.layers[0].self_attn.q_proj
+    assert not layer.merged and torch.equal(layer.base_layer.weight, base_weight)  # merged on a copy
+
+
+def test_generate_draws_its_seed_from_the_checkpointed_generator(engine, perturbed, model_dir):
+    """A rollout of the engine: the same torch state gives the same completions (a resumed run's),
+    the rows carry the version and the engine's log-probs."""
+    model, _ = perturbed
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine.sync_weights(model, version=4)
+    encoded = tokenizer(PROMPTS[:3], return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    config = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=True, temperature=1.0, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    generate = lambda: engine.generate(encoded.input_ids, encoded.attention_mask, torch.zeros(3, dtype=torch.bool),  # noqa: E731
+                                       4, config, tokenizer.pad_token_id)
+    torch.manual_seed(5)
+    first, second = generate(), generate()
+    torch.manual_seed(5)
+    again = generate()
+    assert torch.equal(first.completion_ids, again.completion_ids) and not torch.equal(first.completion_ids, second.completion_ids)
+    assert first.weight_versions.tolist() == [4] * 12 and first.sampling_logps is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults: an address without a server, a server that stops answering
+# ----------------------------------------------------------------------------------------------
+
+
+def test_an_address_without_a_server_is_one_line_naming_it(model_dir):
+    url = f"http://127.0.0.1:{free_port()}"
+    module = GRPOModule(str(model_dir), ["char_fraction"], generation_backend="vllm_server", vllm_server_urls=[url],
+                        vllm_server_timeout=1)
+    with pytest.raises(ConfigError, match=f"model.vllm_server_urls: no vLLM server answers at {url} .*Connection refused") as error:
+        module.configure_model()
+    assert "\n" not in str(error.value) and module.policy is None  # before the policy is loaded
+    with pytest.raises(ConfigError, match="model.vllm_server_urls, e.g."):
+        GRPOModule(str(model_dir), ["char_fraction"], generation_backend="vllm_server")
+    # a push to a server that is gone: waited for up to the timeout, then lost
+    gone = VLLMServerEngine([url], timeout=1)
+    started = time.monotonic()
+    with pytest.raises(GenerationServerLost, match=f"could not push the weights to the vLLM server\\(s\\) {url}: .*refused"):
+        gone.sync_weights(torch.nn.Linear(2, 2), version=1)
+    assert 1 <= time.monotonic() - started < 10
+    gone.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# lit-grpo fit through servers
+# ----------------------------------------------------------------------------------------------
+
+
+def fit(run_dir: Path, model: Path, urls: list[str], *overrides: str, config: dict | None = None, env=None,
+        returncode: int = 0) -> subprocess.CompletedProcess:
+    """``lit-grpo fit`` of the quickstart with the vllm_server backend, in ``run_dir``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    quickstart = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
+    quickstart["data"]["data_files"] = str(REPO / quickstart["data"]["data_files"])
+    quickstart["model"].update(model_name_or_path=str(model), generation_backend="vllm_server", vllm_server_urls=urls)
+    (run_dir / "quickstart.yaml").write_text(yaml.safe_dump(quickstart))
+    command = [LIT_GRPO, "fit", "--config", "quickstart.yaml", *overrides]
+    if config is not None:
+        (run_dir / "extra.yaml").write_text(yaml.safe_dump(config))
+        command[4:4] = ["--config", "extra.yaml"]
+    result = subprocess.run(command, cwd=run_dir, env={**QUIET, **(env or {})}, capture_output=True, text=True, timeout=900)
+    assert result.returncode == returncode, f"{command}: status {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def test_quickstart_learns_through_a_server(tmp_path, server, model_dir):
+    """The quickstart as the colocated backend's test runs it (tests/test_vllm.py), sampled on a server:
+    the reward rises as it does there, and the server had each step's weights."""
+    fit(tmp_path, model_dir, [server.url], "--trainer.max_steps", "60")
+    logged = scalars(tmp_path / "runs" / "quickstart" / "version_0")
+    rewards = logged["reward"]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.1, f"reward went from {first:.3f} to {last:.3f}"
+    assert_engine_had_the_trained_weights(logged, 60)
+
+
+def completions_by_step(run_dir: Path) -> dict[int, list]:
+    records = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    by_step: dict[int, list] = {}
+    for record in records:
+        by_step.setdefault(record["step"], []).append((record["prompt"], record["completion"], record["reward"]))
+    return by_step
+
+
+def test_two_processes_on_one_and_two_servers_and_a_server_killed_mid_run_resumes_exactly(
+        tmp_path, server, second_server, model_dir):
+    """Two training processes (DDP), each sampling its own prompts: (1) on one server; (2) on two, the
+    second killed at step 2 while they sample: both wait up to the timeout, saying so, then the run
+    stops with a checkpoint and one line; (3) that server restarted and ``--ckpt_path last``: the run
+    of (1), completion for completion, with the requests spread over both servers."""
+    ddp = {"trainer": {"devices": 2, "strategy": "ddp"}, "data": {"batch_size": 4}}
+    five_steps = ("--trainer.max_steps", "5", "--model.vllm_server_timeout", "5")
+    generated = "/inference/v1/generate"
+
+    # (1) one server
+    before = server.requests_served(generated)
+    fit(tmp_path / "one", model_dir, [server.url], *five_steps, config=ddp)
+    one = tmp_path / "one" / "runs" / "quickstart" / "version_0"
+    assert_engine_had_the_trained_weights(scalars(one), 5)  # both ranks' samples: the gathered statistics
+    assert server.requests_served(generated) - before == 2 * 4 * 5  # a request per prompt: 2 ranks x 4 prompts x 5 steps
+
+    # (2) two servers, the second killed at step 2 after the push, before the sampling
+    killer = {**ddp, "trainer": {**ddp["trainer"], "callbacks": [{"class_path": "server_killer.KillServerWhileSampling"}]}}
+    tests = {"PYTHONPATH": str(REPO / "tests")}
+    kill = {**tests, "KILL_VLLM_SERVER_PID": str(second_server.process.pid), "KILL_VLLM_SERVER_AT_STEP": "2"}
+    urls = [server.url, second_server.url]
+    stopped = fit(tmp_path / "two", model_dir, urls, *five_steps, config=killer, env=kill, returncode=2)
+    said = stopped.stderr.splitlines()
+    waiting = f"the vLLM server at {second_server.url} is not answering"
+    assert any(line.startswith(waiting) and "waiting up to 5 s" in line for line in said), stopped.stderr[-3000:]
+    error = next(line for line in said if line.startswith("error: "))
+    assert error.startswith(f"error: the vLLM server at {second_server.url} has not answered for 5 s"), error
+    assert " checkpoint: " in error and error.endswith("--ckpt_path last"), error
+    two = tmp_path / "two" / "runs" / "quickstart" / "version_0"
+    assert sorted(completions_by_step(two)) == [0, 1]  # steps 0 and 1 trained; step 2 stopped before its update
+
+    # (3) the server restarted (the model's weights again, not the run's), the run resumed
+    second_server.start()
+    before = [each.requests_served(generated) for each in (server, second_server)]
+    fit(tmp_path / "two", model_dir, urls, *five_steps, "--ckpt_path", "last", config=killer, env=tests)
+    assert completions_by_step(two) == completions_by_step(one)
+    resumed, uninterrupted = scalars(two), scalars(one)
+    for key in ("loss", "reward", "sampling/sampling_logp_difference/max"):
+        assert len(resumed[key]) == 5 and resumed[key] == pytest.approx(uninterrupted[key], abs=1e-6), key
+    served = [each.requests_served(generated) - count for each, count in zip((server, second_server), before)]
+    assert sum(served) == 2 * 4 * 3 and min(served) > 0  # steps 2-4, spread over both servers
