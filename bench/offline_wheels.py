@@ -9,7 +9,7 @@ resolver is asked twice for the target's Python and platform, in a dry run (it r
 metadata, downloads none): what ``pip install -e ".[bench]" -e ./rewards`` would install, and what
 ``pip install torch transformers lightning`` would. The file lists the first less the second, plus
 the build backend that installing the clone needs there (``setuptools``, from ``pyproject.toml``).
-README.md ("GPUs, and a node without a package index") downloads and installs the file's wheels.
+docs/gpu.md downloads and installs the file's wheels.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def offline_wheels(project: dict[str, str], node: dict[str, str], build: dict[st
 def requirements_text(wheels: dict[str, str], python_version: str, platforms: list[str]) -> str:
     header = [
         f"# What lit-grpo, ./rewards and the bench extra need beyond {', '.join(NODE_PACKAGES)} (and their own",
-        "# dependencies), plus setuptools to install the clone: README.md, GPUs. Written by python -m bench.offline_wheels",
+        "# dependencies), plus setuptools to install the clone: docs/gpu.md. Written by python -m bench.offline_wheels",
         f"# for CPython {python_version} on {' / '.join(platforms)}, {datetime.date.today().isoformat()}.",
     ]
     return "\n".join(header + [f"{name}=={version}" for name, version in wheels.items()]) + "\n"

@@ -1,5 +1,5 @@
 """``requirements-offline.txt`` (the wheels a node with torch, transformers and lightning but no package
-index needs, README.md's GPU section) keeps up with the projects' dependencies: whatever they need
+index needs, docs/gpu.md) keeps up with the projects' dependencies: whatever they need
 beyond those three, as this environment's installed packages declare it for the file's Python, is
 pinned there. ``bench.offline_wheels`` writes it with pip's resolver, which needs the index; its
 arithmetic is tested here on a resolution given by hand."""
