@@ -12,12 +12,12 @@ import types
 from pathlib import Path
 
 import lightning.pytorch as pl
+import lit_grpo_verifiers
 import pytest
 import torch
 import verifiers as vf
 from transformers import AutoTokenizer
 
-import lit_grpo_verifiers
 from lit_grpo import GRPODataModule, GRPOModule, plugins
 from lit_grpo.agent import ToolUse
 from lit_grpo.errors import UserError
@@ -67,7 +67,7 @@ def test_the_rubric_functions_score_as_verifiers_scores_them():
     asyncio.run(env.rubric.score_group(states))
     assert ours == {name: [state["metrics"][name] for state in states] for name in ours}
     assert ours["correct_answer"] == [1.0, 0.0, 1.0, 0.0] and ours["add_calls"] == [1.0, 0.0, 0.0, 1.0]
-    weights = dict((reward.__name__, weight) for reward, weight in group)
+    weights = {reward.__name__: weight for reward, weight in group}
     assert [sum(weights[name] * ours[name][i] for name in ours) for i in range(4)] == [state["reward"] for state in states]
 
 
@@ -132,8 +132,8 @@ def vf_echo_game(monkeypatch):
     ({"environment": "vf-arithmetc"}, r"no verifiers environment 'vf-arithmetc' is installed .*did you mean 'vf-arithmetic'\?"),
     ({"environment": "vf-arithmetic", "environment_args": {"num_example": 4}},
      r"environment_args of verifiers environment 'vf-arithmetic'.*did you mean 'num_examples'\?"),
-    ({"environment": "vf-echo-game"}, r"verifiers environment 'vf-echo-game' \(EchoGame\) overrides EchoGame.env_response: it runs "
-                                      r"a rollout of its own, driving the model through an OpenAI-compatible endpoint"),
+    ({"environment": "vf-echo-game"}, (r"verifiers environment 'vf-echo-game' \(EchoGame\) overrides EchoGame.env_response: it runs "
+                                       r"a rollout of its own, driving the model through an OpenAI-compatible endpoint")),
 ])
 def test_bad_names_arguments_and_environments_lit_grpo_cannot_drive_are_one_line_errors(args, message, vf_echo_game):
     with pytest.raises(UserError, match=message) as error:

@@ -21,7 +21,7 @@ import functools
 import inspect
 import json
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import lit_grpo
 from lit_grpo.errors import ConfigError
