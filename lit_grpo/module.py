@@ -40,6 +40,7 @@ from transformers import GenerationConfig
 
 from lit_grpo import algorithm, cpu, device_defaults, models
 from lit_grpo.agent import ToolUse
+from lit_grpo.async_rollouts import RolloutPipeline
 from lit_grpo.callbacks import CpuThreadsCallback, ValidateBeforeTraining, ignore_expected_lightning_warnings
 from lit_grpo.checkpointing import (
     RNGStateCheckpoint,
@@ -166,6 +167,8 @@ class GRPOModule(pl.LightningModule):
         tool_call_parser: None (the tokenizer's parser, else its chat template's format), ``hermes``,
             ``llama3_json``, ``mistral``, or ``package.module:function`` returning ``[{name, arguments}]``.
         max_tool_result_length: tokens of one tool result (a longer one keeps both ends); None: no limit.
+        max_staleness: asynchronous GRPO: train on batches sampled up to this many optimizer steps before, while the
+            next are scored (``lit_grpo.async_rollouts``); 0: synchronous.
         tokenizer: Python only: the tokenizer of a model given as an object (default: its ``name_or_path``'s).
         optimizer: the ``optimizer:`` block, built once the policy exists; None: AdamW at lr 1e-6 (TRL's).
         lr_scheduler: the ``lr_scheduler:`` block; stepped after every optimizer step.
@@ -241,6 +244,7 @@ class GRPOModule(pl.LightningModule):
         tool_timeout: float | None = 30.0,
         tool_call_parser: str | None = None,
         max_tool_result_length: int | None = 1024,
+        max_staleness: int = 0,
         tokenizer: Any = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -283,6 +287,7 @@ class GRPOModule(pl.LightningModule):
         self.loggers_told: set[type] = set()  # loggers without a completions table, said once
         self.engine: GenerationEngine | None = None  # what samples (lit_grpo.engines), made by configure_model
         self.policy_version = 0  # optimizer steps the policy has taken (checkpointed): the weights' version
+        self.rollout_pipeline = RolloutPipeline.for_settings(self.hparams)  # max_staleness > 0, else None
         check_backend(self.hparams)  # a missing extra or server address fails before any model is loaded
 
     # ------------------------------------------------------------------------------------------
@@ -389,6 +394,8 @@ class GRPOModule(pl.LightningModule):
             callbacks.append(ReferenceModelSync(self.hparams.ref_model_sync_steps, self.hparams.ref_model_mixup_alpha))
         if self.hparams.generation_backend == "vllm_server":  # a server lost mid-run: a checkpoint, then a stop
             callbacks.append(CheckpointWhenServerLost())
+        if self.rollout_pipeline is not None:
+            callbacks.append(self.rollout_pipeline)
         return callbacks
 
     def configure_optimizers(self):
@@ -415,8 +422,12 @@ class GRPOModule(pl.LightningModule):
         hp = self.hparams
         check_batch_sizes(len(batch.prompts), hp.num_generations, hp.steps_per_generation, hp.micro_batch_size)
 
-        # 1-4. Sample, score, advantages, reference log-probs (and, below, old log-probs).
-        scored, completions = self.generate_and_score(batch)
+        # 1-4. Sample, score, advantages, reference log-probs (and, below, old log-probs); with
+        #      max_staleness, of an older batch (None while the pipeline fills: lit_grpo.async_rollouts).
+        pipeline = self.rollout_pipeline
+        scored, completions = self.generate_and_score(batch) if pipeline is None else pipeline.exchange(self, batch)
+        if scored is None:
+            return
         rollout = scored.rollout
 
         # 5. num_iterations passes of steps_per_generation optimizer steps each.
@@ -488,6 +499,7 @@ class GRPOModule(pl.LightningModule):
         # completion tokens sampled by all ranks per second of this step
         completion_tokens = self.trainer.strategy.reduce(rollout.completion_lengths.sum().float(), reduce_op="sum")
         metrics["tokens_per_second"] = completion_tokens / step_time
+        metrics.update(pipeline.metrics if pipeline is not None else {})
         for name, value in (scored.dynamic_sampling or {}).items():
             metrics[f"dynamic_sampling/{name}"] = value
         for name, value in metrics.items():

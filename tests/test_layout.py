@@ -32,7 +32,7 @@ LAYERS = [
     ["lit_grpo.shared_prompt", "lit_grpo.engines.lit_sampler", "lit_grpo.scoring", "lit_grpo.data", "lit_grpo.callbacks",
      "lit_grpo.multi_turn", "lit_grpo.dynamic_sampling", "lit_grpo.engines.base", "lit_grpo.engines.vllm_sampling"],
     ["lit_grpo.generation", "lit_grpo.logprobs", "lit_grpo.engines.policy"],
-    ["lit_grpo.agent"],
+    ["lit_grpo.agent", "lit_grpo.async_rollouts"],
     # the vLLM engines (the vllm extra): in each process; on servers, with their weights over gloo
     ["lit_grpo.engines.vllm_colocated", "lit_grpo.engines.server_lost", "lit_grpo.engines.vllm_plugin"],
     ["lit_grpo.engines.vllm_gloo", "lit_grpo.engines.vllm_serve"],

@@ -1,0 +1,291 @@
+"""Asynchronous GRPO (``model.max_staleness: k``): train on generation batches sampled by weights
+up to k optimizer steps old, while the next ones are scored.
+
+A pipeline of generation batches, k-step-off as in NeMo-RL's one-step-off GRPO and prime-rl. At
+training step n the module hands batch n's prompts to :meth:`RolloutPipeline.exchange`, which
+
+1. samples them with the current weights (version V: the optimizer steps taken so far; an engine
+   with weights of its own, vLLM, gets them first), and starts scoring them with the rewards in a
+   background thread;
+2. gives back the oldest batch of the pipeline, scored (the trainer waits for its rewards only if
+   they are not ready: ``time/wait_for_samples``), with its group-relative advantages and reference
+   log-probs: the batch handed in ``depth = k // (num_iterations * steps_per_generation)`` training
+   steps before, sampled ``depth * num_iterations * steps_per_generation <= k`` optimizer steps ago.
+
+The first ``depth`` training steps only fill the pipeline: they sample and score but take no
+optimizer step (``trainer.max_steps`` still counts optimizer steps). The last ``depth`` batches of a
+run are sampled and never trained. ``k = 0`` is not this module: the module's synchronous step runs.
+
+What overlaps. Generation with the colocated engines (``lit``, ``transformers``, ``vllm``) uses the
+trainer's own devices and weights, so it does not overlap training; what overlaps is the reward
+scoring of batch n (a background thread: the rewards' worker processes, an HTTP verifier, code
+execution) with the training on batch n - depth and the generation of batch n + 1, which pays for
+slow rewards. The ``vllm_server`` backend samples the same way, between two training steps, with the
+weights pushed once per step (``time/wait_for_weights``: seconds the push took before sampling).
+
+Staleness. Every row says which weights sampled it (``Rollout.weight_versions``); the staleness of a
+trained row is ``policy_version - weight_version`` when its training starts, logged as
+``async/staleness_mean`` and ``async/staleness_max``. A batch with a row older than k is dropped, not
+trained, and counted (``async/dropped_stale``, samples, cumulative); it is not regenerated: its
+prompts were drawn from the data loader in order, and sampling them again with newer weights would
+cost a generation the trainer then waits for, which is what the pipeline is there to avoid. With a
+fixed pipeline depth a batch is never older than k; the check guards the bound (a resume with a
+smaller k drops the older batches the checkpoint holds).
+
+Behaviour log-probs. The importance-sampling correction (``vllm_importance_sampling_correction``,
+:mod:`lit_grpo.sampling_correction`) reweights each sample by current policy / sampling policy. vLLM
+returns its log-probs of the tokens it sampled; for the ``lit`` and ``transformers`` samplers the
+policy's log-probs are computed right after sampling, with the weights that sampled
+(``Rollout.sampling_logps``), so the same correction covers the staleness (one extra forward without
+gradient per batch). The clipped ratio of the loss is then taken against the current policy, the
+proximal policy of decoupled PPO.
+
+Checkpoints. Lightning saves this callback's :meth:`state_dict` in every checkpoint: the batches in
+the pipeline (prompts, columns, completions, rewards, the weight version of every row), their
+scoring finished first, from every rank. The data loader's position is past their prompts, so a run
+resumed with ``--ckpt_path last`` trains each of them once and hands none of them again.
+
+Ranks. Every rank runs the same pipeline on its own prompts; the staleness and the drop of a batch
+are decided over all ranks (its largest staleness on any rank), so no rank trains a batch another
+has dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lit_grpo import algorithm
+from lit_grpo.data import PromptBatch
+from lit_grpo.distributed import gather_rows
+from lit_grpo.errors import ConfigError
+from lit_grpo.rollout import Rollout, ScoredRollout
+
+__all__ = ["RolloutPipeline", "check_async_settings"]
+
+
+def check_async_settings(hp) -> None:
+    """``model.max_staleness`` and the settings it cannot run with, naming the keys."""
+    k = hp.max_staleness
+    if k < 0:
+        raise ConfigError(f"model.max_staleness must be at least 0 (0: synchronous), got {k}")
+    if k == 0:
+        return
+    steps = hp.num_iterations * hp.steps_per_generation
+    if k < steps:
+        raise ConfigError(
+            f"model.max_staleness ({k}) is below the optimizer steps of one generation batch (num_iterations * "
+            f"steps_per_generation = {steps}): no batch could be trained one step late; use 0 or a multiple of {steps}"
+        )
+    if hp.dynamic_sampling:
+        raise ConfigError("model.dynamic_sampling does not run with model.max_staleness > 0: set one of them off")
+    if hp.tools or hp.environment:
+        raise ConfigError("model.tools / model.environment (multi-turn rollouts) do not run with model.max_staleness > 0 yet")
+
+
+@dataclass
+class InFlight:
+    """One generation batch in the pipeline: sampled, its scoring under way or done."""
+
+    batch: PromptBatch
+    rollout: Rollout  # weight_versions [N] and sampling_logps [N, C] set
+    timings: dict[str, float]
+    scoring: Future | None = None  # -> (completions, rewards_per_func [N, K])
+    completions: list | None = None
+    rewards_per_func: torch.Tensor | None = None  # [N, K]
+
+    def finish(self) -> float:
+        """Wait for the rewards; the seconds waited."""
+        if self.scoring is None:
+            return 0.0
+        start = time.perf_counter()
+        self.completions, rewards_per_func = self.scoring.result()
+        self.rewards_per_func, self.scoring = rewards_per_func.cpu(), None
+        return time.perf_counter() - start
+
+    def state(self) -> dict[str, Any]:
+        """Plain tensors, lists and numbers (a ``weights_only`` checkpoint)."""
+        self.finish()
+        rollout = {f.name: getattr(self.rollout, f.name) for f in fields(Rollout)}
+        return {
+            "prompts": self.batch.prompts,
+            "columns": self.batch.columns,
+            "rollout": {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in rollout.items()},
+            "timings": dict(self.timings),
+            "completions": self.completions,
+            "rewards_per_func": self.rewards_per_func,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> InFlight:
+        return cls(
+            batch=PromptBatch(prompts=state["prompts"], columns=state["columns"]),
+            rollout=Rollout(**state["rollout"]),
+            timings=state["timings"],
+            completions=state["completions"],
+            rewards_per_func=state["rewards_per_func"],
+        )
+
+
+def _to(rollout: Rollout, device: torch.device) -> Rollout:
+    return Rollout(**{f.name: getattr(rollout, f.name).to(device) if isinstance(getattr(rollout, f.name), torch.Tensor)
+                      else getattr(rollout, f.name) for f in fields(Rollout)})
+
+
+class RolloutPipeline(pl.Callback):
+    """The batches sampled and not yet trained (see the module doc); a callback so that it is
+    checkpointed, drained before validation (which shares the rewards) and stopped at the end."""
+
+    def __init__(self, max_staleness: int, optimizer_steps_per_batch: int) -> None:
+        self.max_staleness = max_staleness
+        self.depth = max_staleness // optimizer_steps_per_batch  # batches in flight before one is trained
+        self.in_flight: deque[InFlight] = deque()
+        self.dropped_stale = 0  # samples (all ranks) not trained because they were older than max_staleness
+        self.metrics: dict[str, torch.Tensor] = {}  # of the batch trained last, logged by the module
+        self._executor: ThreadPoolExecutor | None = None
+        self._to_restore: dict[str, Any] | None = None
+
+    @classmethod
+    def for_settings(cls, hp) -> RolloutPipeline | None:
+        check_async_settings(hp)
+        return cls(hp.max_staleness, hp.num_iterations * hp.steps_per_generation) if hp.max_staleness else None
+
+    # ------------------------------------------------------------------------------------------
+    # The step
+    # ------------------------------------------------------------------------------------------
+
+    def exchange(self, module, batch: PromptBatch) -> tuple[ScoredRollout | None, list | None]:
+        """Sample ``batch`` with the current weights and start scoring it; return the oldest batch
+        of the pipeline scored and ready for the update (steps 1-4), or ``(None, None)`` while the
+        pipeline fills (or when every batch in it was too old)."""
+        self._restore(module)
+        timings = {"generate": 0.0, "rewards": 0.0, "logprobs": 0.0, "wait_for_weights": 0.0}
+        if module.engine.holds_weights:
+            timings["wait_for_weights"] = module.engine.sync_weights(module.policy, module.policy_version)
+        start = time.perf_counter()
+        rollout = module.generate(batch.prompts, columns=batch.columns)
+        timings["generate"] = time.perf_counter() - start
+        if rollout.sampling_logps is None:  # the policy sampled: its log-probs now are the sampling weights'
+            start = time.perf_counter()
+            rollout.sampling_logps = module.logprobs.logps_no_grad(module.policy, rollout)  # [N, C]
+            timings["logprobs"] = time.perf_counter() - start
+        item = InFlight(batch, rollout, timings)
+        item.scoring = self._thread().submit(self._score, module, item)
+        self.in_flight.append(item)
+        while len(self.in_flight) > self.depth:
+            item = self.in_flight.popleft()
+            waited = item.finish()
+            staleness = module.policy_version - item.rollout.weight_versions.to(module.device)  # [N]
+            reduce = module.trainer.strategy.reduce
+            worst = reduce(staleness.max().float(), reduce_op="max")
+            if worst > self.max_staleness:
+                self.dropped_stale += int(reduce(torch.tensor(float(len(staleness)), device=module.device), reduce_op="sum"))
+                continue
+            scored = self._scored(module, item)
+            scored.timings["wait_for_samples"] = waited
+            total = reduce(staleness.sum().float(), reduce_op="sum")
+            count = reduce(torch.tensor(float(len(staleness)), device=module.device), reduce_op="sum")
+            self.metrics = {
+                "async/staleness_mean": total / count,
+                "async/staleness_max": worst,
+                "async/dropped_stale": torch.tensor(float(self.dropped_stale)),
+                "async/batches_in_flight": torch.tensor(float(len(self.in_flight))),
+            }
+            return scored, item.completions
+        return None, None
+
+    @staticmethod
+    def _score(module, item: InFlight) -> tuple[list, torch.Tensor]:
+        """In the background thread: the rewards of one batch (no collective)."""
+        start = time.perf_counter()
+        result = module._score(module.scorer, item.batch, item.rollout, module.hparams.num_generations)
+        item.timings["rewards"] = time.perf_counter() - start
+        return result
+
+    def _scored(self, module, item: InFlight) -> ScoredRollout:
+        """Steps 3-4 of a sampled and scored batch, as ``GRPOModule.generate_and_score``: advantages
+        from every rank's rewards, the loss mask, the dapo normaliser, the reference log-probs."""
+        hp = module.hparams
+        rollout = _to(item.rollout, module.device)
+        rewards_per_func = item.rewards_per_func.to(module.device)  # [N, K]
+        all_rewards_per_func = gather_rows(rewards_per_func, module.all_gather)  # [world * N, K]
+        all_rewards = algorithm.combine_rewards(all_rewards_per_func, module._reward_weights(module.scorer))
+        all_group = algorithm.group_advantages(all_rewards, hp.num_generations, hp.scale_rewards)
+        N = rewards_per_func.size(0)
+        local_rows = slice(module.global_rank * N, (module.global_rank + 1) * N)
+        loss_mask = rollout.policy_token_mask
+        if hp.mask_truncated_completions:
+            loss_mask = loss_mask * (~rollout.is_truncated).unsqueeze(1).long()
+        all_tokens = float(module.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum"))
+        num_items_in_batch = algorithm.dapo_normaliser(all_tokens, module.trainer.world_size, hp.steps_per_generation)
+        start = time.perf_counter()
+        ref_logps = module.logprobs.reference_logps(module.policy, module.ref_model, rollout) if hp.beta > 0 else None
+        timings = dict(item.timings)
+        timings["logprobs"] = timings.get("logprobs", 0.0) + time.perf_counter() - start
+        return ScoredRollout(
+            rollout=rollout,
+            loss_mask=loss_mask,
+            rewards_per_func=rewards_per_func,
+            rewards=all_rewards[local_rows],
+            group=all_group.rows(local_rows),
+            old_logps=None,
+            ref_logps=ref_logps,
+            num_items_in_batch=num_items_in_batch,
+            timings=timings,
+            prompts=list(item.batch.prompts),
+        )
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._executor is None:  # one thread: batches are scored in order, one at a time
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lit-grpo-scoring")
+        return self._executor
+
+    def drain(self) -> None:
+        """Finish every scoring under way (before validation, which shares the rewards, and checkpoints)."""
+        for item in self.in_flight:
+            item.finish()
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints and the run's end
+    # ------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's batches in flight (called on every rank while a checkpoint is written)."""
+        states = [item.state() for item in self.in_flight]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            per_rank: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(per_rank, states)
+        else:
+            per_rank = [states]
+        return {"per_rank": per_rank, "dropped_stale": self.dropped_stale}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._to_restore = state_dict
+
+    def _restore(self, module) -> None:
+        state, self._to_restore = self._to_restore, None
+        if state is None:
+            return
+        world_size, rank = module.trainer.world_size, module.global_rank
+        if len(state["per_rank"]) != world_size:
+            raise RuntimeError(
+                f"the checkpoint holds the asynchronous pipeline (model.max_staleness) of {len(state['per_rank'])} "
+                f"processes and this run has {world_size}: their sampled batches cannot be shared out; resume "
+                f"with {len(state['per_rank'])} processes"
+            )
+        self.in_flight = deque(InFlight.from_state(item) for item in state["per_rank"][rank])
+        self.dropped_stale = state["dropped_stale"]
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.drain()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
