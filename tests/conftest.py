@@ -199,5 +199,5 @@ def warm_tool_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-kv-model")
     from lit_grpo_kv_lookup.warm_start import main as warm_start
 
-    warm_start([str(path), "--steps", "150", "--hidden-size", "64"])
+    warm_start([str(path), "--steps", "150", "--short-steps", "50", "--call-frac", "1", "--hidden-size", "64"])
     return path

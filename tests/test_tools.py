@@ -629,6 +629,7 @@ def test_tools_quickstart_config_runs_through_the_cli_with_the_environment(tmp_p
     shown = subprocess.run([command[0], "completions", str(tmp_path / "runs/tools-quickstart/version_0"), "--limit", "32"],
                            capture_output=True, text=True, timeout=120)
     assert "[calls lookup(" in shown.stdout and "tool: " in shown.stdout
+    assert "| kv_answer | kv_lookup | reward |" in shown.stdout  # the environment's reward, at weight 0 too
 
 
 @pytest.mark.parametrize("backend", ["lit", "transformers"])

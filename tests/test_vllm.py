@@ -479,7 +479,7 @@ from lit_grpo import plugins
 from lit_grpo.module import GRPOModule
 from lit_grpo_kv_lookup.warm_start import main as warm_start
 plugins.register_plugin(lit_grpo_kv_lookup, package="lit-grpo-kv-lookup")
-warm_start([{path!r}, "--steps", "150"])
+warm_start([{path!r}, "--steps", "150", "--short-steps", "50", "--call-frac", "1"])
 rows = [json.loads(line) for line in open({data!r})][:4]
 columns = {{"store": [r["store"] for r in rows], "key": [r["key"] for r in rows]}}
 prompts = [[{{"role": "user", "content": r["prompt"]}}] for r in rows]
@@ -539,7 +539,8 @@ def warm_tool_model(tmp_path_factory):
     """examples/environment-plugin's warm-started tiny model (head size 32), built in a subprocess."""
     path = tmp_path_factory.mktemp("kv-model")
     env = {**os.environ, "PYTHONPATH": str(REPO / "examples/environment-plugin")}
-    subprocess.run([sys.executable, "-m", "lit_grpo_kv_lookup.warm_start", str(path), "--steps", "150"], env=env,
+    subprocess.run([sys.executable, "-m", "lit_grpo_kv_lookup.warm_start", str(path), "--steps", "150",
+                    "--short-steps", "50", "--call-frac", "1"], env=env,
                    check=True, capture_output=True, timeout=900)
     return path
 
