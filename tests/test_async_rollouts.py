@@ -13,6 +13,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
+from test_distributed import run_dir, run_worker  # noqa: F401  (run_dir is a fixture)
 from test_resume import PROMPTS, checkpoint_at, fit_config, killed_during_step_after, lit_grpo_fit, logged_scalars
 
 from lit_grpo.async_rollouts import check_async_settings
@@ -31,19 +33,19 @@ def async_config(tiny_model_dir, tmp_path: Path, max_staleness: int, **model) ->
     return config
 
 
-def trained_prompts(run_dir: Path, completions: bool = False) -> list:
+def trained_prompts(directory: Path, completions: bool = False) -> list:
     """The prompt (or the prompt and completion) of every completion trained on, in order (each
     step's table: every row)."""
-    path = run_dir / "runs/resume/version_0/completions.jsonl"
+    path = directory / "runs/resume/version_0/completions.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     return [(row["prompt"], row["completion"]) if completions else row["prompt"] for row in rows]
 
 
-def run(run_dir: Path, config: dict, *args: str):
-    run_dir.mkdir()
-    finished = lit_grpo_fit(run_dir, config, *args)
+def run(directory: Path, config: dict, *args: str):
+    directory.mkdir()
+    finished = lit_grpo_fit(directory, config, *args)
     assert finished.returncode == 0, finished.stderr[-5000:]
-    return logged_scalars(run_dir / "runs/resume/version_0")
+    return logged_scalars(directory / "runs/resume/version_0")
 
 
 def test_one_step_off_trains_each_batch_one_optimizer_step_after_it_was_sampled(tiny_model_dir, tmp_path):
@@ -80,27 +82,77 @@ def test_killed_one_step_off_run_resumes_with_no_prompt_lost_or_trained_twice(ti
     config = async_config(tiny_model_dir, tmp_path, max_staleness=1)
     reference = run(tmp_path / "reference", config)
 
-    run_dir = tmp_path / "interrupted"
-    run_dir.mkdir()
+    directory = tmp_path / "interrupted"
+    directory.mkdir()
     # killed in the optimizer step after the checkpoint of step 2 (a sampled batch in the pipeline),
     # then again after step 4, at the epoch boundary (3 batches per epoch, one more drawn to fill)
     for step, args in ((2, ()), (4, ("--ckpt_path", "last"))):
-        killed = lit_grpo_fit(run_dir, killed_during_step_after(config, step), *args)
+        killed = lit_grpo_fit(directory, killed_during_step_after(config, step), *args)
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-5000:]
-        assert checkpoint_at(run_dir)["global_step"] == step
-    resumed = lit_grpo_fit(run_dir, config, "--ckpt_path", "last")
+        assert checkpoint_at(directory)["global_step"] == step
+    resumed = lit_grpo_fit(directory, config, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-5000:]
 
     # every step was logged once (each kill came before its step's optimizer step and logging), with
     # the reference's values, and trained the reference's prompts
-    logged = logged_scalars(run_dir / "runs/resume/version_0")
+    logged = logged_scalars(directory / "runs/resume/version_0")
     assert sorted(logged["reward"]) == sorted(reference["reward"]) == [1, 2, 3, 4, 5, 6]
     for tag, values in reference.items():
         assert logged[tag] == values, tag
     expected = trained_prompts(tmp_path / "reference")
     # 2 epochs of the 6 prompts (the first batch of the second filled the pipeline of the first)
     assert Counter(expected) == {row["prompt"]: 2 * 4 for row in PROMPTS}
-    assert Counter(trained_prompts(run_dir)) == Counter(expected)
+    assert Counter(trained_prompts(directory)) == Counter(expected)
+
+
+def test_batches_older_than_max_staleness_are_dropped_and_counted(tiny_model_dir, tmp_path):
+    """A run checkpointed with k = 2 (two batches in flight, sampled 1 and 2 optimizer steps before the
+    last) and resumed with k = 1: the oldest batch would be trained 2 steps stale, so it is dropped
+    (its 2 prompts x 4 completions counted) and the next is trained; then one batch stays in flight."""
+    directory = tmp_path / "run"
+    run(directory, {**async_config(tiny_model_dir, tmp_path, max_staleness=2), "trainer": {
+        **async_config(tiny_model_dir, tmp_path, 2)["trainer"], "max_steps": 3}})
+    first = logged_scalars(directory / "runs/resume/version_0")
+    assert first["async/staleness_max"] == {2: 0.0, 3: 1.0, 4: 2.0}  # trained at k = 2
+    resumed = lit_grpo_fit(directory, async_config(tiny_model_dir, tmp_path, max_staleness=1), "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    logged = logged_scalars(directory / "runs/resume/version_0")
+    after = {step: value for step, value in logged["async/staleness_max"].items() if step > 4}
+    assert after == {5: 1.0, 6: 1.0, 7: 1.0}
+    assert logged["async/dropped_stale"] == {2: 0.0, 3: 0.0, 4: 0.0, 5: 8.0, 6: 8.0, 7: 8.0}
+
+
+def test_two_processes_keep_every_ranks_batches_in_flight_across_a_resume(run_dir):  # noqa: F811
+    """DDP on 2 processes with k = 1 and real sampling (each rank its own prompts): every trained batch
+    is one optimizer step stale on both ranks; a run stopped after 2 optimizer steps (a batch of each
+    rank in flight, in last.ckpt) and resumed logs what an uninterrupted one logs."""
+    def overrides(name: str, max_steps: int) -> dict:
+        return {
+            "trainer": {"devices": 2, "strategy": "ddp", "max_steps": max_steps, "enable_checkpointing": True,
+                        "default_root_dir": str(run_dir / name),
+                        "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                       "init_args": {"save_last": True, "save_top_k": 0, "every_n_train_steps": 1}}]},
+            "model": {"temperature": 1.0, "num_iterations": 1, "max_staleness": 1},
+            "data": {"batch_size": 2},
+        }
+
+    straight = run_worker(run_dir, "async_straight", 2, overrides("async_straight", 4))
+    trained = [step for step in straight["steps"] if "loss" in step]
+    assert len(trained) == 4
+    assert [step["async/staleness_max"] for step in trained] == [0.0, 1.0, 1.0, 1.0]
+    run_worker(run_dir, "async_first_half", 2, overrides("async_resumed", 2))
+    checkpoint = run_dir / "async_resumed" / "lit-grpo" / "version_0" / "checkpoints" / "last.ckpt"
+    saved = torch.load(checkpoint, weights_only=True)["callbacks"]["RolloutPipeline"]
+    assert [len(batches) for batches in saved["per_rank"]] == [1, 1]  # each rank's own prompts
+    assert saved["per_rank"][0][0]["prompts"] != saved["per_rank"][1][0]["prompts"]
+    resumed = run_worker(run_dir, "async_second_half", 2, overrides("async_resumed", 4), "--ckpt-path", str(checkpoint))
+    resumed_trained = [step for step in resumed["steps"] if "loss" in step]
+    assert len(resumed_trained) == 2
+    for name in ["loss", "reward", "reward_std", "async/staleness_max", "grad_norm"]:
+        for got, expected in zip(resumed_trained, trained[2:]):
+            assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+    for name, expected in straight["state"].items():
+        torch.testing.assert_close(resumed["state"][name], expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize(
