@@ -22,10 +22,10 @@ The warm-started model therefore scores about 0.05 on the task (``kv_answer``) b
 correctly when it does call it, and GRPO learns to call it every time
 (``configs/tools-quickstart.yaml``). ``--call-frac 1`` gives a model that always calls (the tests').
 At the end it prints the three probabilities it was trained for (:func:`tool_use_probabilities`);
-with the defaults, for seeds 0, 1 and 2: a call 0.05-0.07, the asked key 0.99, the copy 0.99.
+with the defaults, for seeds 0, 1 and 2: a call 0.07, 0.04, 0.05, the asked key 0.99, the copy 0.99.
 
-Three things make a 2-layer model learn the copy within a few hundred steps, where it otherwise
-stays at chance for thousands (measured on this project's CPUs):
+Three things make a 2-layer model learn the copy within a few hundred steps (the previous version of
+this warm start, 400 steps with Hugging Face's initialisation on whole transcripts, left it at chance):
 
 * weights drawn with standard deviation 0.1 instead of Hugging Face's 0.02, which at width 64 leaves
   every attention score near zero, so no head starts out looking at the digit;
@@ -33,7 +33,8 @@ stays at chance for thousands (measured on this project's CPUs):
   at the user's turn, without the 800-token system prompt that describes the tool: the digit is then
   one of 80 tokens, not 900 (with fewer such steps one seed in three had not learned the copy by 450);
 * every transcript begins with the same system prompt, which is run once per batch and shared
-  (a key-value cache), so a step costs about a tenth of a plain forward pass over the batch.
+  (a key-value cache): forward and backward over 16 transcripts took 0.12-0.15 s against 0.73-0.96 s
+  for a plain padded pass (one thread, measured under load).
 """
 
 from __future__ import annotations
