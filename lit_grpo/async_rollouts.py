@@ -16,12 +16,16 @@ The first ``depth`` training steps only fill the pipeline: they sample and score
 optimizer step (``trainer.max_steps`` still counts optimizer steps). The last ``depth`` batches of a
 run are sampled and never trained. ``k = 0`` is not this module: the module's synchronous step runs.
 
-What overlaps. Generation with the colocated engines (``lit``, ``transformers``, ``vllm``) uses the
-trainer's own devices and weights, so it does not overlap training; what overlaps is the reward
-scoring of batch n (a background thread: the rewards' worker processes, an HTTP verifier, code
-execution) with the training on batch n - depth and the generation of batch n + 1, which pays for
-slow rewards. The ``vllm_server`` backend samples the same way, between two training steps, with the
-weights pushed once per step (``time/wait_for_weights``: seconds the push took before sampling).
+What overlaps. The colocated engines (``lit``, ``transformers``, ``vllm``) sample with the trainer's
+own devices and weights, so generation does not overlap training: the step samples batch n first,
+then trains; what overlaps is the reward scoring of batch n (a background thread: the rewards'
+worker processes, an HTTP verifier, code execution) with the training on batch n - depth and the
+generation of batch n + 1, which pays for slow rewards. With the ``vllm_server`` backend the
+sampling itself runs in the background thread (HTTP requests, no collective): at step n the trainer
+waits until the servers have sampled what it sent the step before (``time/wait_for_samples``), pushes
+the new weights (``time/wait_for_weights``), sends batch n and trains on batch n - depth while the
+servers sample it. A server lost while sampling in the background stops the run at the next step, on
+every rank, with a checkpoint that holds the batch's prompts: it is sampled again after the resume.
 
 Staleness. Every row says which weights sampled it (``Rollout.weight_versions``); the staleness of a
 trained row is ``policy_version - weight_version`` when its training starts, logged as
@@ -52,10 +56,11 @@ has dropped.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import lightning.pytorch as pl
@@ -65,6 +70,7 @@ from lit_grpo import algorithm
 from lit_grpo.data import PromptBatch
 from lit_grpo.distributed import gather_rows
 from lit_grpo.errors import ConfigError
+from lit_grpo.generation import render_prompts, tokenize_prompts
 from lit_grpo.rollout import Rollout, ScoredRollout
 
 __all__ = ["RolloutPipeline", "check_async_settings"]
@@ -91,43 +97,58 @@ def check_async_settings(hp) -> None:
 
 @dataclass
 class InFlight:
-    """One generation batch in the pipeline: sampled, its scoring under way or done."""
+    """One generation batch in the pipeline: sampled (or being sampled, on servers), its scoring under
+    way or done; or, restored from a checkpoint written when a server was lost, still to sample."""
 
     batch: PromptBatch
-    rollout: Rollout  # weight_versions [N] and sampling_logps [N, C] set
     timings: dict[str, float]
-    scoring: Future | None = None  # -> (completions, rewards_per_func [N, K])
+    rollout: Rollout | None = None  # weight_versions [N] and sampling_logps [N, C] set
+    work: Future | None = None  # the background job: -> (rollout, failure, completions, rewards_per_func)
+    sampled: threading.Event = field(default_factory=threading.Event)  # set once the rollout (or failure) is there
+    failure: Exception | None = None  # the server's, while sampling in the background
     completions: list | None = None
     rewards_per_func: torch.Tensor | None = None  # [N, K]
 
+    def wait_sampled(self) -> float:
+        """Wait until the batch is sampled (or failed); the seconds waited."""
+        start = time.perf_counter()
+        if self.work is not None:
+            self.sampled.wait()
+        return time.perf_counter() - start
+
     def finish(self) -> float:
-        """Wait for the rewards; the seconds waited."""
-        if self.scoring is None:
+        """Wait for the whole job (sampling on servers, rewards); the seconds waited."""
+        if self.work is None:
             return 0.0
         start = time.perf_counter()
-        self.completions, rewards_per_func = self.scoring.result()
-        self.rewards_per_func, self.scoring = rewards_per_func.cpu(), None
+        self.rollout, self.failure, self.completions, rewards_per_func = self.work.result()
+        self.rewards_per_func = rewards_per_func.cpu() if rewards_per_func is not None else None
+        self.work = None
         return time.perf_counter() - start
 
     def state(self) -> dict[str, Any]:
-        """Plain tensors, lists and numbers (a ``weights_only`` checkpoint)."""
+        """Plain tensors, lists and numbers (a ``weights_only`` checkpoint); no rollout when its
+        sampling failed (a server lost: the batch is sampled again after the resume)."""
         self.finish()
-        rollout = {f.name: getattr(self.rollout, f.name) for f in fields(Rollout)}
+        rollout = None
+        if self.rollout is not None and self.rewards_per_func is not None:
+            rollout = {f.name: getattr(self.rollout, f.name) for f in fields(Rollout)}
+            rollout = {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in rollout.items()}
         return {
             "prompts": self.batch.prompts,
             "columns": self.batch.columns,
-            "rollout": {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in rollout.items()},
+            "rollout": rollout,
             "timings": dict(self.timings),
-            "completions": self.completions,
-            "rewards_per_func": self.rewards_per_func,
+            "completions": self.completions if rollout is not None else None,
+            "rewards_per_func": self.rewards_per_func if rollout is not None else None,
         }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> InFlight:
         return cls(
             batch=PromptBatch(prompts=state["prompts"], columns=state["columns"]),
-            rollout=Rollout(**state["rollout"]),
             timings=state["timings"],
+            rollout=Rollout(**state["rollout"]) if state["rollout"] is not None else None,
             completions=state["completions"],
             rewards_per_func=state["rewards_per_func"],
         )
@@ -165,22 +186,34 @@ class RolloutPipeline(pl.Callback):
         of the pipeline scored and ready for the update (steps 1-4), or ``(None, None)`` while the
         pipeline fills (or when every batch in it was too old)."""
         self._restore(module)
-        timings = {"generate": 0.0, "rewards": 0.0, "logprobs": 0.0, "wait_for_weights": 0.0}
+        waited = 0.0
+        elsewhere = getattr(module.engine, "samples_elsewhere", False)
+        if elsewhere:
+            # The servers take new weights between two requests only: wait until what they sample for
+            # the pipeline is done (the batch trained next, sampled while the last step trained), then
+            # agree over the ranks that nothing failed, before anything of this step changes.
+            for item in self.in_flight:
+                waited += item.wait_sampled()
+                module.engine.agree_on_failure(item.failure, module.device)
+        wait_for_weights = 0.0
         if module.engine.holds_weights:
-            timings["wait_for_weights"] = module.engine.sync_weights(module.policy, module.policy_version)
-        start = time.perf_counter()
-        rollout = module.generate(batch.prompts, columns=batch.columns)
-        timings["generate"] = time.perf_counter() - start
-        if rollout.sampling_logps is None:  # the policy sampled: its log-probs now are the sampling weights'
-            start = time.perf_counter()
-            rollout.sampling_logps = module.logprobs.logps_no_grad(module.policy, rollout)  # [N, C]
-            timings["logprobs"] = time.perf_counter() - start
-        item = InFlight(batch, rollout, timings)
-        item.scoring = self._thread().submit(self._score, module, item)
-        self.in_flight.append(item)
+            wait_for_weights = module.engine.sync_weights(module.policy, module.policy_version)
+        for item in self.in_flight:  # restored without a rollout (a server lost): sampled again first
+            if item.rollout is None and item.work is None:
+                self._start(module, item)
+        current = InFlight(batch, {"generate": 0.0, "rewards": 0.0, "logprobs": 0.0})
+        self._start(module, current)
+        self.in_flight.append(current)
         while len(self.in_flight) > self.depth:
             item = self.in_flight.popleft()
-            waited = item.finish()
+            waited += item.finish()
+            if elsewhere:  # a batch sampled again after a resume, in this step: its prompts stay in the pipeline
+                try:
+                    module.engine.agree_on_failure(item.failure, module.device)
+                except BaseException:
+                    self.in_flight.appendleft(item)
+                    self.in_flight.remove(current)  # the data loader gives this step's batch again
+                    raise
             staleness = module.policy_version - item.rollout.weight_versions.to(module.device)  # [N]
             reduce = module.trainer.strategy.reduce
             worst = reduce(staleness.max().float(), reduce_op="max")
@@ -188,7 +221,7 @@ class RolloutPipeline(pl.Callback):
                 self.dropped_stale += int(reduce(torch.tensor(float(len(staleness)), device=module.device), reduce_op="sum"))
                 continue
             scored = self._scored(module, item)
-            scored.timings["wait_for_samples"] = waited
+            scored.timings.update(wait_for_samples=waited, wait_for_weights=wait_for_weights)
             total = reduce(staleness.sum().float(), reduce_op="sum")
             count = reduce(torch.tensor(float(len(staleness)), device=module.device), reduce_op="sum")
             self.metrics = {
@@ -200,13 +233,45 @@ class RolloutPipeline(pl.Callback):
             return scored, item.completions
         return None, None
 
+    def _start(self, module, item: InFlight) -> None:
+        """Sample ``item`` (on servers: in the background) and score it in the background."""
+        hp = module.hparams
+        item.sampled.clear()
+        item.failure = None
+        if getattr(module.engine, "samples_elsewhere", False):
+            texts = render_prompts(module.tokenizer, item.batch.prompts, hp.chat_template_kwargs)
+            ids, mask, cut = tokenize_prompts(module.tokenizer, texts, hp.max_prompt_length, module.device)
+            sample = module.engine.sampler(ids, mask, cut, hp.num_generations, module.generation_config,
+                                           module.tokenizer.pad_token_id)  # draws the seed now
+        else:
+            start = time.perf_counter()
+            rollout = module.generate(item.batch.prompts, columns=item.batch.columns)
+            item.timings["generate"] = time.perf_counter() - start
+            if rollout.sampling_logps is None:  # the policy sampled: its log-probs now are the sampling weights'
+                start = time.perf_counter()
+                rollout.sampling_logps = module.logprobs.logps_no_grad(module.policy, rollout)  # [N, C]
+                item.timings["logprobs"] = time.perf_counter() - start
+            item.rollout = rollout
+            sample = None
+        item.work = self._thread().submit(self._sample_and_score, module, item, sample)
+
     @staticmethod
-    def _score(module, item: InFlight) -> tuple[list, torch.Tensor]:
-        """In the background thread: the rewards of one batch (no collective)."""
+    def _sample_and_score(module, item: InFlight, sample) -> tuple:
+        """In the background thread (no collective): on servers the sampling, then the rewards."""
+        try:
+            rollout = item.rollout
+            if sample is not None:
+                start = time.perf_counter()
+                rollout, item.failure = sample()
+                item.timings["generate"] = time.perf_counter() - start
+        finally:
+            item.sampled.set()
+        if item.failure is not None:
+            return None, item.failure, None, None
         start = time.perf_counter()
-        result = module._score(module.scorer, item.batch, item.rollout, module.hparams.num_generations)
+        completions, rewards_per_func = module._score(module.scorer, item.batch, rollout, module.hparams.num_generations)
         item.timings["rewards"] = time.perf_counter() - start
-        return result
+        return rollout, None, completions, rewards_per_func
 
     def _scored(self, module, item: InFlight) -> ScoredRollout:
         """Steps 3-4 of a sampled and scored batch, as ``GRPOModule.generate_and_score``: advantages

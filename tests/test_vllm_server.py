@@ -356,3 +356,20 @@ def test_two_processes_on_one_and_two_servers_and_a_server_killed_mid_run_resume
         assert len(resumed[key]) == 5 and resumed[key] == pytest.approx(uninterrupted[key], abs=1e-6), key
     served = [each.requests_served(generated) - count for each, count in zip((server, second_server), before)]
     assert sum(served) == 2 * 4 * 3 and min(served) > 0  # steps 2-4, spread over both servers
+
+
+def test_one_step_off_samples_on_the_server_while_the_trainer_trains(tmp_path, server, model_dir):
+    """``model.max_staleness: 1`` through a server (lit_grpo.async_rollouts): each batch is sampled in the
+    background, with the weights pushed just before, while the trainer trains on the previous one. Every
+    trained batch is one optimizer step stale by the server's own labels (the first: sampled before any
+    step), the server's log-probs are those older weights' (the correction reweights them), and the
+    quickstart's reward rises as in the synchronous run through a server."""
+    fit(tmp_path, model_dir, [server.url], "--trainer.max_steps", "40", "--model.max_staleness", "1")
+    logged = scalars(tmp_path / "runs" / "quickstart" / "version_0")
+    assert logged["async/staleness_max"] == [0.0] + [1.0] * 39
+    differences = logged["sampling/sampling_logp_difference/max"]
+    assert differences[0] < LOGPROB_ATOL and min(differences[1:]) > LOGPROB_ATOL
+    assert len(logged["time/wait_for_samples"]) == 40 and len(logged["time/wait_for_weights"]) == 40
+    rewards = logged["reward"]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.1, f"reward went from {first:.3f} to {last:.3f}"

@@ -35,6 +35,7 @@ import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -175,6 +176,7 @@ class VLLMServerEngine(GenerationEngine):
     ``model.vllm_server_timeout`` (see the module's docstring)."""
 
     holds_weights = True
+    samples_elsewhere = True  # its sampler() may run while the trainer trains (lit_grpo.async_rollouts)
 
     @staticmethod
     def check_settings(hp) -> list[str]:
@@ -310,21 +312,36 @@ class VLLMServerEngine(GenerationEngine):
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_truncated: torch.Tensor,
                  num_generations: int, config: GenerationConfig, pad_token_id: int) -> Rollout | None:
-        output, failure = None, None
-        if len(prompt_ids) > 0:
-            seed = draw_engine_seed()
-            prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-            requests = sampling_requests(prompts, num_generations, seed=seed, **sampling_settings(config))
+        rollout, failure = self.sampler(prompt_ids, prompt_mask, prompt_truncated, num_generations, config, pad_token_id)()
+        self.agree_on_failure(failure, prompt_ids.device)
+        return rollout
+
+    def sampler(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_truncated: torch.Tensor,
+                num_generations: int, config: GenerationConfig, pad_token_id: int) -> Callable[[], tuple[Rollout | None, Exception | None]]:
+        """:meth:`generate` in two halves: the seed is drawn now; the call returned sends the requests
+        (HTTP only, no collective: any thread may make it, while the trainer trains) and returns the
+        rollout, or the :class:`GenerationServerLost` that stopped it, which every rank then passes to
+        :meth:`agree_on_failure` at the same point (``lit_grpo.async_rollouts``)."""
+        if len(prompt_ids) == 0:
+            return lambda: (None, None)
+        seed = draw_engine_seed()
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        requests = sampling_requests(prompts, num_generations, seed=seed, **sampling_settings(config))
+        pushed_version = self.pushed_version
+
+        def sample() -> tuple[Rollout | None, Exception | None]:
             try:
                 output = self.sample(requests)
             except GenerationServerLost as error:
-                failure = error
-        agreed_failure(failure, prompt_ids.device,
-                       lambda: GenerationServerLost(f"another rank lost a vLLM server of {self._urls()}"))
-        if output is None:
-            return None
-        versions = [int(version) if version is not None else self.pushed_version for version in output.weight_versions]
-        return engine_rollout(output, prompt_ids, prompt_mask, prompt_truncated, num_generations, pad_token_id, versions)
+                return None, error
+            versions = [int(version) if version is not None else pushed_version for version in output.weight_versions]
+            return engine_rollout(output, prompt_ids, prompt_mask, prompt_truncated, num_generations, pad_token_id, versions), None
+
+        return sample
+
+    def agree_on_failure(self, failure: Exception | None, device: torch.device) -> None:
+        """Raise on every rank when a sampling call failed on any (every rank calls it at the same point)."""
+        agreed_failure(failure, device, lambda: GenerationServerLost(f"another rank lost a vLLM server of {self._urls()}"))
 
     def sample(self, requests: list[tuple[list[int], dict]]) -> EngineOutput:
         """The completions of ``requests`` (:func:`~lit_grpo.engines.vllm_sampling.sampling_requests`), in
