@@ -258,3 +258,21 @@ def test_the_example_script_learns(tmp_path):
 
     first, last = map(float, re.search(r"first 10 steps ([\d.]+), of the last 10 ([\d.]+)", result.stdout).groups())
     assert first < 0.1 and last > first + 0.2
+
+
+def test_a_model_object_without_a_directory_is_refused_by_the_vllm_engine_in_one_line(tiny_model_dir):
+    """vLLM builds its engine from a directory: a policy built in Python (no name_or_path) is refused
+    before any engine is built, with the fix, also where vLLM is not installed."""
+    from types import SimpleNamespace
+
+    from lit_grpo.engines.vllm_colocated import ColocatedVLLMEngine
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    policy.name_or_path = ""
+    hp = SimpleNamespace(model_name_or_path="", vllm_gpu_memory_utilization=0.3, vllm_enable_sleep_mode=False,
+                         vllm_tensor_parallel_size=1, vllm_max_model_length=None, max_prompt_length=None,
+                         max_completion_length=8)
+    with pytest.raises(ConfigError) as error:
+        ColocatedVLLMEngine.for_run(hp, policy, "32-true", grows_with_tools=False)
+    assert str(error.value) == ("model.generation_backend: vllm builds its engine from a directory: save the "
+                                "LlamaForCausalLM given in Python (no name_or_path) with save_pretrained(DIR) and give DIR")
