@@ -11,6 +11,9 @@ own (``--out``/lightning_logs/version_N). The same settings as the CLI run give 
 
 from __future__ import annotations
 
+import lit_grpo  # noqa: F401  # first: it picks how torch's CPU threads wait, before torch loads (README: Performance)
+
+# isort: split
 import argparse
 import random
 from pathlib import Path
