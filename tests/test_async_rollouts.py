@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_distributed import run_dir, run_worker  # noqa: F401  (run_dir is a fixture)
+from test_distributed import STRATEGIES, run_dir, run_worker  # noqa: F401  (run_dir is a fixture)
 from test_resume import PROMPTS, REPO, checkpoint_at, fit_config, killed_during_step_after, lit_grpo_fit, logged_scalars
 
 from lit_grpo.async_rollouts import check_async_settings
@@ -123,13 +123,14 @@ def test_batches_older_than_max_staleness_are_dropped_and_counted(tiny_model_dir
     assert logged["async/dropped_stale"] == {2: 0.0, 3: 0.0, 4: 0.0, 5: 8.0, 6: 8.0, 7: 8.0}
 
 
-def test_two_processes_keep_every_ranks_batches_in_flight_across_a_resume(run_dir):  # noqa: F811
-    """DDP on 2 processes with k = 1 and real sampling (each rank its own prompts): every trained batch
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_keep_every_ranks_batches_in_flight_across_a_resume(run_dir, strategy):  # noqa: F811
+    """DDP and FSDP2 on 2 processes with k = 1 and real sampling (each rank its own prompts): every trained batch
     is one optimizer step stale on both ranks; a run stopped after 2 optimizer steps (a batch of each
     rank in flight, in last.ckpt) and resumed logs what an uninterrupted one logs."""
     def overrides(name: str, max_steps: int) -> dict:
         return {
-            "trainer": {"devices": 2, "strategy": "ddp", "max_steps": max_steps, "enable_checkpointing": True,
+            "trainer": {"devices": 2, "strategy": STRATEGIES[strategy], "max_steps": max_steps, "enable_checkpointing": True,
                         "default_root_dir": str(run_dir / name),
                         "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                                        "init_args": {"save_last": True, "save_top_k": 0, "every_n_train_steps": 1}}]},
@@ -137,16 +138,18 @@ def test_two_processes_keep_every_ranks_batches_in_flight_across_a_resume(run_di
             "data": {"batch_size": 2},
         }
 
-    straight = run_worker(run_dir, "async_straight", 2, overrides("async_straight", 4))
+    straight = run_worker(run_dir, f"async_straight_{strategy}", 2, overrides(f"async_straight_{strategy}", 4))
     trained = [step for step in straight["steps"] if "loss" in step]
     assert len(trained) == 4
     assert [step["async/staleness_max"] for step in trained] == [0.0, 1.0, 1.0, 1.0]
-    run_worker(run_dir, "async_first_half", 2, overrides("async_resumed", 2))
-    checkpoint = run_dir / "async_resumed" / "lit-grpo" / "version_0" / "checkpoints" / "last.ckpt"
-    saved = torch.load(checkpoint, weights_only=True)["callbacks"]["RolloutPipeline"]
-    assert [len(batches) for batches in saved["per_rank"]] == [1, 1]  # each rank's own prompts
-    assert saved["per_rank"][0][0]["prompts"] != saved["per_rank"][1][0]["prompts"]
-    resumed = run_worker(run_dir, "async_second_half", 2, overrides("async_resumed", 4), "--ckpt-path", str(checkpoint))
+    run_worker(run_dir, f"async_first_half_{strategy}", 2, overrides(f"async_resumed_{strategy}", 2))
+    checkpoint = run_dir / f"async_resumed_{strategy}" / "lit-grpo" / "version_0" / "checkpoints" / "last.ckpt"
+    if strategy == "ddp":  # (FSDP2's is a directory of shards and metadata)
+        saved = torch.load(checkpoint, weights_only=True)["callbacks"]["RolloutPipeline"]
+        assert [len(batches) for batches in saved["per_rank"]] == [1, 1]  # each rank's own prompts
+        assert saved["per_rank"][0][0]["prompts"] != saved["per_rank"][1][0]["prompts"]
+    resumed = run_worker(run_dir, f"async_second_half_{strategy}", 2, overrides(f"async_resumed_{strategy}", 4),
+                         "--ckpt-path", str(checkpoint))
     resumed_trained = [step for step in resumed["steps"] if "loss" in step]
     assert len(resumed_trained) == 2
     for name in ["loss", "reward", "reward_std", "async/staleness_max", "grad_norm"]:
