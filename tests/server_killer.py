@@ -33,3 +33,28 @@ class KillServerWhileSampling(pl.Callback):
             return generate(*args, **kwargs)
 
         engine.generate = killing_first
+
+
+class KillServerWhileSamplingInTheBackground(pl.Callback):
+    """The same for ``model.max_staleness`` (lit_grpo.async_rollouts): at optimizer step
+    ``KILL_VLLM_SERVER_AT_STEP`` the server dies as the step hands its batch to the servers, so that the
+    batch's sampling in the background fails and the next step stops the run."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module, batch, batch_idx: int) -> None:
+        pid = os.environ.get("KILL_VLLM_SERVER_PID")
+        if not pid or trainer.global_step != int(os.environ["KILL_VLLM_SERVER_AT_STEP"]):
+            return
+        engine = pl_module.engine
+        sampler = engine.sampler
+
+        def killing_first(*args, **kwargs):
+            engine.sampler = sampler
+            try:
+                os.killpg(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            while engine.servers[-1].answers():
+                time.sleep(0.1)
+            return sampler(*args, **kwargs)
+
+        engine.sampler = killing_first

@@ -373,3 +373,34 @@ def test_one_step_off_samples_on_the_server_while_the_trainer_trains(tmp_path, s
     rewards = logged["reward"]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.1, f"reward went from {first:.3f} to {last:.3f}"
+
+
+def test_one_step_off_run_whose_server_dies_while_sampling_in_the_background_resumes_with_every_prompt(
+        tmp_path, server, second_server, model_dir):
+    """k = 1 on one server, killed as step 3 hands its batch over: that batch's sampling fails in the
+    background, the next step stops the run with a checkpoint that holds the batch's prompts (and gives
+    its own batch back to the data loader); the server restarted and ``--ckpt_path last``: the batch is
+    sampled again and trained, and the run trains the prompts an uninterrupted run trains, each once."""
+    settings = ("--trainer.max_steps", "6", "--model.vllm_server_timeout", "5", "--model.max_staleness", "1",
+                "--model.log_completions_every_n_steps", "1", "--model.num_completions_to_log", "64")
+    fit(tmp_path / "straight", model_dir, [server.url], *settings)
+    killer = {"trainer": {"callbacks": [{"class_path": "server_killer.KillServerWhileSamplingInTheBackground"}]}}
+    tests = {"PYTHONPATH": str(REPO / "tests")}
+    kill = {**tests, "KILL_VLLM_SERVER_PID": str(second_server.process.pid), "KILL_VLLM_SERVER_AT_STEP": "2"}
+    stopped = fit(tmp_path / "killed", model_dir, [second_server.url], *settings, config=killer, env=kill, returncode=2)
+    error = next(line for line in stopped.stderr.splitlines() if line.startswith("error: "))
+    assert error.startswith(f"error: the vLLM server at {second_server.url} has not answered for 5 s"), error
+    killed = tmp_path / "killed" / "runs" / "quickstart" / "version_0"
+    assert sorted(completions_by_step(killed)) == [1, 2, 3]  # batches 0-2 trained (batch 0 at logged step 1)
+
+    second_server.start()
+    fit(tmp_path / "killed", model_dir, [second_server.url], *settings, "--ckpt_path", "last", config=killer, env=tests)
+    straight = completions_by_step(tmp_path / "straight" / "runs" / "quickstart" / "version_0")
+    resumed = completions_by_step(killed)
+    assert sorted(resumed) == sorted(straight) == [1, 2, 3, 4, 5, 6]
+
+    def prompts(by_step):
+        return sorted(prompt for rows in by_step.values() for prompt, _, _ in rows)
+
+    assert prompts(resumed) == prompts(straight) and len(prompts(straight)) == 6 * 8 * 8
+    assert [step[:8] for step in [resumed[1], resumed[2], resumed[3]]] == [straight[1][:8], straight[2][:8], straight[3][:8]]
