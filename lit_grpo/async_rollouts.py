@@ -87,7 +87,7 @@ def check_async_settings(hp) -> None:
     if k < steps:
         raise ConfigError(
             f"model.max_staleness ({k}) is below the optimizer steps of one generation batch (num_iterations * "
-            f"steps_per_generation = {steps}): no batch could be trained one step late; use 0 or a multiple of {steps}"
+            f"steps_per_generation = {steps}): no batch could be trained one step late; use 0 or at least {steps}"
         )
     if hp.dynamic_sampling:
         raise ConfigError("model.dynamic_sampling does not run with model.max_staleness > 0: set one of them off")
