@@ -612,6 +612,18 @@ def test_quickstart_learns_with_the_vllm_backend(tmp_path):
     assert_engine_had_the_trained_weights(logged, 60)
 
 
+def test_one_step_off_with_the_colocated_engine_trains_on_its_older_samples(tmp_path):
+    """``model.max_staleness: 1`` with the in-process engine (lit_grpo.async_rollouts): each step samples its
+    batch, then trains on the previous step's, one optimizer step stale; the engine's log-probs are those
+    of the weights that sampled (equal to the trainer's before the first step, apart after: the
+    importance-sampling correction reweights them)."""
+    logged = fit_quickstart(tmp_path, "--trainer.max_steps", "6", "--model.max_staleness", "1")
+    assert logged["async/staleness_max"] == [0.0] + [1.0] * 5
+    differences = logged["sampling/sampling_logp_difference/max"]
+    assert differences[0] < LOGPROB_ATOL and min(differences[1:]) > LOGPROB_ATOL, differences
+    assert all(math.isfinite(value) for value in logged["loss"])
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_processes_each_with_its_own_engine(tmp_path, strategy):
     fsdp2 = {
