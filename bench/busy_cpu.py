@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     markdown = "\n".join([
         f"# The quickstart on a shared CPU ({args.steps} steps)",
         "",
-        f"`{command_line('bench.busy_cpu', argv)}`",
+        f"`{command_line('busy_cpu', argv)}`",
         "",
         load_line(machine),
         "",

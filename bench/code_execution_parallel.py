@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_description()
     layers = sandbox_layers()
     on = sorted(k for k, v in layers.items() if v is True)
-    data = {"command": command_line("code_execution_parallel.py", argv), "machine": machine,
+    data = {"command": command_line("code_execution_parallel", argv), "machine": machine,
             "rewards_from": str(Path(lit_grpo_rewards.__file__).parent), "layers": layers, "args": vars(args)}
     md = [f"# code_execution throughput\n\n`{data['command']}`\n",
           f"Machine: {machine['cpu']}, {machine['cores']} CPUs, {load_line(machine)} at the start; Python "

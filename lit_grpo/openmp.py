@@ -5,8 +5,9 @@ a pool thread that reaches a barrier first *spins* for a while (libgomp: up to 3
 before it sleeps, betting that its siblings finish at once. On a machine to itself that saves a
 wake-up per region. On a machine shared with another job, the bet loses: a sibling preempted by the
 other job leaves the rest of the pool spinning on the cores it needs, at every one of the thousands
-of small regions of a step. The quickstart beside one busy 2-thread process ran 35x slower than
-alone (``bench/results/busy_cpu.md``).
+of small regions of a step. On an Intel Xeon the quickstart beside one busy 2-thread process ran
+35x slower than alone with torch's defaults (bench/README.md, "The quickstart on a shared CPU"; on
+the AMD EPYC measured there the spin count made no difference, quiet or busy).
 
 So lit-grpo lets the pool spin only briefly, :data:`SPIN_COUNT` iterations (``GOMP_SPINCOUNT``;
 ``OMP_WAIT_POLICY`` is left unset so that libgomp still spins that long), then sleep. libgomp reads
