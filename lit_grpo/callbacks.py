@@ -38,11 +38,17 @@ EXPECTED_LIGHTNING_WARNINGS = [
 ]
 # Lightning's advertisements for its cloud services, logged (not warned) at the start of a run.
 LIGHTNING_TIPS = "💡 Tip: "
+# Logged when a plain Trainer's default checkpoint callback gives way to lit-grpo's (every 100 steps
+# and 30 minutes: lit_grpo.checkpointing.default_checkpointing_of), which is the intent; a
+# ModelCheckpoint of the user's own is kept, and then the message does not come.
+DEFAULT_CHECKPOINT_REPLACED = ("The following callbacks returned in `LightningModule.configure_callbacks` will override"
+                               " existing callbacks passed to Trainer: ModelCheckpoint")
 
 
 class _WithoutLightningTips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(LIGHTNING_TIPS)
+        message = str(record.msg)
+        return not (message.startswith(LIGHTNING_TIPS) or message == DEFAULT_CHECKPOINT_REPLACED)
 
 
 def ignore_expected_lightning_warnings() -> None:
