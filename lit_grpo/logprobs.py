@@ -1,7 +1,8 @@
 """The log-prob engine: every forward (and backward) of a GRPO step after sampling.
 
 - :meth:`LogProbEngine.completion_logps`: log-probs ``[n, C]`` (and entropy) of the completion tokens
-  at the sampling temperature, for any rows. Each distinct prompt can go through the model once with
+  under the distribution that sampled them (temperature, repetition penalty, top-k/top-p/min-p:
+  :mod:`lit_grpo.sampling_filters`), for any rows. Each distinct prompt can go through the model once with
   its completions attending to its KV cache (``share_prompt_forward``, :mod:`lit_grpo.shared_prompt`),
   and rows of similar length go in separate forwards (``group_by_length``,
   :func:`lit_grpo.rollout.length_chunks`); the values are those of one forward over all rows.
@@ -29,6 +30,7 @@ from lit_grpo import algorithm, cpu, models
 from lit_grpo.device_defaults import AUTO, CPU_DEFAULTS
 from lit_grpo.distributed import agreed_over_sharded_ranks, gather_real_values
 from lit_grpo.sampling_correction import SamplingCorrection, sampling_correction
+from lit_grpo.sampling_filters import SamplingFilters, sampling_log_softmax
 from lit_grpo.rollout import (
     FORWARD_OVERHEAD_TOKENS,
     Rollout,
@@ -93,7 +95,7 @@ class LogProbEngine:
     def completion_logps(
         self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool = False, group_by_length: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs ``[n, C]`` of the completion tokens (and their entropy) at the sampling temperature.
+        """Log-probs ``[n, C]`` of the completion tokens (and their entropy) under the sampling distribution.
 
         With ``share_prompt_forward`` each distinct prompt goes through the model once and its rows'
         completions attend to its KV cache. With ``group_by_length`` (the setting, unless the
@@ -180,10 +182,11 @@ class LogProbEngine:
                 logits_to_keep=rollout.completion_ids.size(1),
                 use_cache=False,
             ).logits  # [n, C, V]: the last C positions, position P - 1 + t predicts completion token t
-        temperature = self.hp.temperature
-        logps = algorithm.selective_log_softmax(logits, rollout.completion_ids, temperature)
-        entropy = algorithm.entropy_from_logits(logits, temperature) if with_entropy else None
-        return logps, entropy
+        # the distribution that sampled: temperature, repetition penalty, top-k/top-p/min-p (lit_grpo.sampling_filters)
+        return sampling_log_softmax(
+            logits, rollout.completion_ids, SamplingFilters.of_run(self.hp), rollout.prompt_ids, rollout.prompt_mask,
+            with_entropy=with_entropy,
+        )
 
     def sampling_policy_logps(self, policy: torch.nn.Module, scored: ScoredRollout, later_rows: torch.Tensor) -> torch.Tensor:
         """``old_logps [N, C]``: the sampling policy's log-probs of ``later_rows`` (the rows trained

@@ -200,8 +200,11 @@ def sample_groups(
     num_generations: int,
     generation_config: GenerationConfig,
     compact_fraction: float = 0.125,
-) -> torch.Tensor:
-    """``[B * G, C]`` completion tokens for the left-padded prompts ``[B, P]``, G per prompt (pad after EOS).
+    return_logprobs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``[B * G, C]`` completion tokens for the left-padded prompts ``[B, P]``, G per prompt (pad after EOS),
+    and with ``return_logprobs`` the log-probs ``[B * G, C]`` of the distribution each token was drawn
+    from (``log_softmax`` of the processed scores: what vLLM calls ``processed_logprobs``; 0 after EOS).
 
     1. Prefill: the B prompts go through the model once; their KV caches are copied G times.
     2. Decode: one token per running completion per step, chosen by the logits processors
@@ -234,6 +237,8 @@ def sample_groups(
     attention_mask = torch.cat([repeated_mask, prompt_mask.new_ones(N, max_new)], dim=1)
     next_position = positions[:, -1].repeat_interleave(G) + 1  # [N]
     completions = prompt_ids.new_full((N, max_new), pad_token_id)  # [N, C] the result
+    completion_logps = torch.zeros(N, max_new, device=device)  # [N, C] with return_logprobs
+    running_logps = torch.zeros(N, max_new, device=device)  # [n, C] the rows in the batch
     rows = torch.arange(N, device=device)  # the completions still in the batch (indices into N)
     finished = torch.zeros(N, dtype=torch.bool, device=device)  # per row in the batch
 
@@ -246,13 +251,17 @@ def sample_groups(
             next_tokens = scores.argmax(dim=-1)
         next_tokens = next_tokens.masked_fill(finished, pad_token_id)
         token_ids[:, P + t] = next_tokens
+        if return_logprobs:
+            step_logps = torch.log_softmax(scores, dim=-1).gather(1, next_tokens[:, None]).squeeze(1)  # [n]
+            running_logps[:, t] = step_logps.masked_fill(finished, 0.0)
         finished = finished | torch.isin(next_tokens, eos)
         if t == max_new - 1 or bool(finished.all()):
             break
         if int(finished.sum()) >= max(1, compact_fraction * len(rows)):
             keep = (~finished).nonzero().squeeze(1)
             completions[rows] = token_ids[:, P:]  # the leaving rows' tokens are final
-            rows, token_ids, attention_mask = rows[keep], token_ids[keep], attention_mask[keep]
+            completion_logps[rows] = running_logps
+            rows, token_ids, attention_mask, running_logps = rows[keep], token_ids[keep], attention_mask[keep], running_logps[keep]
             next_tokens, next_position, finished = next_tokens[keep], next_position[keep], finished[keep]
             for layer in cache.layers:
                 layer.batch_select_indices(keep)
@@ -266,4 +275,7 @@ def sample_groups(
         ).logits[:, -1].float()  # [n, V]
         next_position = next_position + 1
     completions[rows] = token_ids[:, P:]
-    return completions
+    if not return_logprobs:
+        return completions
+    completion_logps[rows] = running_logps
+    return completions, completion_logps
