@@ -121,15 +121,26 @@ def test_two_busy_processes_on_this_processs_two_cpus_leave_it_one_thread(monkey
 
 
 def test_a_childs_cpu_time_counts_as_this_processs_own():
-    """Reward workers are this run's own load, not another job's."""
+    """Reward workers are this run's own load, not another job's: while they run..."""
     child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.0\nwhile time.time() < end:\n    pass\n"])
     try:
         start = process_tree_ticks()
-        time.sleep(1.2)
-        assert process_tree_ticks() - start >= 0.5 * cpu_threads.CLOCK_TICKS or child.poll() is not None
+        time.sleep(0.6)
+        assert child.poll() is None, "the child was to be running while measured"
+        assert process_tree_ticks() - start >= 0.3 * cpu_threads.CLOCK_TICKS
     finally:
         child.kill()
         child.wait()
+
+
+def test_an_exited_childs_cpu_time_stays_this_processs_own():
+    """...and after they exit: a sandboxed code reward starts one process per call, which ends between two
+    measurements; its CPU time moves to this process's cutime/cstime and must not turn into other jobs' load
+    (which would lower the trainer's threads)."""
+    start = process_tree_ticks()
+    busy = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end:\n    pass\n"
+    subprocess.run([sys.executable, "-c", busy], check=True)  # started, ran 0.5 s of CPU, exited, reaped
+    assert process_tree_ticks() - start >= 0.5 * cpu_threads.CLOCK_TICKS
 
 
 def test_openmp_spins_briefly_unless_the_user_chose_a_wait_policy():

@@ -50,14 +50,16 @@ def busy_ticks(cpus: set[int], stat: str = "/proc/stat") -> int | None:
 
 
 def process_tree_ticks(pid: int | str = "self") -> int:
-    """Clock ticks (user + system) this process and its living descendants have run."""
+    """Clock ticks (user + system) this process and its descendants have run: the living ones' own,
+    and those of the exited children each of them waited for (``cutime``/``cstime``), so that a child
+    that ends between two measurements (a sandboxed code reward's process) stays this run's load."""
     total = 0
     pending = [str(pid)]
     while pending:
         current = pending.pop()
         try:
             fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
+            total += sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
             for task in Path(f"/proc/{current}/task").iterdir():
                 pending += (task / "children").read_text().split()
         except (OSError, IndexError, ValueError):
