@@ -249,10 +249,17 @@ class GRPOModule(pl.LightningModule):
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
     ):
+        # The settings as given: in Python, functions, classes and a model object too.
+        settings = {name: value for name, value in locals().items()
+                    if name not in ("self", "__class__", "optimizer", "lr_scheduler", "tokenizer")}
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "tokenizer"])
-        settings = dict(self.hparams)  # as given: in Python, functions, classes and a model object too
-        self.save_hyperparameters(storable(settings))  # what checkpoints and logs keep: their names
+        # What checkpoints and logs keep: names, never the objects. save_hyperparameters deep-copies
+        # what it saves, so the objects are left out of it (a model given in Python would be copied on
+        # its device: twice the memory) and their names added after.
+        objects = [name for name, value in settings.items() if storable(value) != value]
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "tokenizer", *objects])
+        if objects:
+            self.save_hyperparameters({name: storable(settings[name]) for name in objects})
         self.model_source = model_name_or_path  # a hub id, a directory, or a model given in Python
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler

@@ -149,6 +149,38 @@ def test_a_model_object_trains_in_place_with_a_reference_copy_and_lora(tmp_path,
         GRPOModule(policy, rewards=[char_fraction])
 
 
+class _NoCopy:
+    """Mixed into a model or reward object: deep-copying it fails the test (issue 49.6)."""
+
+    def __deepcopy__(self, memo):
+        raise AssertionError(f"{type(self).__name__} was deep-copied")
+
+
+class CharFractionReward(_NoCopy):
+    """A reward given as an object (it could hold a reward model on the GPU)."""
+
+    def __call__(self, completions, target, **kwargs):
+        return char_fraction(completions, target)
+
+
+def test_a_model_and_reward_objects_are_neither_copied_nor_warned_about(tmp_path, tiny_model_dir, recwarn):
+    """Lightning deep-copies the hyperparameters it saves: a model object in them would be copied (a second
+    7B model on the GPU) and warned about. The objects are the run's own, and hparams hold their names."""
+    from lit_grpo import GRPOModule
+
+    loaded = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    loaded.__class__ = type("NoCopyModel", (_NoCopy, type(loaded)), {})
+    reward = CharFractionReward()
+    module = GRPOModule(loaded, rewards=[reward], num_generations=4, max_completion_length=8,
+                        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+    pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               default_root_dir=str(tmp_path)).fit(module, datamodule=GRPODataModule.from_data(QUICKSTART_ROWS[:8], batch_size=2))
+    assert module.policy is loaded
+    assert module.hparams.model_name_or_path == str(tiny_model_dir)
+    assert module.hparams.rewards == ["test_python_api:CharFractionReward"]
+    assert not [w for w in recwarn if "nn.Module" in str(w.message)], [str(w.message) for w in recwarn]
+
+
 FSDP2_SCRIPT = """
 import sys, torch, lightning.pytorch as pl
 from transformers import AutoModelForCausalLM
