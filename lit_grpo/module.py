@@ -598,6 +598,11 @@ class GRPOModule(pl.LightningModule):
         """Sample completions for each prompt (strings or chat messages): ``num_generations`` (default
         G) with ``config`` (default the training sampling settings); with tools, multi-turn rollouts
         (``columns``: the prompts' dataset columns, which environments are built from)."""
+        with self.engine.generation_phase():  # an engine that sleeps between generations sleeps once, after it
+            return self._generate(prompts, num_generations, config, columns)
+
+    def _generate(self, prompts: list, num_generations: int | None, config: GenerationConfig | None,
+                  columns: dict[str, list] | None) -> Rollout:
         hp = self.hparams
         G, config = num_generations or hp.num_generations, config or self.generation_config
         if self.tool_use is not None:

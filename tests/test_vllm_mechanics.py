@@ -245,3 +245,33 @@ def test_a_run_says_its_resolved_settings_once(tiny_model_dir, caplog):
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("settings for cpu")]
     assert said == ["settings for cpu: forward_token_budget=512, share_prompt_forward=True (auto)"]
     assert module.logprobs.forward_token_budget == 512 and module.logprobs.share_prompt_forward is True
+
+
+def test_sleep_mode_sleeps_once_per_generation_phase_not_once_per_turn(monkeypatch):
+    """Issue 49.17: a multi-turn rollout calls generate once per turn; with sleep mode on, the engine must
+    stay awake with its weights through the turns and sleep once at the phase's end, not wake up and take
+    every weight again at each turn. A generate outside a phase is a phase of its own (sleeps after it)."""
+    calls = []
+    engine = fake_sampler(monkeypatch, calls)
+    monkeypatch.setattr(vllm_colocated, "sleep", lambda llm, level=1: calls.append(("sleep", level, None)) or True)
+    monkeypatch.setattr(vllm_colocated, "wake_up", lambda llm, tags=None: calls.append(("wake", tuple(tags or ()), None)) or True)
+    config = GenerationConfig(max_new_tokens=2, do_sample=True, temperature=1.0, eos_token_id=[1], pad_token_id=0)
+    args = (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), torch.zeros(2, dtype=torch.bool), 1, config, 0)
+    policy = torch.nn.Linear(2, 2)
+
+    def rollout_of_turns(turns):
+        for _ in range(turns):  # as lit_grpo.agent: the weights asked for before every turn
+            engine.sync_weights(policy, version=3)
+            engine.generate(*args)
+
+    with engine.generation_phase():
+        rollout_of_turns(3)
+    assert [what for what, *_ in calls] == ["build", "push", "sample", "sample", "sample", "sleep"]
+    calls.clear()
+    with engine.generation_phase():  # the next step: asleep, so the weights and the KV cache are woken once
+        rollout_of_turns(2)
+    assert [(what, detail) for what, detail, _ in calls] == [
+        ("wake", ("weights",)), ("push", False), ("wake", ("kv_cache",)), ("sample", False), ("sample", False), ("sleep", 2)]
+    calls.clear()
+    rollout_of_turns(2)  # no phase: each generate is one, sleeping after it (the weights pushed again)
+    assert [what for what, *_ in calls] == ["wake", "push", "wake", "sample", "sleep", "wake", "push", "wake", "sample", "sleep"]

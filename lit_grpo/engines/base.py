@@ -11,6 +11,7 @@ them (``Rollout.sampling_logps``: vLLM's, for the importance-sampling correction
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -46,6 +47,12 @@ class GenerationEngine:
         whose rows ``i*G .. i*G+G-1`` are prompt i's. None for no prompts: a rank without prompts still
         calls it when the others do (it may take part in collectives)."""
         raise NotImplementedError
+
+    def generation_phase(self) -> AbstractContextManager:
+        """Around every call of :meth:`generate` that one generation makes (a multi-turn rollout calls
+        it once per turn): an engine that releases its memory between generations (vLLM's sleep mode)
+        does so once, when the phase ends, not after every turn."""
+        return nullcontext()
 
     def max_sequence_length(self) -> int | None:
         """The longest prompt + completion the engine takes (None: the model's own)."""

@@ -540,6 +540,8 @@ class ColocatedVLLMEngine(GenerationEngine):
         )
         self.llm = None
         self.pushed_version: Any = None  # the policy version the engine holds (None: none pushed)
+        self.asleep = False  # released its weights and KV cache (sleep mode) since the last generation
+        self.phases = 0  # generation phases open (generation_phase): sleep when the outermost ends
 
     def start(self) -> None:
         self.engine()
@@ -571,7 +573,8 @@ class ColocatedVLLMEngine(GenerationEngine):
         if version == self.pushed_version:
             return 0.0
         with outside_autocast():
-            wake_up(llm, ["weights"])
+            if self.asleep:
+                wake_up(llm, ["weights"])
             seconds = push_weights(llm, hf_named_weights(policy))
         self.pushed_version = version
         return seconds
@@ -586,12 +589,31 @@ class ColocatedVLLMEngine(GenerationEngine):
         # run draws the same; two ranks never the same); the engine's sampler seeded with it once
         seed = draw_engine_seed()
         with outside_autocast():
-            wake_up(llm, ["kv_cache"])
+            if self.asleep:
+                wake_up(llm, ["kv_cache"])
+                self.asleep = False
             output = sample(llm, [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)], num_generations,
                             engine_seed=seed, **sampling_settings(config))
-        if sleep(llm, level=2):  # the weights are gone: push them again before the next generation
-            self.pushed_version = None
+        if not self.phases:  # a call outside a generation phase is a phase of its own
+            self._sleep()
         return engine_rollout(output, prompt_ids, prompt_mask, prompt_truncated, num_generations, pad_token_id, version or 0)
+
+    @contextlib.contextmanager
+    def generation_phase(self) -> Iterator[None]:
+        """Sleep (sleep mode) once the outermost phase ends: the turns of a multi-turn rollout keep the
+        engine awake with its weights, instead of waking it and pushing every weight again each turn."""
+        self.phases += 1
+        try:
+            yield
+        finally:
+            self.phases -= 1
+            if not self.phases:
+                self._sleep()
+
+    def _sleep(self) -> None:
+        if self.llm is not None and not self.asleep and sleep(self.llm, level=2):
+            self.asleep = True
+            self.pushed_version = None  # the weights are gone: pushed again before the next generation
 
     def close(self) -> None:
         """Shut the engine down (before the trainer's process group goes)."""
@@ -599,3 +621,4 @@ class ColocatedVLLMEngine(GenerationEngine):
             shutdown_engine(self.llm)
             self.llm = None
             self.pushed_version = None
+            self.asleep = False
