@@ -60,6 +60,8 @@ __all__ = [
     "ResumableDataLoader",
     "capture_rng_states",
     "check_no_weight_left_behind",
+    "check_resumed_partition",
+    "check_same_partition",
     "configure_checkpointing",
     "is_class_config",
     "restore_rng_states",
@@ -183,6 +185,36 @@ class RNGStateCheckpoint(Callback):
 # ----------------------------------------------------------------------------------------------
 
 
+def check_same_partition(state: dict[str, Any], partition: dict[str, int]) -> None:
+    """Refuse to resume in the middle of an epoch with another cut of it: the loader ``state`` (of
+    :meth:`ResumableDataLoader.state_dict`) counts the batches handed out, which with another number of
+    processes or ``data.batch_size`` would be other prompts (the resumed run would skip some of the
+    epoch's prompts and repeat others). At an epoch's end, or from a checkpoint without the partition
+    (written before it was saved), anything goes."""
+    written = state.get("partition")
+    if written is None or state.get("epoch") is None or not 0 < state["batches_yielded"] < written["batches_in_epoch"]:
+        return
+    if (written["processes"], written["batch_size"]) == (partition["processes"], partition["batch_size"]):
+        return
+    prompts = state["batches_yielded"] * written["batch_size"] * written["processes"]
+    raise ConfigError(
+        f"the checkpoint stopped {prompts} prompts into epoch {state['epoch']} with {written['processes']} process(es) x "
+        f"data.batch_size {written['batch_size']}, and this run has {partition['processes']} x {partition['batch_size']}: "
+        f"its batches of that epoch would skip some prompts and repeat others. Resume with {written['processes']} "
+        f"process(es) and data.batch_size {written['batch_size']} (a checkpoint written at an epoch's end resumes with any)")
+
+
+def check_resumed_partition(checkpoint: dict[str, Any], processes: int, batch_size: int | None) -> None:
+    """:func:`check_same_partition` of every training loader state in ``checkpoint``, at the start of a
+    resumed run (before validation or any step), for a run of ``processes`` x ``batch_size``."""
+    if batch_size is None:
+        return
+    states = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader", [])
+    for state in states:
+        if isinstance(state, dict):
+            check_same_partition(state, {"processes": processes, "batch_size": batch_size})
+
+
 class ResumableDataLoader(DataLoader):
     """A ``DataLoader`` that resumes in the middle of an epoch.
 
@@ -221,9 +253,16 @@ class ResumableDataLoader(DataLoader):
             "batches_yielded": self._batches_yielded,
             "generator_at_epoch_start": self._generator_at_epoch_start,
             "generator": self.generator.get_state(),
+            "partition": self.partition(),
         }
 
+    def partition(self) -> dict[str, int]:
+        """How the epoch is cut: processes, prompts per process and step, and batches per process."""
+        return {"processes": getattr(self.sampler, "num_replicas", 1), "batch_size": self.batch_size or 1,
+                "batches_in_epoch": len(self)}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_same_partition(state_dict, self.partition())
         self._state_to_resume = state_dict
 
     def rewind(self, state: dict[str, Any], batches: int) -> None:

@@ -45,6 +45,7 @@ from lit_grpo.callbacks import CpuThreadsCallback, ValidateBeforeTraining, ignor
 from lit_grpo.checkpointing import (
     RNGStateCheckpoint,
     check_no_weight_left_behind,
+    check_resumed_partition,
     check_python_rewards,
     default_checkpointing_of,
 )
@@ -383,6 +384,8 @@ class GRPOModule(pl.LightningModule):
         one fails there, naming it); here the weights it holds that this module has no place for are
         an error (a resume with other ``model.lora`` target modules would otherwise drop them)."""
         check_python_rewards(checkpoint.get("reward_packages", {}), [spec.name for spec in self.scorer.specs])
+        if self._trainer is not None:  # another number of processes mid-epoch: refused now, not at the first step
+            check_resumed_partition(checkpoint, self.trainer.world_size, getattr(self.trainer.datamodule, "batch_size", None))
         self.policy_version = checkpoint.get("policy_version", checkpoint.get("global_step", 0))
         if self.hparams.lora is not None and "state_dict" in checkpoint:
             state_dict = checkpoint["state_dict"]

@@ -32,9 +32,11 @@ from lit_grpo.checkpointing import (
     AtomicCheckpointIO,
     ResumableDataLoader,
     RNGStateCheckpoint,
+    check_same_partition,
 )
 from lit_grpo.cli import run_cli
 from lit_grpo.data import GRPODataModule
+from lit_grpo.errors import ConfigError
 from lit_grpo.preemption import CheckpointEveryNMinutes, CheckpointOnSignal
 
 TESTS = Path(__file__).resolve().parent
@@ -309,10 +311,10 @@ def test_validation_does_not_consume_the_training_random_streams():
 # --------------------------------------------------------------------------------------------------
 
 
-def prompt_loader(tmp_path) -> ResumableDataLoader:
+def prompt_loader(tmp_path, batch_size: int = 3) -> ResumableDataLoader:
     data_file = tmp_path / "prompts.jsonl"
     data_file.write_text("".join(json.dumps({"prompt": f"prompt {i}"}) + "\n" for i in range(12)))
-    datamodule = GRPODataModule(path="json", data_files=str(data_file), batch_size=3, shuffle=True, seed=7)
+    datamodule = GRPODataModule(path="json", data_files=str(data_file), batch_size=batch_size, shuffle=True, seed=7)
     datamodule.setup("fit")
     loader = datamodule.train_dataloader()
     assert isinstance(loader, ResumableDataLoader)
@@ -486,3 +488,42 @@ def test_configured_model_checkpoint_is_kept_and_gets_the_run_directory(quicksta
 def test_enable_checkpointing_false_adds_no_checkpoint(quickstart_with):
     trainer = quickstart_with(enable_checkpointing=False).trainer
     assert not [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]
+
+
+def test_a_mid_epoch_checkpoint_resumed_with_another_cut_of_the_epoch_is_refused(tmp_path):
+    """Issue 49.10: the loader counts the batches handed out; with another number of processes or batch size
+    those would be other prompts (some skipped, some repeated). Refused in one line, naming both cuts."""
+    loader = prompt_loader(tmp_path)  # 1 process x 3 prompts, 4 batches an epoch
+    loader.sampler.set_epoch(0)
+    iterator = iter(loader)
+    next(iterator)
+    mid_epoch = loader.state_dict()
+    two_processes = {"processes": 2, "batch_size": 3, "batches_in_epoch": 2}
+    with pytest.raises(ConfigError, match=r"stopped 3 prompts into epoch 0 with 1 process\(es\) x data.batch_size 3, and "
+                                          r"this run has 2 x 3: .* Resume with 1 process\(es\) and data.batch_size 3"):
+        check_same_partition(mid_epoch, two_processes)
+    with pytest.raises(ConfigError, match="this run has 1 x 4"):
+        prompt_loader(tmp_path, batch_size=4).load_state_dict(mid_epoch)
+    check_same_partition(mid_epoch, {"processes": 1, "batch_size": 3})  # the same cut resumes
+    list(iterator)
+    check_same_partition(loader.state_dict(), two_processes)  # at the epoch's end: any cut
+    legacy = {key: value for key, value in mid_epoch.items() if key != "partition"}
+    check_same_partition(legacy, two_processes)  # written before the partition was saved: as before
+
+
+def test_a_one_process_checkpoint_resumed_on_two_processes_mid_epoch_stops_before_any_step(tiny_model_dir, tmp_path):
+    """The refusal comes at the start of the resumed run (not at its first step), on both ranks, in one line."""
+    data_file = tmp_path / "prompts.jsonl"
+    data_file.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    config = fit_config(tiny_model_dir, data_file)
+    config["trainer"]["max_steps"] = 2  # one training step: 1 of the epoch's 3 batches
+    first = lit_grpo_fit(tmp_path, config, threads=1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    config["trainer"].update(max_steps=10, devices=2, strategy="ddp")
+    resumed = lit_grpo_fit(tmp_path, config, "--ckpt_path", "last", threads=1)
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stderr
+    assert resumed.stderr.strip().splitlines()[-1].startswith(
+        "error: the checkpoint stopped 2 prompts into epoch 0 with 1 process(es) x data.batch_size 2, and this run has 2 x 2")
+    assert checkpoint_at(tmp_path)["global_step"] == 2  # nothing trained, nothing overwritten
+    assert reward_steps(tmp_path / "runs/resume/version_0") == [0]
