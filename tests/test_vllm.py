@@ -292,6 +292,27 @@ def test_module_rollout_carries_the_samplers_logps_equal_to_the_trainers(vllm_mo
     assert (rollout.sampling_logps[:, : wrong.size(1)] - wrong).abs()[mask].max() > 100 * LOGPROB_ATOL
 
 
+def test_module_ratio_is_one_on_policy_with_truncated_sampling(setup, engine, monkeypatch):
+    """top_p 0.9, top_k 20, min_p 0.05 and a repetition penalty: vLLM's processed log-probs are over
+    the penalised, truncated, renormalised distribution, and so are the trainer's (issue 49.9):
+    exp(trainer - engine) is 1 on every token, where the full vocabulary is off by the kept mass."""
+    monkeypatch.setattr(vllm_colocated, "build_engine", lambda *args, **kwargs: engine)
+    module = GRPOModule(str(setup["path"]), [{"name": "char_fraction", "args": {"chars": "a"}}], generation_backend="vllm",
+                        num_generations=4, max_completion_length=MAX_NEW, temperature=0.7,
+                        top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.2)
+    module.configure_model()
+    torch.manual_seed(0)
+    rollout = module.generate(PROMPTS)
+    trainer_logps, _ = module.logprobs.completion_logps(module.policy, rollout)
+    mask = rollout.completion_mask[:, : trainer_logps.size(1)].bool()
+    log_ratio = (trainer_logps - rollout.sampling_logps[:, : trainer_logps.size(1)])[mask]
+    assert log_ratio.abs().max() < LOGPROB_ATOL
+    full = [hf_logprobs(module.policy, ids[mask_row.bool()].tolist(), row, 0.7)
+            for ids, mask_row, row in zip(rollout.prompt_ids, rollout.prompt_mask, rows(rollout))]
+    full_log_ratio = torch.cat(full) - rollout.sampling_logps[rollout.completion_mask.bool()]
+    assert full_log_ratio.exp().mean() < 0.97  # what the trainer computed before: the check can tell
+
+
 def test_module_seeds_come_from_the_checkpointed_torch_generator(vllm_module):
     """Each generate call draws its seed from torch's global generator (saved in checkpoints):
     the same torch state gives the same completions; the next call differs."""
