@@ -41,8 +41,8 @@ multiplied where negative.
 
 Memory: positions are scored a chunk at a time (``[c, V]`` float32 temporaries,
 :data:`~lit_grpo.algorithm.LOGPROB_CHUNK_ELEMENTS` elements); what autograd keeps per chunk is the
-masked ``[c, V]`` float32 logits that the full-vocabulary log-softmax keeps today, plus a ``[c, V]``
-boolean mask.
+masked ``[c, V]`` float32 logits, as the full-vocabulary log-softmax keeps its ``[c, V]`` float32
+logits (and with the repetition penalty two ``[c, V]`` boolean masks).
 """
 
 from __future__ import annotations
@@ -111,15 +111,20 @@ def top_k_kept(z: torch.Tensor, k: int) -> torch.Tensor:
     return z >= torch.topk(z, k, dim=-1).values[..., -1:]
 
 
-def top_p_kept(z: torch.Tensor, top_p: float) -> torch.Tensor:
+def top_p_kept(z: torch.Tensor, top_p: float, at_most: int | None = None) -> torch.Tensor:
     """``[c, V]`` bool: nucleus of ``softmax(z)`` (``-inf`` entries already left out): sorted
     ascending, the tokens whose cumulative probability is ``<= 1 - top_p`` are removed, never the
-    most likely one."""
-    sorted_z, order = z.sort(dim=-1)  # ascending
-    cumulative = sorted_z.softmax(dim=-1).cumsum(dim=-1)
-    removed_sorted = cumulative <= 1 - top_p
-    removed_sorted[..., -1] = False
-    return ~removed_sorted.scatter(-1, order, removed_sorted)
+    most likely one. ``at_most``: no row has more finite entries (after top-k), so only that many
+    are sorted (``topk`` instead of a sort of the vocabulary; the entries left out add 0 to the sums)."""
+    if at_most is None:
+        ascending, order = z.sort(dim=-1)
+    else:
+        descending, order = z.topk(min(at_most, z.size(-1)), dim=-1)
+        ascending, order = descending.flip(-1), order.flip(-1)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    kept_sorted = cumulative > 1 - top_p
+    kept_sorted[..., -1] = True
+    return torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, kept_sorted)
 
 
 def min_p_kept(z: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -143,8 +148,9 @@ def kept_tokens(z: torch.Tensor, filters: SamplingFilters) -> torch.Tensor:
         current = z.masked_fill(~kept, float("-inf"))
         if name == "top_k":
             kept &= top_k_kept(current, filters.top_k)
-        elif name == "top_p":
-            kept &= top_p_kept(current, filters.top_p)
+        elif name == "top_p":  # after top-k: at most the kept count (k, or more on ties) to sort
+            at_most = int(kept.sum(dim=-1).max()) if filters.top_k > 0 else None
+            kept &= top_p_kept(current, filters.top_p, at_most)
         else:
             kept &= min_p_kept(current, filters.min_p)
     return kept
@@ -232,9 +238,11 @@ def sampling_log_softmax(
         z = z / filters.temperature
         chunk_tokens = flat_tokens[start : start + size]  # [c, 1]
         kept = kept_tokens(z, filters).scatter_(-1, chunk_tokens, True)  # never without the sampled token
-        masked = z.masked_fill(~kept, float("-inf"))  # [c, V]
+        # z plus 0 on the support and -inf off it: the addition keeps nothing for backward (a masked_fill would keep the mask)
+        masked = z + torch.zeros_like(z).masked_fill_(~kept, float("-inf"))  # [c, V]
         log_normaliser = torch.logsumexp(masked, dim=-1)  # [c]
-        logps.append(z.gather(-1, chunk_tokens).squeeze(-1) - log_normaliser)
+        # gathered from ``masked`` (the token is in the support: the same value), so that autograd keeps one [c, V] tensor
+        logps.append(masked.gather(-1, chunk_tokens).squeeze(-1) - log_normaliser)
         if with_entropy:
             with torch.no_grad():
                 probs = torch.exp(masked.detach() - log_normaliser.detach()[:, None])

@@ -225,3 +225,30 @@ def test_transformers_generate_ratio_is_one_on_policy(tiny_model_dir):
     sampler_logps = torch.log_softmax(scores.float(), -1).gather(-1, completions[..., None]).squeeze(-1)
     rollout = rollout_of(module, prompt_ids, prompt_mask, completions)
     assert_ratio_is_one(module, rollout, sampler_logps.masked_fill(rollout.completion_mask == 0, 0.0))
+
+
+def saved_for_backward_bytes(function) -> int:
+    """Bytes of the distinct tensors autograd keeps for the backward of ``function()``."""
+    saved = {}
+
+    def pack(tensor):
+        saved[(tensor.data_ptr(), tensor.dtype)] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        function()
+    return sum(saved.values())
+
+
+def test_truncation_keeps_no_more_for_backward_than_the_full_vocabulary():
+    """At scale (vocab 150k, 32k-token completions) what autograd keeps is the memory of the pass:
+    with truncation it is the one [c, V] float32 chunk per chunk that the full-vocabulary
+    log-softmax keeps, not a second copy (the mask, the unmasked logits)."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 64, 2048, generator=generator).requires_grad_()
+    tokens = torch.randint(0, 2048, (2, 64), generator=generator)
+    plain = saved_for_backward_bytes(lambda: sampling_log_softmax(logits, tokens, SamplingFilters(temperature=0.7)))
+    truncated = saved_for_backward_bytes(
+        lambda: sampling_log_softmax(logits, tokens, SamplingFilters(temperature=0.7, **TRUNCATING), positions_per_chunk=16))
+    assert plain >= logits.numel() * 4
+    assert truncated <= plain * 1.01, (truncated, plain)
