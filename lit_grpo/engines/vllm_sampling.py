@@ -9,8 +9,9 @@ Both vLLM engines sample with the same semantics, so that a run gives the same c
   completion g with ``seed + i*G + g``); greedy with G > 1 as G requests (vLLM refuses ``n > 1``
   greedily); each request asks for the log-prob of every sampled token;
 * :class:`EngineOutput`: what comes back, prompt-major, with the sampler's log-probs (the engine runs
-  with ``logprobs_mode="processed_logprobs"``: after penalties, temperature and filtering, as the
-  trainer recomputes them) and the weight version each completion was sampled with;
+  with ``logprobs_mode="processed_logprobs"``: after penalties, temperature and min-p/top-k/top-p,
+  renormalised over the kept tokens, as the trainer recomputes them, :mod:`lit_grpo.sampling_filters`)
+  and the weight version each completion was sampled with;
 * :func:`engine_rollout`: that output as a :class:`~lit_grpo.rollout.Rollout`;
 * :func:`engine_seed`: the seed of one call, drawn from the rank's checkpointed torch generator.
 """
