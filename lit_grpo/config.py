@@ -19,7 +19,7 @@ from __future__ import annotations
 from jsonargparse.typing import register_type
 
 from lit_grpo import algorithm
-from lit_grpo.sampling_correction import SAMPLING_CORRECTION_MODES
+from lit_grpo.sampling_correction import SAMPLING_CORRECTION_SETTINGS
 from lit_grpo.errors import ConfigError
 
 __all__ = ["AsWritten", "check_batch_sizes", "check_reference_sync", "check_settings"]
@@ -131,9 +131,9 @@ def check_vllm_settings(hp) -> None:
         )
     if hp.vllm_max_model_length is not None and hp.vllm_max_model_length < 1:
         raise ConfigError(f"model.vllm_max_model_length must be at least 1 or null, got {hp.vllm_max_model_length}")
-    if hp.vllm_importance_sampling_mode not in SAMPLING_CORRECTION_MODES:
+    if hp.vllm_importance_sampling_mode not in SAMPLING_CORRECTION_SETTINGS:
         raise ConfigError(
-            f"model.vllm_importance_sampling_mode must be one of {SAMPLING_CORRECTION_MODES}, "
+            f"model.vllm_importance_sampling_mode must be one of {SAMPLING_CORRECTION_SETTINGS}, "
             f"got {hp.vllm_importance_sampling_mode!r}"
         )
     low, high = hp.vllm_importance_sampling_clip_min, hp.vllm_importance_sampling_clip_max

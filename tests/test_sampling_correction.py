@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from lit_grpo.algorithm import grpo_loss
-from lit_grpo.sampling_correction import sampling_correction
+from lit_grpo.async_rollouts import check_async_settings
+from lit_grpo.errors import ConfigError
+from lit_grpo.sampling_correction import correction_mode, sampling_correction
 
 TRAINER = torch.log(torch.tensor([[0.5, 0.5, 0.25], [0.25, 0.5, 0.5]]))
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
@@ -107,3 +109,70 @@ def test_the_step_reweights_an_engines_samples_and_logs_how_far_it_is(tiny_model
     assert metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(float(weights.mean()), rel=1e-4)
     assert metrics["sampling/importance_sampling_ratio/max"] == pytest.approx(float(weights.max()), rel=1e-4)
     assert metrics["sampling/importance_sampling_ratio/truncated_frac"] == pytest.approx(float((ratios > 3.0).float().mean()))
+
+
+# ------------------------------------------------------------------------------------------------
+# Staleness (model.max_staleness > 0): decoupled PPO, the behaviour weight per token
+# ------------------------------------------------------------------------------------------------
+
+
+def test_decoupled_ppo_weighs_the_clipped_proximal_ratio_by_the_masked_behaviour_weight():
+    """Three policies, probabilities chosen by hand (AReaL's decoupled PPO): pi_behav sampled,
+    pi_prox is the trainer's at the start of the batch's update (``old_logps``), pi_theta is trained.
+    Loss per token: -min(r A, clip(r, 0.8, 1.2) A) * w, r = theta / prox, w = prox / behav (0 above 3)."""
+    behav = torch.log(torch.tensor([[0.5, 0.1], [0.5, 0.5]]))
+    prox = torch.log(torch.tensor([[0.25, 0.5], [0.5, 0.25]]))
+    theta = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.5]])).requires_grad_(True)
+    mask = torch.ones(2, 2, dtype=torch.long)
+    advantages = torch.tensor([1.0, -1.0])
+    correction = sampling_correction(prox, behav, mask, correction_mode("auto", max_staleness=1), clip_max=3.0)
+    close(correction.ratio, [[0.5, 5.0], [1.0, 0.5]])  # w = prox / behav
+    close(correction.weights, [[0.5, 0.0], [1.0, 0.5]])  # 5 > 3: the token leaves the loss
+    assert correction.changed.tolist() == [[False, True], [False, False]]
+    out = grpo_loss(theta, prox, advantages, mask, loss_type="dapo", max_completion_length=2,
+                    sampling_weights=correction.weights)
+    # r = [[2, 1], [.5, 2]]; row 0 (A = 1): -min(2, 1.2) * .5 = -.6, -1 * 0 = 0;
+    # row 1 (A = -1): -min(-.5, -.8) * 1 = .8, -min(-2, -1.2) * .5 = 1; dapo: sum over the 4 tokens / 4
+    close(out.loss, (-0.6 + 0.0 + 0.8 + 1.0) / 4)
+    out.loss.backward()
+    # only row 1's second token is unclipped and kept: d/dlogp (-A r w) / 4 = 1 * 2 * .5 / 4
+    close(theta.grad, [[0.0, 0.0], [0.0, 0.25]])
+
+
+def test_the_staleness_default_keeps_the_tokens_a_sequence_weight_would_drop():
+    """One optimizer step later, a sequence the step reinforced (+0.2 nat per token over 8 tokens:
+    e^1.6 = 5) and one it discouraged (-0.2 per token): TRL's sequence_mask zeroes the first and keeps
+    the second at e^-1.6 = 0.2, a one-sided loss of signal; per token (the staleness default) both keep
+    every token at e^0.2 = 1.22 and e^-0.2 = 0.82."""
+    prox = torch.zeros(2, 8)
+    behav = torch.tensor([[-0.2] * 8, [0.2] * 8])
+    mask = torch.ones(2, 8, dtype=torch.long)
+    sequence = sampling_correction(prox, behav, mask, correction_mode("auto", max_staleness=0), clip_max=3.0)
+    close(sequence.weights, [[0.0], [math.exp(-1.6)]])
+    token = sampling_correction(prox, behav, mask, correction_mode("auto", max_staleness=1), clip_max=3.0)
+    close(token.weights, [[math.exp(0.2)] * 8, [math.exp(-0.2)] * 8])
+    assert not token.changed.any()
+
+
+def test_auto_mode_is_trls_synchronously_and_the_token_mask_with_staleness(tiny_model_dir):
+    from test_module import make_module
+
+    assert correction_mode("auto", 0) == "sequence_mask"
+    assert correction_mode("auto", 2) == "token_mask"
+    assert correction_mode("sequence_truncate", 1) == "sequence_truncate"  # as written
+    # the loss reads the module's hparams: "auto" is resolved there
+    assert make_module(tiny_model_dir).hparams.vllm_importance_sampling_mode == "sequence_mask"
+    assert make_module(tiny_model_dir, max_staleness=1).hparams.vllm_importance_sampling_mode == "token_mask"
+
+
+def test_staleness_without_the_correction_is_refused_naming_both_keys():
+    from types import SimpleNamespace
+
+    hp = SimpleNamespace(max_staleness=1, num_iterations=1, steps_per_generation=1, dynamic_sampling=False,
+                         tools=None, environment=None, vllm_importance_sampling_correction=False)
+    with pytest.raises(ConfigError) as error:
+        check_async_settings(hp)
+    message = str(error.value)
+    assert "model.vllm_importance_sampling_correction: false" in message and "model.max_staleness: 1" in message
+    check_async_settings(SimpleNamespace(**{**vars(hp), "max_staleness": 0}))  # synchronous: TRL's switch
+    check_async_settings(SimpleNamespace(**{**vars(hp), "vllm_importance_sampling_correction": True}))
