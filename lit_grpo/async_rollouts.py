@@ -93,6 +93,16 @@ def check_async_settings(hp) -> None:
         raise ConfigError("model.dynamic_sampling does not run with model.max_staleness > 0: set one of them off")
     if hp.tools or hp.environment:
         raise ConfigError("model.tools / model.environment (multi-turn rollouts) do not run with model.max_staleness > 0 yet")
+    if not hp.vllm_importance_sampling_correction:
+        # on every backend the behaviour weights are what corrects for the staleness (with one
+        # optimizer step per batch the clipped ratio against the proximal policy is 1): off, stale
+        # samples would be trained as if the current weights had drawn them
+        raise ConfigError(
+            f"model.vllm_importance_sampling_correction: false with model.max_staleness: {k} would train samples of "
+            "weights up to k steps old as on-policy (the correction weighs them for the staleness on every backend): "
+            "keep the correction on (its mode and bounds: model.vllm_importance_sampling_mode/_clip_min/_clip_max) "
+            "or set model.max_staleness: 0"
+        )
 
 
 @dataclass

@@ -72,6 +72,7 @@ from lit_grpo.rollout import (
 )
 from lit_grpo.python_objects import storable
 from lit_grpo.runs import run_directory
+from lit_grpo.sampling_correction import correction_mode
 from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
 
 __all__ = ["GRPOModule"]
@@ -158,7 +159,10 @@ class GRPOModule(pl.LightningModule):
         vllm_server_timeout: seconds a server may be unreachable (at start, mid-run) before the run stops.
         vllm_importance_sampling_correction: reweight the engine's samples by trainer / engine probability,
             ``vllm_importance_sampling_mode`` (``token|sequence`` x ``truncate|mask``) within
-            [``vllm_importance_sampling_clip_min``, ``vllm_importance_sampling_clip_max``] (TRL 1.16).
+            [``vllm_importance_sampling_clip_min``, ``vllm_importance_sampling_clip_max``] (TRL 1.16); with
+            ``max_staleness > 0`` it also corrects for the staleness, and cannot be off. Mode ``auto``:
+            ``sequence_mask`` (TRL's), with ``max_staleness > 0`` ``token_mask`` (decoupled PPO,
+            ``lit_grpo.sampling_correction``).
         chat_template_kwargs: ``apply_chat_template`` arguments (``lit-grpo fit``: ``data.chat_template_kwargs``).
         tools: functions the policy may call, ``package.module:function`` or ``file.py:function``: multi-turn
             rollouts (``lit_grpo.multi_turn``); with ``environment``: ``{name, args, weight}`` (or a list of
@@ -235,7 +239,7 @@ class GRPOModule(pl.LightningModule):
         vllm_server_urls: list[str] | None = None,
         vllm_server_timeout: float = 300.0,
         vllm_importance_sampling_correction: bool = True,
-        vllm_importance_sampling_mode: str = "sequence_mask",
+        vllm_importance_sampling_mode: str = "auto",
         vllm_importance_sampling_clip_min: float | None = None,
         vllm_importance_sampling_clip_max: float | None = 3.0,
         chat_template_kwargs: dict[str, AsWritten] | None = None,
@@ -266,6 +270,8 @@ class GRPOModule(pl.LightningModule):
         self.lr_scheduler_factory = lr_scheduler
         self.automatic_optimization = False
         check_settings(self.hparams, GENERATION_BACKENDS)
+        # "auto": the correction of this run's staleness, in the hparams the loss reads (lit_grpo.logprobs)
+        self.hparams.vllm_importance_sampling_mode = correction_mode(vllm_importance_sampling_mode, max_staleness)
         if lora is not None:
             models.lora_config(lora)  # a bad model.lora fails before any model is loaded
             # The module's state dict, so every checkpoint (FSDP2's sharded ones too), holds only the
