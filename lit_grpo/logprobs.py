@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_grpo import algorithm, cpu, models
 from lit_grpo.device_defaults import AUTO, CPU_DEFAULTS
 from lit_grpo.distributed import agreed_over_sharded_ranks, gather_real_values
+from lit_grpo.engines.lit_sampler import penalty_skips_left_padding
 from lit_grpo.sampling_correction import SamplingCorrection, sampling_correction
 from lit_grpo.sampling_filters import SamplingFilters, sampling_log_softmax
 from lit_grpo.rollout import (
@@ -183,9 +184,9 @@ class LogProbEngine:
                 use_cache=False,
             ).logits  # [n, C, V]: the last C positions, position P - 1 + t predicts completion token t
         # the distribution that sampled: temperature, repetition penalty, top-k/top-p/min-p (lit_grpo.sampling_filters)
+        filters = SamplingFilters.of_run(self.hp, transformers_penalises_padding=not penalty_skips_left_padding())
         return sampling_log_softmax(
-            logits, rollout.completion_ids, SamplingFilters.of_run(self.hp), rollout.prompt_ids, rollout.prompt_mask,
-            with_entropy=with_entropy,
+            logits, rollout.completion_ids, filters, rollout.prompt_ids, rollout.prompt_mask, with_entropy=with_entropy
         )
 
     def sampling_policy_logps(self, policy: torch.nn.Module, scored: ScoredRollout, later_rows: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,9 @@ not, or the reverse, changes the kept mass by that token's probability only.
 
 The repetition penalty is applied as the samplers apply it: a token seen before position ``t`` (in
 the prompt's real tokens, or in the completion before ``t``; left padding is not seen, as in
-``transformers`` >= 5.23 and vLLM) has its logit divided by the penalty where positive and
-multiplied where negative.
+``transformers`` >= 5.23 and vLLM; older ``transformers`` penalise the pad id of padded rows in
+``generate`` and the ``lit`` sampler, and so does the trainer then) has its logit divided by the
+penalty where positive and multiplied where negative.
 
 Memory: positions are scored a chunk at a time (``[c, V]`` float32 temporaries,
 :data:`~lit_grpo.algorithm.LOGPROB_CHUNK_ELEMENTS` elements); what autograd keeps per chunk is the
@@ -63,7 +64,8 @@ class SamplingFilters:
     """What turns a model's logits into the distribution its tokens are sampled from.
 
     ``top_k`` 0, ``top_p`` 1, ``min_p`` 0 (or None) and ``repetition_penalty`` 1 turn a step off;
-    ``min_p_first``: min-p before top-k and top-p (vLLM) rather than after them (``transformers``)."""
+    ``min_p_first``: min-p before top-k and top-p (vLLM) rather than after them (``transformers``);
+    ``penalise_padding``: the pad ids of a row's left padding count as seen (``transformers`` < 5.23)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -71,18 +73,23 @@ class SamplingFilters:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     min_p_first: bool = False
+    penalise_padding: bool = False
 
     @classmethod
-    def of_run(cls, hp) -> SamplingFilters:
+    def of_run(cls, hp, transformers_penalises_padding: bool = False) -> SamplingFilters:
         """The training sampling settings of a run (``hp``: the module's ``model.*`` settings), in
-        the order of its ``generation_backend``."""
+        the order of its ``generation_backend``; ``transformers_penalises_padding``: the installed
+        ``transformers`` penalises left padding (< 5.23), which then holds for the ``lit`` and
+        ``transformers`` backends (never for vLLM)."""
+        vllm = hp.generation_backend in VLLM_BACKENDS
         return cls(
             temperature=hp.temperature,
             top_k=hp.top_k or 0,
             top_p=1.0 if hp.top_p is None else hp.top_p,
             min_p=hp.min_p,
             repetition_penalty=hp.repetition_penalty or 1.0,
-            min_p_first=hp.generation_backend in VLLM_BACKENDS,
+            min_p_first=vllm,
+            penalise_padding=transformers_penalises_padding and not vllm,
         )
 
     @property
@@ -169,16 +176,18 @@ def penalised(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch
 
 
 def token_first_positions(
-    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: torch.Tensor, vocab_size: int
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, tokens: torch.Tensor, vocab_size: int, with_padding: bool = False
 ) -> torch.Tensor:
     """``[B, V]`` int32: for each row and token id, the first completion position holding it, -1 if
-    a real (unpadded) prompt token is that id, ``T`` if neither (``prompt_ids/mask [B, P]``,
-    ``tokens [B, T]``)."""
+    a real (unpadded, or any with ``with_padding``) prompt token is that id, ``T`` if neither
+    (``prompt_ids/mask [B, P]``, ``tokens [B, T]``)."""
     B, T = tokens.shape
     first = torch.full((B, vocab_size + 1), T, dtype=torch.int32, device=tokens.device)  # id V: padding
     positions = torch.arange(T, dtype=torch.int32, device=tokens.device).expand(B, T)
     first.scatter_reduce_(1, tokens.long(), positions, reduce="amin")
-    prompt = prompt_ids.long().masked_fill(prompt_mask == 0, vocab_size)  # padding goes to the spare column
+    prompt = prompt_ids.long()
+    if not with_padding:
+        prompt = prompt.masked_fill(prompt_mask == 0, vocab_size)  # padding goes to the spare column
     first.scatter_(1, prompt, -1)
     return first[:, :vocab_size]
 
@@ -225,7 +234,7 @@ def sampling_log_softmax(
     if filters.penalises:
         if prompt_ids is None or prompt_mask is None:
             raise ValueError("the repetition penalty needs the prompts the completions continue")
-        first_positions = token_first_positions(prompt_ids, prompt_mask, tokens, V)  # [B, V]
+        first_positions = token_first_positions(prompt_ids, prompt_mask, tokens, V, filters.penalise_padding)  # [B, V]
     flat_logits = logits.reshape(B * T, V)  # a view of the model's logits
     flat_tokens = tokens.reshape(B * T, 1)
     size = positions_per_chunk or max(1, LOGPROB_CHUNK_ELEMENTS // V)

@@ -122,6 +122,12 @@ def test_repetition_penalty_against_a_by_hand_computation():
         assert logps[0, t].item() == pytest.approx(expected, abs=1e-6)
         p = torch.tensor(z).softmax(0)
         assert entropy[0, t].item() == pytest.approx(float(-(p * p.log()).sum()), abs=1e-5)
+    # transformers < 5.23 penalises the pad id of the left padding too (generate, the lit sampler): so then does the trainer
+    with_padding, _ = sampling_log_softmax(logits, torch.tensor([[5, 5, 5]]),
+                                           SamplingFilters(temperature=T, repetition_penalty=r, penalise_padding=True),
+                                           prompt_ids, prompt_mask)
+    z = [(v / r if v > 0 else v * r) if i in {1, 5} else v for i, v in enumerate(logits[0, 0].tolist())]
+    assert with_padding[0, 0].item() == pytest.approx(z[5] / T - math.log(sum(math.exp(v / T) for v in z)), abs=1e-6)
 
 
 def test_no_filter_is_exactly_the_full_vocabulary_log_softmax():

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
@@ -31,7 +33,8 @@ from transformers.generation import (
 from lit_grpo import cpu
 from lit_grpo.models import cache_argument, partial_kv_cache_reason, text_config
 
-__all__ = ["LIT_SAMPLER_OPTIONS", "PreallocatedKVLayer", "eos_token_ids", "lit_sampler_unsupported", "sample_groups"]
+__all__ = ["LIT_SAMPLER_OPTIONS", "PreallocatedKVLayer", "eos_token_ids", "lit_sampler_unsupported", "penalty_skips_left_padding",
+           "sample_groups"]
 
 # GenerationConfig fields the "lit" sampler implements; any other non-default field goes to generate
 LIT_SAMPLER_OPTIONS = frozenset(
@@ -178,6 +181,17 @@ def logits_processors(generation_config: GenerationConfig, prompt_mask: torch.Te
         if config.min_p is not None:
             processors.append(MinPLogitsWarper(min_p=config.min_p))
     return processors
+
+
+@functools.cache
+def penalty_skips_left_padding() -> bool:
+    """Whether this ``transformers``' repetition penalty leaves each row's left padding out (>= 5.23:
+    ``generate`` and :func:`logits_processors` do); older versions penalise the pad id of padded rows."""
+    try:
+        RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=torch.zeros(1, dtype=torch.long))
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def select_rows(processors: LogitsProcessorList, keep: torch.Tensor) -> None:
