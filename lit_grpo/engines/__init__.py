@@ -58,7 +58,7 @@ def engine_for_run(hp, model_source: Any, precision: str, grows_with_tools: bool
     if hp.generation_backend == "vllm_server":
         from lit_grpo.engines.vllm_server import VLLMServerEngine
 
-        return VLLMServerEngine.for_run(hp)
+        return VLLMServerEngine.for_run(hp, grows_with_tools)
     from lit_grpo.engines.policy import PolicyEngine
 
     return PolicyEngine(hp.generation_backend)

@@ -73,9 +73,22 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def agreed_failure(error: BaseException | None, device: torch.device, make: Any) -> None:
-    """Raise on every rank when ``error`` happened on any: ``error`` itself where it happened, elsewhere
-    ``make()`` (an exception that says another rank failed). Every rank calls it at the same point, so
-    that no rank goes on into a collective the failed one never reaches."""
-    if any_rank(error is not None, device):
-        raise error if error is not None else make()
+def agreed_failure(error: BaseException | None, device: torch.device) -> None:
+    """Raise on every rank when ``error`` happened on any, the same class everywhere: that of the
+    failure of the first rank that failed, with its message (``error`` itself where it is of that
+    class). Every rank calls it at the same point, so that no rank goes on into a collective the
+    failed one never reaches, and a callback that handles the class (the checkpoint of a lost
+    generation server) runs on every rank. The failures are exceptions made from a message alone
+    (those of :mod:`lit_grpo.errors` and :mod:`lit_grpo.engines.server_lost`)."""
+    import torch.distributed as dist
+
+    if not any_rank(error is not None, device):
+        return
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        raise error
+    failures: list[tuple[type, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, None if error is None else (type(error), str(error)))
+    kind, message = next(failure for failure in failures if failure is not None)
+    if type(error) is kind:
+        raise error
+    raise kind(message) from error

