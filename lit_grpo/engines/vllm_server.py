@@ -179,7 +179,7 @@ class VLLMServer:
         try:
             info = self.request("GET", "/server_info", params={"config_format": "json"})
             config = info["vllm_config"]["weight_transfer_config"]
-        except (DataError, KeyError, TypeError):
+        except (DataError, KeyError, TypeError, AttributeError):  # no such endpoint, or another layout
             return "unknown"
         return None if config is None else str(config.get("backend"))
 
