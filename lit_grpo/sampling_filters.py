@@ -16,11 +16,10 @@ Order of the steps (each backend's own):
   processor), then top-k and top-p (``apply_top_k_top_p``).
 
 Top-k and min-p keep a prefix of the tokens sorted by logit, so they commute; top-p after min-p is
-another set than min-p after top-p, hence :attr:`SamplingFilters.min_p_first`. Every step matches
-the ``transformers``/vLLM PyTorch reference: top-k keeps ties with the k-th logit; top-p sorts
-ascending and removes the tokens whose ascending cumulative probability is ``<= 1 - top_p``,
-always keeping the most likely; min-p removes the tokens below ``min_p`` times the largest
-probability.
+another set than min-p after top-p, hence :attr:`SamplingFilters.min_p_first`. Every step keeps
+the set of the ``transformers``/vLLM PyTorch reference: top-k keeps ties with the k-th logit; top-p
+keeps the most likely tokens until their mass reaches ``top_p`` (at least one); min-p removes the
+tokens below ``min_p`` times the largest probability.
 
 Which support at training time (where the policy has moved since sampling): the support is
 computed from the logits being scored, and the sampled token is never left out of it. On-policy
@@ -119,18 +118,24 @@ def top_k_kept(z: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_kept(z: torch.Tensor, top_p: float, at_most: int | None = None) -> torch.Tensor:
-    """``[c, V]`` bool: nucleus of ``softmax(z)`` (``-inf`` entries already left out): sorted
-    ascending, the tokens whose cumulative probability is ``<= 1 - top_p`` are removed, never the
-    most likely one. ``at_most``: no row has more finite entries (after top-k), so only that many
-    are sorted (``topk`` instead of a sort of the vocabulary; the entries left out add 0 to the sums)."""
-    if at_most is None:
-        ascending, order = z.sort(dim=-1)
-    else:
-        descending, order = z.topk(min(at_most, z.size(-1)), dim=-1)
-        ascending, order = descending.flip(-1), order.flip(-1)
-    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-    kept_sorted = cumulative > 1 - top_p
-    kept_sorted[..., -1] = True
+    """``[c, V]`` bool: nucleus of ``softmax(z)`` (``-inf`` entries already left out): the most
+    likely tokens until their mass reaches ``top_p``, i.e. each token whose more likely tokens hold
+    less than ``top_p`` (the reference sorts ascending and removes the tokens whose cumulative
+    probability is ``<= 1 - top_p``: the same set, up to rounding at the boundary).
+
+    Only the most likely tokens are sorted: a window of ``at_most`` (after top-k no row has more
+    finite entries) or 64, four times wider until it holds ``top_p`` of every row's mass (a sort of
+    the whole vocabulary costs ~7 ms per position for 32k tokens on a CPU core; the window, ~0.3)."""
+    probs = z.softmax(dim=-1)  # [c, V]
+    width = min(at_most or 64, z.size(-1))
+    while True:
+        top, order = probs.topk(width, dim=-1)  # [c, w] descending
+        cumulative = top.cumsum(dim=-1)
+        if width == z.size(-1) or at_most is not None or bool((cumulative[:, -1] >= top_p).all()):
+            break
+        width = min(4 * width, z.size(-1))
+    kept_sorted = cumulative - top < top_p  # the mass of the more likely tokens
+    kept_sorted[..., 0] = True
     return torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, kept_sorted)
 
 

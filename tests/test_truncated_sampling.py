@@ -258,3 +258,18 @@ def test_truncation_keeps_no_more_for_backward_than_the_full_vocabulary():
         lambda: sampling_log_softmax(logits, tokens, SamplingFilters(temperature=0.7, **TRUNCATING), positions_per_chunk=16))
     assert plain >= logits.numel() * 4
     assert truncated <= plain * 1.01, (truncated, plain)
+
+
+def test_top_p_over_a_wide_nucleus_equals_the_reference_sort():
+    """A flat distribution's nucleus holds hundreds of tokens (the window of sorted tokens grows past
+    its first 64): the support equals that of the reference implementation (transformers' and vLLM's
+    PyTorch top-p: sort ascending, remove cumulative <= 1 - top_p, keep the last)."""
+    generator = torch.Generator().manual_seed(4)
+    z = torch.randn(6, 1000, generator=generator) * torch.tensor([0.2, 0.5, 1.0, 2.0, 4.0, 8.0])[:, None]
+    ascending, order = z.sort(dim=-1)
+    removed = ascending.softmax(-1).cumsum(-1) <= 1 - 0.9
+    removed[:, -1] = False
+    reference = ~removed.scatter(-1, order, removed)
+    kept = kept_tokens(z, SamplingFilters(top_p=0.9))
+    assert kept.sum(-1)[0] > 256  # the widest row needed the whole vocabulary sorted
+    assert torch.equal(kept, reference)
