@@ -30,7 +30,7 @@ number (prime-rl #2601 recomputes the support from the trainer's logits the same
 kept set at sampling time instead (DeepSeek-V3.2's "Keep Sampling Mask", arXiv:2512.02556 sec. 3.1;
 vLLM #49577, prime-rl #2979) needs the engine to return it and to carry up to ``top_k`` ids per
 token: neither the ``lit`` sampler nor ``generate`` nor vLLM's CPU build returns it. A boundary
-token that the engine's kernels (FlashInfer/Triton top-p on GPUs) kept and the trainer's sort did
+token that the engine's kernels (Triton top-k/top-p on GPUs) kept and the trainer's selection did
 not, or the reverse, changes the kept mass by that token's probability only.
 
 The repetition penalty is applied as the samplers apply it: a token seen before position ``t`` (in
