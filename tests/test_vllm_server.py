@@ -466,6 +466,10 @@ def test_every_sampling_failure_is_returned_as_one_line_never_raised(fake, kind,
                                       config, 0)()
     assert rollout is None and isinstance(failure, GenerationFailed), failure
     assert re.search(said.format(url=re.escape(fake.url)), str(failure)) and "\n" not in str(failure), failure
+    failure.checkpoint = "runs/quickstart/last.ckpt"  # as CheckpointWhenServerLost leaves it (it handles the class)
+    assert failure.describe("lit-grpo fit --ckpt_path last") == (
+        f"{failure}; checkpoint: runs/quickstart/last.ckpt; "
+        f"{'restart the server, then resume' if kind == 'cut_off' else 'once that is fixed, resume'}: lit-grpo fit --ckpt_path last")
 
 
 @pytest.fixture(scope="module")

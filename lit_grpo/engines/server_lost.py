@@ -39,7 +39,7 @@ class GenerationFailed(UserError):
     not what was asked for). Raised on every rank at the same point, with the failing rank's message;
     ``checkpoint``: the checkpoint written before the run stopped (None: none could be)."""
 
-    fix = "fix that"  # what to do before resuming
+    fix = "once that is fixed, resume"  # what to do, before the command that resumes
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -49,13 +49,13 @@ class GenerationFailed(UserError):
         """One line: what failed, the checkpoint, and ``resume``, the command that goes on."""
         if self.checkpoint is None:
             return f"{self}; no checkpoint written (no ModelCheckpoint keeps a last.ckpt)"
-        return f"{self}; checkpoint: {self.checkpoint}; {self.fix}, then resume: {resume}"
+        return f"{self}; checkpoint: {self.checkpoint}; {self.fix}: {resume}"
 
 
 class GenerationServerLost(GenerationFailed):
     """A generation server that died or hung for longer than ``model.vllm_server_timeout``."""
 
-    fix = "restart the server"
+    fix = "restart the server, then resume"
 
 
 class CheckpointWhenServerLost(Callback):

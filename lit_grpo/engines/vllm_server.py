@@ -262,14 +262,24 @@ class WeightPush:
     is abandoned: its group is shut down (NCCL's communicator aborted), the rest of the pass is
     gathered and dropped, and :meth:`finish` returns the failure."""
 
-    def __init__(self, transfer: Any, metadata: list, timeout: float, servers: list[VLLMServer]) -> None:
+    def __init__(self, transfer: Any, metadata: list, timeout: float, servers: list[VLLMServer],
+                 device: torch.device) -> None:
         from lit_grpo.engines.vllm_gloo import ForwardedWeights
 
         self.transfer, self.timeout, self.servers = transfer, timeout, servers
         self.handed: queue.Queue = queue.Queue(maxsize=1)  # one tensor at a time: the push holds no more
         self.failure: Exception | None = None
         transfer.source = ForwardedWeights(metadata, self.handed)
-        self.sent = in_background(transfer.send_weights)
+        self.sent = in_background(self._send, device)
+
+    def _send(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # a new thread starts on device 0: NCCL's calls go on the policy's
+        self.transfer.send_weights()
+
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
 
     def forward(self, item: tuple[str, torch.Tensor] | None) -> None:
         """Hand ``item`` (None: the end of the pass) to the sending thread; nothing once the push failed."""
@@ -345,6 +355,8 @@ class VLLMServerEngine(GenerationEngine):
         self.timeout = timeout
         self.longest_request = longest_request
         self.servers = [VLLMServer(url, timeout) for url in urls]
+        # requests in flight from this process, all calls together (the async pipeline's and validation's)
+        self.request_slots = threading.BoundedSemaphore(MAX_CONCURRENT_REQUESTS)
         self.fleet: ServerFleet | None = None
         self.transfer = None  # vLLM's trainer-side weight-transfer engine (rank 0), opened at the first push
         self.pushed_version: int | None = None
@@ -408,13 +420,16 @@ class VLLMServerEngine(GenerationEngine):
                     self.transfer = self._open_transfer(policy)
                 self.fleet.pause()
                 self.fleet.version = str(version)
-                push = WeightPush(self.transfer, weights.metadata(), self.timeout, self.servers)
+                push = WeightPush(self.transfer, weights.metadata(), self.timeout, self.servers,
+                                  next(policy.parameters()).device)
             except Exception as error:  # noqa: BLE001 - the other ranks are in the pass: this rank goes through it too
                 failure = error
         if push is not None or weights.sharded:
             for item in weights:
                 if push is not None:
                     push.forward(item)
+                    if push.failed and not weights.sharded:  # no other rank waits for the rest of the pass
+                        break
         if push is not None:
             failure = push.finish()
         if sends and failure is None:
@@ -536,7 +551,7 @@ class VLLMServerEngine(GenerationEngine):
         ``(j + rank) % servers``; while they are out, the servers that have some must answer ``/health``."""
         rank = process_rank()
         targets = [self.servers[(index + rank) % len(self.servers)] for index in range(len(requests))]
-        abandoned, slots = threading.Event(), threading.BoundedSemaphore(MAX_CONCURRENT_REQUESTS)
+        abandoned = threading.Event()
         said: set[str] = set()  # the servers said to be not answering
 
         def say(server: VLLMServer, message: str) -> None:
@@ -545,7 +560,7 @@ class VLLMServerEngine(GenerationEngine):
                 print(message, file=sys.stderr, flush=True)
 
         def answer(server: VLLMServer, body: dict) -> dict:
-            with slots:
+            with self.request_slots:
                 return server.generate(body, abandoned, say)
 
         answers = [in_background(answer, server, {"token_ids": prompt, "sampling_params": params})
