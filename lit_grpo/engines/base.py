@@ -12,8 +12,6 @@ them (``Rollout.sampling_logps``: vLLM's, for the importance-sampling correction
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
-
 import torch
 from transformers import GenerationConfig
 
