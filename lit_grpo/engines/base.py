@@ -12,6 +12,7 @@ them (``Rollout.sampling_logps``: vLLM's, for the importance-sampling correction
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+
 import torch
 from transformers import GenerationConfig
 
