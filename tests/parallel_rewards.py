@@ -103,3 +103,28 @@ class _Unloadable:
 def unloadable_for_bad(completions, **kwargs):
     """Returns a value the trainer cannot unpickle for a completion containing 'bad'."""
     return [_Unloadable() if "bad" in c else 1.0 for c in completions]
+
+
+def trl_math_accuracy(completions, solution, **kwargs):
+    """TRL's and open-r1's accuracy reward: Math-Verify's parse and verify with their default timeouts
+    (signal.alarm: they raise "doesn't support threaded environment" outside a main thread)."""
+    from math_verify import parse, verify
+
+    rewards = []
+    for completion, gold in zip(completions, solution):
+        content = completion if isinstance(completion, str) else completion[0]["content"]
+        gold_parsed = parse(gold)
+        rewards.append(float(verify(gold_parsed, parse(content))) if gold_parsed else None)
+    return rewards
+
+
+def process_id(completions, **kwargs):
+    """The id of the process that scores (to tell where a reward ran)."""
+    return [float(os.getpid())] * len(completions)
+
+
+def thread_safe_process_id(completions, **kwargs):
+    return [float(os.getpid())] * len(completions)
+
+
+thread_safe_process_id.thread_safe = True

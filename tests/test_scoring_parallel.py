@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
+import os
 import pickle
 import sys
+import threading
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,6 +43,9 @@ REWARDS = {
     "async_hangs_on_hang": pr.async_hangs_on_hang,
     "async_fails_on_bad": pr.async_fails_on_bad,
     "async_length": pr.AsyncLength,
+    "trl_math_accuracy": pr.trl_math_accuracy,
+    "process_id": pr.process_id,
+    "thread_safe_process_id": pr.thread_safe_process_id,
 }
 
 
@@ -361,3 +368,184 @@ def test_in_process_error_stops_the_pool_and_is_raised(make_scorer):
         call(scorer, ["hang", "bad"])
     assert time.perf_counter() - start < 5  # the hanging pool sample was abandoned, not awaited
     assert call(scorer, ["ok"]).tolist() == [[2.0, 1.0]]
+
+
+
+# --------------------------------------------------------------------------------------------------
+# Off the main thread (the asynchronous pipeline's scoring thread, model.max_staleness > 0)
+# --------------------------------------------------------------------------------------------------
+
+
+def call_in_a_thread(scorer, completions, columns=None, limit=60.0):
+    """``call`` from a thread other than the main one, as the asynchronous pipeline scores; fails if
+    it has not returned within ``limit`` seconds (the thread is a daemon: a hung test still ends)."""
+    outcome = {}
+
+    def score():
+        try:
+            outcome["scores"] = call(scorer, completions, columns)
+        except BaseException as exc:  # noqa: BLE001  (re-raised below)
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=score, name="lit-grpo-scoring", daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert not thread.is_alive(), f"scoring off the main thread did not return within {limit:g} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["scores"]
+
+
+def test_math_verify_reward_with_its_default_timeouts_scores_the_same_off_the_main_thread(make_scorer):
+    """A TRL-style reward (math_verify.parse / verify with their signal.alarm timeouts) gives off the
+    main thread the rewards it gives on it, without Math-Verify's "threaded environment" error."""
+    scorer = make_scorer(RewardSpec("trl_math_accuracy"))
+    completions = ["The answer is $\\frac{1}{2}$.", "$0.5$", "So $\\boxed{3}$.", "$4$"]
+    columns = {"solution": ["$\\frac12$", "$\\frac12$", "$3$", "$3$"]}
+    on_main = call(scorer, completions, columns)
+    assert column(on_main) == [1.0, 1.0, 1.0, 0.0]
+    assert column(call_in_a_thread(scorer, completions, columns)) == column(on_main)
+
+
+def test_math_accuracy_off_the_main_thread_keeps_its_timeout(make_scorer):
+    """An answer Math-Verify would compare for ever ((9^9)!, a number of 3 billion digits) is cut off
+    after timeout_seconds off the main thread too, as on it."""
+    scorer = make_scorer(RewardSpec("math_accuracy", args={"timeout_seconds": 1}))
+    completions = ["The answer is $(9^{9})!$.", "The answer is 72."]
+    start = time.perf_counter()
+    scores = call_in_a_thread(scorer, completions, {"answer": ["72", "72"]}, limit=30)
+    assert column(scores) == [0.0, 1.0]
+    assert time.perf_counter() - start < 20  # 1 s per Math-Verify call, and the worker's start
+
+
+def test_in_process_rewards_off_the_main_thread_run_in_one_process_of_their_own(make_scorer):
+    scorer = make_scorer(RewardSpec("process_id"), RewardSpec("thread_safe_process_id"), RewardSpec("scaled_len"))
+    assert call(scorer, ["a"]).tolist() == [[os.getpid(), os.getpid(), 1.0]]  # on the main thread: here
+    first = call_in_a_thread(scorer, ["a", "bb"])
+    worker = first[0, 0].item()
+    assert worker != os.getpid() and first[:, 0].tolist() == [worker, worker]
+    assert first[:, 1].tolist() == [os.getpid()] * 2  # thread_safe = True: it stays in the thread
+    assert first[:, 2].tolist() == [1.0, 2.0]
+    assert call_in_a_thread(scorer, ["ccc"])[0, 0].item() == worker  # started once, reused
+    assert call(scorer, ["a"])[0, 0].item() == os.getpid()
+
+
+def test_in_process_reward_errors_off_the_main_thread_follow_on_error(make_scorer):
+    scorer = make_scorer(RewardSpec("fails_on_bad", on_error="zero"))
+    assert call_in_a_thread(scorer, ["a", "bad", "c"]).tolist() == [[1.0], [0.0], [1.0]]
+    assert scorer.last_error_counts == {"fails_on_bad": 1}
+    strict = make_scorer(RewardSpec("fails_on_bad"))
+    with pytest.raises(RewardError, match=r"(?s)^Reward 'fails_on_bad' .* raised ValueError: cannot score 'bad'.*"
+                                          r"while scoring sample 1 of 3 \(found by calling the reward again"):
+        call_in_a_thread(strict, ["a", "bad", "c"])
+
+
+def test_in_process_reward_whose_process_dies_off_the_main_thread_fails_only_that_sample(make_scorer):
+    scorer = make_scorer(RewardSpec("dies_on_die", on_error="none"))
+    assert column(call_in_a_thread(scorer, ["a", "die", "c"])) == [1.0, None, 1.0]
+    assert scorer.last_error_counts == {"dies_on_die": 1}
+    assert column(call_in_a_thread(scorer, ["a"])) == [1.0]  # a new worker process took its place
+
+
+def test_batch_that_cannot_be_pickled_is_scored_in_the_thread_with_one_warning(make_scorer, caplog):
+    scorer = make_scorer(RewardSpec("echo_level"))
+    unpicklable = [1.0, 2.0]
+
+    class Level(float):  # a value of a local class: it cannot be pickled
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.scoring.scorer"):
+        scores = call_in_a_thread(scorer, ["c0", "c1"], {"level": [Level(v) for v in unpicklable]})
+    assert column(scores) == unpicklable
+    (warning,) = [r.getMessage() for r in caplog.records if "scoring thread" in r.getMessage()]
+    assert "the arguments of its batch cannot be pickled" in warning
+
+
+def test_reward_that_cannot_be_pickled_stays_in_the_scoring_thread_with_one_warning(monkeypatch, caplog):
+    threshold = 2
+
+    def longer_than(completions, **kwargs):  # a closure: it cannot be pickled
+        return [float(len(c) > threshold) for c in completions]
+
+    @lit_grpo.hookimpl
+    def register_rewards(register):
+        register(longer_than)
+
+    module = types.ModuleType("closure_rewards")
+    module.register_rewards = register_rewards
+    plugins.register_plugin(module)
+    scorer = RewardScorer([RewardSpec("longer_than")])
+    try:
+        with caplog.at_level(logging.WARNING, logger="lit_grpo.scoring.scorer"):
+            assert call_in_a_thread(scorer, ["a", "abc"]).tolist() == [[0.0], [1.0]]
+            assert call_in_a_thread(scorer, ["abcd"]).tolist() == [[1.0]]
+        warnings = [r.getMessage() for r in caplog.records if "scoring thread" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "Reward 'longer_than'" in warnings[0] and "cannot be pickled" in warnings[0]
+    finally:
+        scorer.close()
+
+
+def test_reward_loaded_from_a_file_runs_in_worker_processes(make_scorer, tmp_path, monkeypatch, caplog):
+    """path/to/file.py:function rewards load in worker processes (num_workers, and off the main thread)."""
+    (tmp_path / "my_rewards.py").write_text(
+        "import os\n\ndef where(completions, **kwargs):\n    return [float(os.getpid())] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    pool = make_scorer(RewardSpec("my_rewards.py:where", num_workers=1))
+    assert call(pool, ["a"])[0, 0].item() not in (os.getpid(), 0.0)
+    in_process = make_scorer(RewardSpec("my_rewards.py:where"))
+    assert call_in_a_thread(in_process, ["a"])[0, 0].item() not in (os.getpid(), 0.0)
+    assert not [record for record in caplog.records if "scoring thread" in record.getMessage()]
+
+
+TRL_STYLE_REWARD = """
+from math_verify import parse, verify
+
+
+def accuracy_reward(completions, target, **kwargs):
+    # TRL's accuracy_reward as users copy it: Math-Verify's parse and verify with their default
+    # timeouts; None where the completion holds no expression
+    rewards = []
+    for content, gold in zip(completions, target):
+        answer_parsed = parse(content)
+        rewards.append(float(verify(parse(f"${gold}$"), answer_parsed)) if answer_parsed else None)
+    return rewards
+"""
+
+
+def test_one_step_off_quickstart_with_a_math_verify_reward_scores_as_in_the_main_thread(tiny_model_dir, tmp_path):
+    """configs/quickstart.yaml, 3 optimizer steps at model.max_staleness 1 (rewards scored in the
+    pipeline's thread), with a TRL-style reward loaded from a file beside the config: it runs, and every
+    trained completion has the rewards that scoring it in the main thread, as the synchronous run does,
+    gives (whose first step trains the same completions: test_async_rollouts)."""
+    import yaml
+    from test_resume import REPO, lit_grpo_fit
+
+    (tmp_path / "trl_rewards.py").write_text(TRL_STYLE_REWARD)
+    config = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
+    config["trainer"].update(max_steps=3, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+    config["model"].update(model_name_or_path=str(tiny_model_dir), max_staleness=1, log_completions_every_n_steps=1,
+                           num_completions_to_log=100)
+    config["model"]["rewards"].append({"name": "trl_rewards.py:accuracy_reward", "weight": 1.0})
+    config["data"]["data_files"] = str(REPO / config["data"]["data_files"])
+    finished = lit_grpo_fit(tmp_path, config)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "scoring thread" not in finished.stderr  # no reward fell back to the thread
+
+    log = tmp_path / "runs/quickstart/version_0/completions.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted({row["step"] for row in rows}) == [1, 2, 3] and len(rows) == 3 * 8 * 8  # 8 prompts x 8 each
+    scorer = RewardScorer([{"name": "char_fraction"}, {"name": str(tmp_path / "trl_rewards.py") + ":accuracy_reward"}])
+    try:
+        targets = [row["prompt"].removeprefix("Say ").removesuffix(":") for row in rows]
+        rescored = scorer([row["prompt"] for row in rows], [row["completion"] for row in rows], [[0]] * len(rows),
+                          {"target": targets})
+    finally:
+        scorer.close()
+    logged = torch.tensor([[math.nan if row["rewards"][name] is None else row["rewards"][name]
+                            for name in ("char_fraction", "accuracy_reward")] for row in rows])
+    torch.testing.assert_close(logged, rescored, equal_nan=True)
+    parsed = ~logged[:, 1].isnan()  # where Math-Verify found an expression in the completion
+    assert 0 < parsed.sum() < len(rows) and logged[:, 0].sum() > 0

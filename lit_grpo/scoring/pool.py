@@ -23,15 +23,19 @@ Protocol (every message is a ``pickle`` of a tuple, sent with ``send_bytes``)::
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
+import io
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
+import types
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +75,60 @@ class PoolCancelled(RuntimeError):
 
 
 # --------------------------------------------------------------------------------------------------
+# The reward, as a worker receives it
+# --------------------------------------------------------------------------------------------------
+
+
+class _RecordingPickler(pickle.Pickler):
+    """A pickler that notes the source file of the module of every function and class it pickles
+    by reference (``modules``: module name -> file)."""
+
+    def __init__(self, file: io.BytesIO):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.modules: dict[str, str] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)):
+            name = getattr(obj, "__module__", None)
+            path = getattr(sys.modules.get(name or ""), "__file__", None)
+            if name and name != "__main__" and path:  # multiprocessing itself loads __main__ in a worker
+                self.modules.setdefault(name, path)
+        return NotImplemented  # pickle it as usual
+
+
+def pickle_reward(reward: Any) -> bytes:
+    """The payload a worker loads ``reward`` from: the reward pickled, and the files of the modules
+    its functions and classes come from, so that a worker loads a module it cannot import by name
+    (a reward given as ``path/to/file.py:function``) from its file. Raises what ``pickle`` raises
+    for an object that cannot be pickled (a lambda, a closure)."""
+    buffer = io.BytesIO()
+    pickler = _RecordingPickler(buffer)
+    pickler.dump(reward)
+    return pickle.dumps((pickler.modules, buffer.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that cannot be imported
+        return False
+
+
+def _load_reward(payload: bytes) -> Any:
+    """The reward of a :func:`pickle_reward` payload, in a worker: modules it cannot import by name
+    are first loaded from their files."""
+    modules, pickled = pickle.loads(payload)
+    for name, path in modules.items():
+        if name in sys.modules or _importable(name):
+            continue
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return pickle.loads(pickled)
+
+
+# --------------------------------------------------------------------------------------------------
 # Worker side
 # --------------------------------------------------------------------------------------------------
 
@@ -84,10 +142,12 @@ def _send(conn: Any, message: tuple) -> None:
 
 
 def worker_main(conn: Any, payload: bytes) -> None:
-    """Entry point of a worker process: unpickle the reward, then score tasks until told to stop."""
+    """Entry point of a worker process: load the reward (:func:`pickle_reward`'s ``payload``), then
+    score tasks until told to stop. Tasks run in the process's main thread, where signal-based
+    timeouts (``signal.alarm``, as Math-Verify's) work."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which stops us
     try:
-        reward = pickle.loads(payload)
+        reward = _load_reward(payload)
     except BaseException:
         _send(conn, ("init_error", traceback.format_exc()))
         return
@@ -150,7 +210,8 @@ class _Worker:
 
 
 class WorkerPool:
-    """``size`` persistent worker processes that each hold one unpickled copy of a reward.
+    """``size`` persistent worker processes that each hold one unpickled copy of a reward
+    (``payload``: :func:`pickle_reward`'s).
 
     Not thread-safe: one :meth:`run` at a time (the scorer runs each pool from one thread).
     """

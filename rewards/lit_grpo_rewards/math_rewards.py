@@ -24,13 +24,17 @@ Parsing rules shared by :func:`math_accuracy` and
   is parsed as if written ``$...$``, so ``\\frac12`` or ``3\\sqrt{2}`` work; any other text is
   parsed as plain text. This holds for the gold and the completion's answer alike.
 * **Timeouts.** Math-Verify bounds parsing and comparison with ``signal.alarm``, which works only in
-  the main thread of a process. There ``timeout_seconds`` applies; in any other thread the timeout
-  is switched off (Math-Verify's own advice) so that scoring from a worker thread does not fail.
+  the main thread of a process. There ``timeout_seconds`` applies. lit-grpo's scorer calls these
+  rewards in a main thread always: off the trainer's main thread (the asynchronous pipeline's scoring
+  thread) it runs them in a worker process of its own. Called directly in any other thread, the
+  timeout is switched off (Math-Verify's own advice), so that the call does not fail, and a warning
+  says so once: a pathological answer can then take unbounded time.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import re
 import threading
@@ -53,6 +57,8 @@ _LATEX_MARK = re.compile(r"[\\^_{}]")
 _LATEX_NOISE = re.compile(r"\\text\{[^{}]*\}|\\[A-Za-z]+")
 _WORD = re.compile(r"[A-Za-z]{2,}")
 
+logger = logging.getLogger(__name__)
+
 
 @functools.lru_cache(maxsize=1)
 def _math_verify():
@@ -73,8 +79,22 @@ def _timeout(timeout_seconds: float | None) -> int | None:
     if timeout_seconds is None or timeout_seconds <= 0:
         return None
     if threading.current_thread() is not threading.main_thread():
+        _warn_no_timeout_in_thread()
         return None
     return max(1, math.ceil(timeout_seconds))  # signal.alarm takes whole seconds
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_timeout_in_thread() -> None:
+    """Once per process: a math reward called outside a main thread runs without its timeout."""
+    logger.warning(
+        "math_accuracy / cosine_scaled_accuracy called in thread %r, not in a main thread: Math-Verify's "
+        "timeout (timeout_seconds, signal.alarm) works only in a process's main thread, so these calls run "
+        "without one and a pathological answer can take unbounded time. lit-grpo's RewardScorer calls them "
+        "in a main thread (a worker process of their own when it scores off the trainer's main thread); "
+        "call them in one too.",
+        threading.current_thread().name,
+    )
 
 
 def _looks_like_bare_latex(text: str) -> bool:
@@ -196,7 +216,8 @@ def math_accuracy(
         answer_tag (str | None): if the completion has ``<answer_tag>...</answer_tag>``, only the
             last such block is checked (default ``answer``; null: only the markers above).
         timeout_seconds (float | None): Math-Verify's time limit per parse / comparison (default
-            5; null or 0 disables it). Applies in the main thread only (it uses ``signal.alarm``).
+            5; null or 0 disables it). It uses ``signal.alarm``, so it applies in a main thread only,
+            where the trainer always calls this reward (see the module docstring).
 
     columns:
         answer (str | number | None): the gold answer, or a worked solution containing it

@@ -55,7 +55,13 @@ class RewardModel:
             transformers' default for ``from_pretrained``.
 
     columns: none (uses ``prompts`` and ``completions``).
+
+    Thread-safe (``thread_safe = True``): the trainer calls it in its own process from any thread
+    (the asynchronous pipeline's scoring thread included) rather than in a worker process, which
+    would load a second CUDA context and hold the model out of the training process.
     """
+
+    thread_safe = True  # lit-grpo's scorer: keep it in the training process off the main thread too
 
     def __init__(
         self,
