@@ -9,13 +9,15 @@ Shared by :func:`lit_grpo_rewards.numeric.numeric_accuracy` and
    inside it, what a marker below marks;
 2. without such a block, what the last marker of the completion marks: ``\\boxed{...}``, a line
    ``#### N`` (GSM8K's solutions), "answer is N" / "Answer: N" (up to the end of its sentence), or
-   a heading "Final Answer" (the line after it);
-3. without either, the whole completion if it is nothing but an answer: one number among words
-   (``72``, ``72 clips``, ``She sold 72 clips.``), or a formula without words and without ``=``
-   (``$\\frac{1}{2}$``, ``1/2``).
+   a heading "Final Answer" (the line after it); or, when the completion takes that answer back
+   after it, what it corrects it to (``The answer is 7. Wait, it is 9.``: 9);
+3. without either, the whole completion if it is nothing but an answer: a number alone or with a
+   unit (``72``, ``72 clips``), a sentence that ends and holds one number (``She sold 72 clips.``),
+   or a formula without words and without ``=`` (``$\\frac{1}{2}$``, ``1/2``).
 
-Anything else commits to no answer: a completion cut off in its reasoning ends like any step of it,
-so it scores 0 whatever number it last wrote.
+Anything else commits to no answer, and so does a negated one (``The answer is not 72.``): a
+completion cut off in its reasoning ends like any step of it (``Natalia sold 48 clips in April
+and``), so it scores 0 whatever number it last wrote.
 
 **The number** (:func:`plain_number`) of an answer text that holds exactly one number, with
 nothing else but words, spaces, punctuation, currency signs, ``%`` and LaTeX that only decorates:
@@ -50,6 +52,24 @@ _HASHES = re.compile(r"####[ \t]*(?=[-+\u2212$\\\d.(])")
 _NUMBERED_HEADING = re.compile(r"\d+[.):][ \t]+[^\W\d_]")
 # The end of the sentence that an answer phrase starts: ". ", "!", "?", ";" or a line break.
 _SENTENCE_END = re.compile(r"[.!?;](?:\s|$)|\n")
+# A correction of an answer given before: "Wait, it is 9", "Actually, it's 9", "No, that should be
+# 9", "Oops, the correct answer is 9" (an answer phrase itself, found as one). The cue and the
+# statement are at most 40 characters apart, so that a search stays linear.
+_CORRECTION = re.compile(
+    r"\b(?:wait|actually|oops|sorry|correction|no|hmm|on second thought)\b[^.!?;\n]{0,40}?"
+    r"\b(?:it|that|this)(?:'s|\s+is|\s+should\s+be|\s+must\s+be)\b",
+    re.IGNORECASE,
+)
+# An answer that says what it is not: "not 72", "definitely not 72", "never 72"; "not 72 but 70" is 70.
+_NEGATED = re.compile(r"(?:[^\W\d_]+ly\s+)?(?:not|never)\b", re.IGNORECASE)
+_BUT = re.compile(r"\b(?:but|rather|instead)\b[\s,:]*", re.IGNORECASE)
+# A bare sentence that denies: "The answer isn't 72.", "It is not 72."
+_DENIAL = re.compile(r"\b(?:not|never|cannot)\b|n't\b", re.IGNORECASE)
+# The end of a bare answer that is a sentence: ".", "!" or "?", then only closing marks.
+_ENDS_A_SENTENCE = re.compile(r"[.!?][\s*\"')\]$]*\Z")
+# Words a bare number may take after it without ending a sentence: a unit ("72 clips", "72 square
+# meters", "72 in all").
+_MAX_UNIT_WORDS = 2
 
 # A digit-group separator between digits: LaTeX's "{,}" and "\,", thin and no-break spaces.
 _DIGIT_GROUP = re.compile(r"(?<=\d)(?:\{,\}|\\,|[\u2009\u202f\u00a0])(?=\d{3}(?!\d))")
@@ -74,24 +94,48 @@ def marked_answer(text: str) -> str | None:
     The markers are a complete ``\\boxed{...}`` (its content), ``#### N`` (the rest of its
     sentence; not a numbered heading ``#### 3. Totals``), "answer is" / "answer:" (the rest of its
     sentence) and a heading "Final Answer" (the next line); the one that starts last wins, so
-    ``The answer is $\\boxed{72}$`` gives ``72``. A marker at the very end (the completion was cut
-    off right after it) marks the empty string.
+    ``The answer is $\\boxed{72}$`` gives ``72``. A correction after it that states a number
+    (``Wait, it is 9.``, ``Actually, it's 9.``) replaces it with the rest of its sentence. A marker at
+    the very end (the completion was cut off right after it) marks the empty string, and so does a
+    negated answer (``not 72``; ``not 72 but 70`` marks ``70``).
     """
     candidates: list[tuple[int, str]] = []
     boxed = find_last_boxed(text)
     if boxed is not None:
         candidates.append(boxed)
     for pattern in (_HASHES, _ANSWER_PHRASE):
-        last = None
-        for last in pattern.finditer(text):
-            pass
+        last = _last_match(pattern, text)
         if last is not None:
             if pattern is _HASHES and _NUMBERED_HEADING.match(text, last.end()):
                 continue
             candidates.append((last.start(), _rest_of_sentence(text, last.end())))
     if not candidates:
         return None
-    return max(candidates, key=lambda candidate: candidate[0])[1]
+    start, marked = max(candidates, key=lambda candidate: candidate[0])
+    correction = _last_match(_CORRECTION, text, start + 1)
+    if correction is not None:
+        corrected = _rest_of_sentence(text, correction.end())
+        if any(ch.isdigit() for ch in corrected):
+            marked = corrected
+    return _affirmed(marked)
+
+
+def _last_match(pattern: re.Pattern, text: str, start: int = 0) -> re.Match | None:
+    last = None
+    for last in pattern.finditer(text, start):
+        pass
+    return last
+
+
+def _affirmed(marked: str) -> str:
+    """What an answer text affirms: ``""`` for a negated one (``not 72``), what follows "but" in
+    ``not 72 but 70``, else all of it."""
+    stripped = marked.lstrip()
+    negation = _NEGATED.match(stripped)
+    if negation is None:
+        return marked
+    but = _BUT.search(stripped, negation.end())
+    return stripped[but.end() :] if but else ""
 
 
 def _rest_of_sentence(text: str, start: int) -> str:
@@ -125,10 +169,17 @@ def _has_words(text: str) -> bool:
 
 
 def _is_bare_answer(text: str) -> bool:
-    """A number among words (``72``, ``72 clips``, ``She sold 72 clips.``), or a formula without
-    words and without ``=`` (``\\frac{1}{2}``, ``1/2``)."""
-    if plain_number(normalize_answer_text(text)) is not None:
-        return True
+    """A number alone or with a unit (``72``, ``$72``, ``72 clips``), a sentence that ends, holds one
+    number and denies nothing (``She sold 72 clips.``), or a formula without words and without ``=``
+    (``\\frac{1}{2}``, ``1/2``). Not a sentence cut off (``Natalia sold 48 clips in April and``)."""
+    number = _the_number(normalize_answer_text(text))
+    if number is not None:
+        _, before, after = number
+        if _DENIAL.search(text):
+            return False
+        if _ENDS_A_SENTENCE.search(text):
+            return True
+        return not _WORD.search(before) and len(_WORD.findall(after)) <= _MAX_UNIT_WORDS
     return any(ch.isdigit() for ch in text) and "=" not in text and not _has_words(text)
 
 
@@ -152,6 +203,13 @@ def plain_number(text: str) -> Fraction | None:
     or spaces between allowed: ``$-5``) makes it negative; a hyphen inside a word does not.
     ``25%`` is 25, as GSM8K writes percentages.
     """
+    number = _the_number(text)
+    return None if number is None else number[0]
+
+
+def _the_number(text: str) -> tuple[Fraction, str, str] | None:
+    """:func:`plain_number`'s value of ``text``, and the text before and after the number (LaTeX
+    decoration made plain); None where :func:`plain_number` gives None."""
     text = _LATEX_SPACING.sub(" ", _LATEX_TEXT.sub(r" \1 ", text))
     numbers = _NUMBER.finditer(text)
     number = next(numbers, None)
@@ -164,4 +222,4 @@ def plain_number(text: str) -> Fraction | None:
     prefix = before.rstrip(_CURRENCY_AND_SPACE)
     if prefix.endswith("-") and not prefix[:-1][-1:].isalnum():
         value = -value
-    return value
+    return value, before, after

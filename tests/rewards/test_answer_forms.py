@@ -1,4 +1,4 @@
-"""The math recipes' correctness reward, and math_accuracy, against 624 labelled completions of
+"""The math recipes' correctness reward, and math_accuracy, against 676 labelled completions of
 GSM-style problems (tests/rewards/fixtures/gsm_answer_forms.jsonl, written by the script beside it
 from reasoning-gym's problems): each must agree with the labels on at least 99 % of them, and every
 completion it scores otherwise is listed here with the reason."""
@@ -94,11 +94,16 @@ def test_the_set_holds_every_form_of_the_issue_labelled_both_ways():
         "answer block after prose naming both tags", "gsm8k hashes", "after reasoning: the answer is",
         "after reasoning: boxed", "after reasoning: bold answer", "bare", "gsm8k solution", "boxed after the reasoning",
         "revised answer block, right last", "a guess in the reasoning, then the answer block",
+        # read as a careful grader reads them (issue 49)
+        "negated, then the answer: not X but Y", "corrected after the answer, right last",
+        "checked after the answer, not corrected",
     ]:
         assert form in right, f"no right answer written as {form!r}"
     wrong = {rendering for rendering, label in forms if label == 0.0}
     for form in ["cut off in the reasoning", "cut off in the reasoning, no tags", "cut off inside the answer block",
-                 "revised boxed, wrong last", "plain", "hashes", "boxed", "currency", "unit", "the answer is"]:
+                 "revised boxed, wrong last", "plain", "hashes", "boxed", "currency", "unit", "the answer is",
+                 "cut off mid-sentence after the number", "negated: the answer is not",
+                 "corrected after the answer, wrong last"]:
         assert form in wrong, f"no wrong or missing answer written as {form!r}"
     assert sum(label == 1.0 for _, label in forms.elements()) > 0 and len(ROWS) >= 300
     # the gold column as data sets write it: GSM8K's worked solution, "#### 8.0", bare values, JSON numbers

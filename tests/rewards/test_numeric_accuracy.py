@@ -151,6 +151,28 @@ def test_a_completion_without_a_final_answer_scores_0_whatever_number_it_wrote_l
     # before issue 44 math_accuracy read the last number of the reasoning: 1.0 for the first two
 
 
+def test_cut_off_negated_and_corrected_answers_read_as_a_careful_grader_reads_them():
+    """Issue 49: a sentence cut off after a number commits to nothing; "not 72" says what the answer
+    is not; a correction after the answer replaces it (the last committed answer counts)."""
+    assert final_answer("Natalia sold 48 clips in April and") is None  # before: "Natalia sold 48 clips in April and"
+    assert final_answer("Natalia sold 48") is None
+    assert final_answer("The answer is not 72.") == ""  # before: "not 72", which scored 72
+    assert final_answer("The answer is definitely not 72.") == ""
+    assert final_answer("The answer isn't 72.") is None
+    assert final_answer("The answer is not 71 but 72.") == "72"
+    assert final_answer("The answer is 7.\n3 + 4 = 7, check.\nWait, it is 9.") == "9"  # before: "7"
+    assert final_answer("So the answer is 72. Actually, it's 70.") == "70"
+    assert final_answer("So the answer is 72. Wait, let me check: 48 + 24 = 72. Yes, it is right.") == "72"
+    assert final_answer("The answer is 72. Wait, it is not 72.") == ""
+    # still answers: a number with a unit, a sentence that ends
+    assert [final_answer(text) for text in ["72 clips", "$72$", "72 square meters", "She sold 72 clips!"]] == [
+        "72 clips", "$72$", "72 square meters", "She sold 72 clips!",
+    ]
+    completions = ["Natalia sold 72 clips in April and", "The answer is not 72.", "The answer is 71.\nWait, it is 72."]
+    assert numeric_accuracy(completions, answer=["#### 72"] * 3) == [0.0, 0.0, 1.0]
+    assert math_accuracy(completions, answer=["#### 72"] * 3) == [0.0, 0.0, 1.0]
+
+
 def test_prose_that_names_the_tag_does_not_start_the_block():
     completions = [
         "<think>I will put the final number inside the <answer> tag. 48 + 24 = 72.</think><answer>72</answer>",
@@ -266,6 +288,8 @@ WORST_CASES = {
     "spaces after a marker": "answer" + " " * N,
     "sum of ones in a block": "<answer>" + "1 + " * (N // 4) + "</answer>",
     "words and one number": "a " * (N // 2) + "72",
+    "corrections after an answer": "The answer is 7. " + "Wait, no, hmm, " * (N // 15),
+    "sentence ends": "72" + ". " * (N // 2),
 }
 
 
