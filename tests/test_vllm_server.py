@@ -527,6 +527,21 @@ def test_fsdp2_push_to_a_server_without_the_weight_transfer_ends_every_rank_in_o
     assert lines[0] == lines[1] and lines[0].startswith(expected), lines
 
 
+def test_a_server_that_refuses_the_transfer_init_is_one_line_without_waiting_for_the_group(fake, model_dir):
+    """Issue 49.1: where a server's configuration cannot be read (no /server_info), its refusal of the
+    transfer's init (vLLM's 500, "Weight transfer not configured") is the same ConfigError, at once: the
+    trainer does not wait for the gloo group the server never joins (model.vllm_server_timeout)."""
+    from transformers import AutoModelForCausalLM
+
+    fake.weight_transfer, fake.server_info = None, False
+    engine = VLLMServerEngine([fake.url], timeout=8)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=re.escape(f"a vLLM server of {fake.url} takes no gloo weight transfer (") +
+                       ".*Weight transfer not configured.*" + re.escape("start it with --weight-transfer-config")):
+        engine.sync_weights(AutoModelForCausalLM.from_pretrained(model_dir), version=1)
+    assert time.monotonic() - started < 4
+
+
 def test_servers_too_short_for_prompt_and_completion_are_one_line_at_start(fake, model_dir):
     """Issue 49.2: a server whose max_model_len cannot hold model.max_prompt_length +
     model.max_completion_length (it would refuse long prompts and cut completions short) stops the run

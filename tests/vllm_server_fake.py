@@ -12,7 +12,8 @@ silent, refusing, or wrong in one way; where it refuses as vLLM does, it gives v
   completion too few), ``"cut_off"`` (the body ends early), ``"not_json"``, ``"wrong_logprobs"``;
 - ``generate_delay``: seconds each generate waits before answering;
 - ``weight_transfer``: the backend of its ``--weight-transfer-config`` (None: started without one,
-  and ``/init_weight_transfer_engine`` answers vLLM's 500).
+  and ``/init_weight_transfer_engine`` answers vLLM's 500); ``server_info``: whether it says so at
+  ``/server_info`` (False: 404, as a server without the endpoint).
 
 ``connections``: the connections it accepted; ``generate_calls``: the generate requests it got.
 Run as a script (``python vllm_server_fake.py [too_long|ok ...]``) it serves until killed, one server
@@ -44,6 +45,7 @@ class FakeVLLMServer(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         self.health, self.generate, self.generate_delay = "ok", "ok", 0.0
         self.weight_transfer: str | None = "gloo"
+        self.server_info = True
         self.max_model_len = 256
         self.connections = 0
         self.generate_calls = 0
@@ -98,7 +100,7 @@ class Handler(BaseHTTPRequestHandler):
             return self.answer(200, {"data": [{"id": "tiny", "max_model_len": self.server.max_model_len}]})
         if path == "/get_world_size":
             return self.answer(200, {"world_size": 1})
-        if path == "/server_info":
+        if path == "/server_info" and self.server.server_info:
             transfer = self.server.weight_transfer
             return self.answer(200, {"vllm_config": {"weight_transfer_config": transfer and {"backend": transfer}}})
         self.answer(404, {"detail": "Not Found"})
