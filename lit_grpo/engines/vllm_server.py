@@ -48,7 +48,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 from urllib.parse import urlparse
 
@@ -300,14 +299,11 @@ class WeightPush:
         self.forward(None)
         waiting_since = time.monotonic()
         while self.failure is None:
-            try:
-                self.sent.result(timeout=min(WATCH_INTERVAL, self.timeout / 4))
+            if wait([self.sent], timeout=min(WATCH_INTERVAL, self.timeout / 4)).done:
+                self.failure = self.sent.exception()  # None: sent
                 break
-            except FutureTimeout:
-                if time.monotonic() - waiting_since >= self.timeout:
-                    self._abandon("did not finish")
-            except Exception as error:  # noqa: BLE001 - the push's own failure
-                self.failure = error
+            if time.monotonic() - waiting_since >= self.timeout:
+                self._abandon("did not finish")
         return self.failure
 
     def _abandon(self, what: str) -> None:
