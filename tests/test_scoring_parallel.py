@@ -430,6 +430,14 @@ def test_in_process_rewards_off_the_main_thread_run_in_one_process_of_their_own(
     assert call(scorer, ["a"])[0, 0].item() == os.getpid()
 
 
+def test_first_party_rewards_that_use_no_signals_stay_in_the_scoring_thread(make_scorer):
+    scorer = make_scorer(RewardSpec("char_fraction", args={"chars": "a"}), RewardSpec("think_format"),
+                         RewardSpec("numeric_accuracy"), RewardSpec("math_accuracy"))
+    scores = call_in_a_thread(scorer, ["<think>a</think><answer>72</answer>"], {"answer": ["72"]})
+    assert scores[0, 2:].tolist() == [1.0, 1.0]
+    assert sorted(scorer._pools) == [2, 3]  # only the Math-Verify rewards got a process of their own
+
+
 def test_in_process_reward_errors_off_the_main_thread_follow_on_error(make_scorer):
     scorer = make_scorer(RewardSpec("fails_on_bad", on_error="zero"))
     assert call_in_a_thread(scorer, ["a", "bad", "c"]).tolist() == [[1.0], [0.0], [1.0]]

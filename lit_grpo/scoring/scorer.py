@@ -36,7 +36,8 @@ Where a reward runs (``model.rewards[i]`` keys ``num_workers`` and ``timeout``):
   the first start of a worker process starts multiprocessing's fork server once per trainer process
   (seconds: it imports the trainer's main module), and state the reward keeps lives in that
   process. A reward that declares itself thread-safe (``thread_safe = True`` on the function or
-  class, as ``reward_model``, which holds a model on the GPU) stays in the thread; so does one that
+  class: lit-grpo-rewards' that use no signals, and ``reward_model``, whose model stays on the
+  trainer's GPU) stays in the thread; so does one that
   cannot be pickled (a lambda, a closure), whose batch cannot be pickled, or that a worker cannot
   load, with a warning (once) saying why.
 * ``num_workers: N > 0``: called once per *sample* (every argument a list of length 1) in a pool of

@@ -155,3 +155,7 @@ def answer_match(
             continue
         scores.append(1.0 if _normalize(predicted, case_sensitive, normalize_whitespace) in refs else 0.0)
     return scores
+
+# Safe in any thread (no signals, no state shared between calls): lit-grpo's scorer keeps such a
+# reward in the asynchronous pipeline's scoring thread rather than in a worker process of its own.
+answer_match.thread_safe = True

@@ -296,3 +296,7 @@ def code_execution(
         return [score(i) for i in range(n)]
     with ThreadPoolExecutor(max_workers=min(int(num_workers), n), thread_name_prefix="code_execution") as pool:
         return list(pool.map(score, range(n)))
+
+# Safe in any thread (no signals, no state shared between calls): lit-grpo's scorer keeps such a
+# reward in the asynchronous pipeline's scoring thread rather than in a worker process of its own.
+code_execution.thread_safe = True

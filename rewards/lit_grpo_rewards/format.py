@@ -56,3 +56,7 @@ def think_format(
         ok = all(text.count(tag) == 1 for tag in tags) and pattern.fullmatch(text) is not None
         scores.append(1.0 if ok else 0.0)
     return scores
+
+# Safe in any thread (no signals, no state shared between calls): lit-grpo's scorer keeps such a
+# reward in the asynchronous pipeline's scoring thread rather than in a worker process of its own.
+think_format.thread_safe = True

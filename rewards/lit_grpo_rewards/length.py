@@ -156,3 +156,7 @@ def cosine_scaled_accuracy(
             low, high = values["max_value_wrong"], values["min_value_wrong"]
         scores.append(low + 0.5 * (high - low) * (1.0 + cosine))
     return scores
+
+# Safe in any thread (no signals, no state shared between calls): lit-grpo's scorer keeps such a
+# reward in the asynchronous pipeline's scoring thread rather than in a worker process of its own.
+soft_overlong_punishment.thread_safe = True

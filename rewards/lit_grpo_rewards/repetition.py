@@ -49,3 +49,7 @@ def repetition_penalty(completions, ngram_size: int = 3, max_penalty: float = -1
         scaling = 1.0 - len(set(ngrams)) / len(ngrams)
         scores.append(scaling * float(max_penalty) + 0.0)  # + 0.0 turns -0.0 into 0.0
     return scores
+
+# Safe in any thread (no signals, no state shared between calls): lit-grpo's scorer keeps such a
+# reward in the asynchronous pipeline's scoring thread rather than in a worker process of its own.
+repetition_penalty.thread_safe = True

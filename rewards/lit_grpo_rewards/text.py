@@ -162,3 +162,7 @@ def exact_match(completions, answer, answer_pattern: str | None = None, **kwargs
         predicted = text if tagged is None else tagged
         scores.append(1.0 if predicted.strip() == str(ref).strip() else 0.0)
     return scores
+
+# Safe in any thread (no signals, no state shared between calls): lit-grpo's scorer keeps such a
+# reward in the asynchronous pipeline's scoring thread rather than in a worker process of its own.
+char_fraction.thread_safe = exact_match.thread_safe = True
