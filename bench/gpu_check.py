@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import platform
 import re
@@ -600,6 +601,41 @@ def machine(device: str) -> dict:
     return facts
 
 
+def scoring_thread_devices(model_dir: Path, device: str, steps: int = 2) -> dict:
+    """Issue 49.13: a one-step-off run (``max_staleness: 1``, ``steps`` optimizer steps) on ``device``;
+    the devices of every tensor the asynchronous pipeline's scoring thread read or made (each batch's
+    rollout and rewards) and the threads it scored in. All on the CPU, also on CUDA: the thread never
+    waits for the trainer's stream (one copy per batch, made by the trainer)."""
+    import threading
+
+    import datasets
+    import lightning.pytorch as pl
+
+    from lit_grpo import GRPODataModule, GRPOModule
+
+    devices: set[str] = set()
+    threads: set[str] = set()
+    module = GRPOModule(str(model_dir), rewards=[{"name": "char_fraction"}], num_generations=4, max_completion_length=8,
+                        max_staleness=1, log_completions_every_n_steps=0)
+    score = module._score
+
+    def recording_score(scorer, batch, rollout, k, device=None):
+        completions, rewards = score(scorer, batch, rollout, k, device=device)
+        if threading.current_thread() is not threading.main_thread():
+            threads.add(threading.current_thread().name)
+            devices.update(str(value.device) for value in [*vars(rollout).values(), rewards] if isinstance(value, torch.Tensor))
+        return completions, rewards
+
+    module._score = recording_score
+    rows = [json.loads(line) for line in QUICKSTART_DATA.read_text().splitlines() if line.strip()][: 4 * (steps + 1)]
+    data = GRPODataModule.from_data(datasets.Dataset.from_list(rows), batch_size=2, seed=0)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-async-") as root:
+        trainer = pl.Trainer(max_steps=steps, accelerator=device, devices=1, default_root_dir=root, log_every_n_steps=1,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        trainer.fit(module, datamodule=data)
+    return {"devices": sorted(devices), "threads": sorted(threads), "cpu_only": devices == {"cpu"}}
+
+
 def device_name(facts: dict) -> str:
     """``cpu``, or the GPU's name as a file name (``nvidia_h100_80gb_hbm3``)."""
     return re.sub(r"[^a-z0-9]+", "_", facts["gpu"].lower()).strip("_") if "gpu" in facts else facts["device"]
@@ -832,6 +868,11 @@ def main(argv: list[str] | None = None) -> dict:
         report["fit"] = part("trainers", lambda: trainer_comparison(checkpoint, args.device, sizes, trainers, hardware))
         report["notes"] += [f"{label} failed: {last_line(error)}" for label, error in report["fit"]["failures"].items()]
         report["decode"] = part("decode", lambda: decode_rows(checkpoint, args.shapes, args.device, sizes, hardware))
+        if args.device == "cuda":  # on the CPU: tests/test_async_rollouts.py
+            report["async_scoring"] = part("async scoring", lambda: scoring_thread_devices(checkpoint, args.device))
+            if not report["async_scoring"]["cpu_only"]:
+                report["notes"].append(f"the asynchronous pipeline's scoring thread read tensors on "
+                                       f"{report['async_scoring']['devices']}, not only the CPU (issue 49.13)")
         if with_vllm:
             try:
                 vllm = part("vllm", lambda: vllm_rows(checkpoint, args.device, sizes, hardware))

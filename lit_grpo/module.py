@@ -408,8 +408,8 @@ class GRPOModule(pl.LightningModule):
             callbacks.append(ValidateBeforeTraining())
         if self.hparams.sync_ref_model:
             callbacks.append(ReferenceModelSync(self.hparams.ref_model_sync_steps, self.hparams.ref_model_mixup_alpha))
-        if self.hparams.generation_backend == "vllm_server":  # a server lost mid-run: a checkpoint, then a stop
-            callbacks.append(CheckpointWhenServerLost())
+        if self.hparams.generation_backend == "vllm_server" or self.rollout_pipeline is not None:
+            callbacks.append(CheckpointWhenServerLost())  # a server lost or a background job failed: a checkpoint, then a stop
         if self.rollout_pipeline is not None:
             callbacks.append(self.rollout_pipeline)
         return callbacks
@@ -634,15 +634,17 @@ class GRPOModule(pl.LightningModule):
         self.engine.sync_weights(self.policy, self.policy_version)  # nothing to do when it has them already
         return self.engine.generate(prompt_ids, prompt_mask, prompt_truncated, num_generations, config, self.tokenizer.pad_token_id)
 
-    def _score(self, scorer: RewardScorer, batch: PromptBatch, rollout: Rollout, k: int) -> tuple[list, torch.Tensor]:
-        """The completions as the rewards saw them and ``[B * k, K]`` rewards: ``scorer``'s, then the
+    def _score(self, scorer: RewardScorer, batch: PromptBatch, rollout: Rollout, k: int,
+               device: torch.device | None = None) -> tuple[list, torch.Tensor]:
+        """The completions as the rewards saw them and ``[B * k, K]`` rewards on ``device`` (default the
+        module's; the async pipeline's scoring thread keeps them on the CPU): ``scorer``'s, then the
         environments' (multi-turn rollouts)."""
         texts, completion_ids = decode_completions(self.tokenizer, rollout)
         completions, rewards_per_func = score_groups(scorer, batch.prompts, batch.columns, texts, completion_ids, k,
                                                      rollout.conversations)
         if self.tool_use is not None and self.tool_use.reward_names:
             rewards_per_func = torch.cat([rewards_per_func, self.tool_use.environment_rewards(rollout.conversations)], dim=1)
-        return completions, rewards_per_func.to(self.device)
+        return completions, rewards_per_func.to(device or self.device)
 
     def _reward_weights(self, scorer: RewardScorer) -> torch.Tensor:  # [K + environments]
         extra = self.tool_use.reward_weights if self.tool_use is not None else []

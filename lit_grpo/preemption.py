@@ -14,6 +14,8 @@ its own.
 - :class:`CheckpointOnSignal`: on SIGTERM, SIGINT or SIGUSR1 (configurable) the run finishes the
   training step in progress (its optimizer steps, its logging), checkpoints it and stops with
   :class:`StoppedBySignal`; ``--ckpt_path last`` then continues exactly as if it had never stopped.
+  The checkpoint waits a few seconds at most for the asynchronous pipeline's work in flight; a batch not
+  sampled or scored by then is sampled or scored after the resume.
 
 Several processes: a signal may reach one rank first (``kill`` to one process, Lightning's launcher
 forwarding it later). At the end of every training step the ranks all-reduce what they received, so
@@ -34,6 +36,7 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
+from contextlib import ExitStack
 from time import monotonic
 from typing import Any
 
@@ -46,6 +49,7 @@ from lit_grpo.errors import ConfigError
 
 __all__ = [
     "DEFAULT_CHECKPOINT_EVERY_N_MINUTES",
+    "DEFAULT_SIGNAL_WAIT_SECONDS",
     "DEFAULT_STOP_SIGNALS",
     "CheckpointEveryNMinutes",
     "CheckpointOnSignal",
@@ -56,6 +60,7 @@ __all__ = [
 
 DEFAULT_CHECKPOINT_EVERY_N_MINUTES = 30.0
 DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+DEFAULT_SIGNAL_WAIT_SECONDS = 5.0  # for work in flight (the asynchronous pipeline's), within a 30 s grace
 
 
 def last_checkpoint_keeper(trainer: pl.Trainer) -> ModelCheckpoint | None:
@@ -72,7 +77,10 @@ def save_checkpoint_now(trainer: pl.Trainer, keeper: ModelCheckpoint) -> str:
     (private, checked by tests/test_preemption.py): its ``last_model_path``, the step it saved last and
     its version counter stay consistent, so ``last.ckpt`` is never written as ``last-v1.ckpt``.
     """
-    if not keeper._should_skip_saving_checkpoint(trainer):  # not already saved at this step
+    # Not already saved at this step; or no checkpoint yet at step 0, where the steps of the asynchronous
+    # pipeline's fill (lit_grpo.async_rollouts) took and sampled batches without an optimizer step.
+    no_checkpoint_yet = trainer.global_step == 0 and not keeper.last_model_path and not trainer.sanity_checking
+    if not keeper._should_skip_saving_checkpoint(trainer) or no_checkpoint_yet:
         candidates = keeper._monitor_candidates(trainer)
         if keeper.monitor is None or keeper.monitor in candidates:
             keeper._save_topk_checkpoint(trainer, candidates)
@@ -159,9 +167,19 @@ class CheckpointOnSignal(Checkpoint):
     Handlers are set in ``on_train_start`` (a signal before then ends the run as without lit-grpo),
     from the main thread only, and put back when training ends. A signal during a validation is acted
     on at the end of the next training step. A second Ctrl-C stops at once (``KeyboardInterrupt``).
+
+    The checkpoint waits at most ``in_flight_wait_seconds`` for work in flight in the background (the
+    asynchronous pipeline's sampling and scoring, ``model.max_staleness``: a callback with a
+    ``checkpoint_waiting_at_most(seconds)`` context), so that it is written within the grace a cluster
+    or a spot VM gives before the kill (30 s for torchrun, SLURM and most clouds); what is not done by
+    then is saved as what is left to do, and done after the resume.
     """
 
-    def __init__(self, signals: Sequence[str] = DEFAULT_STOP_SIGNALS) -> None:
+    def __init__(self, signals: Sequence[str] = DEFAULT_STOP_SIGNALS,
+                 in_flight_wait_seconds: float = DEFAULT_SIGNAL_WAIT_SECONDS) -> None:
+        if not in_flight_wait_seconds >= 0:
+            raise ConfigError(f"CheckpointOnSignal(in_flight_wait_seconds={in_flight_wait_seconds}): must be at least 0 seconds")
+        self.in_flight_wait_seconds = in_flight_wait_seconds
         self.signals = [_signal_named(name) for name in signals]
         self._replaced: dict[signal.Signals, Any] = {}  # signal -> the handler it had before
         self._received: set[signal.Signals] = set()  # on this rank, not yet acted on
@@ -212,7 +230,12 @@ class CheckpointOnSignal(Checkpoint):
         if not self._stopping:
             return
         keeper = last_checkpoint_keeper(trainer)
-        checkpoint = save_checkpoint_now(trainer, keeper) if keeper is not None else None
+        with ExitStack() as bounded:  # work in flight: waited for at most in_flight_wait_seconds
+            for callback in trainer.callbacks:
+                waiting_at_most = getattr(callback, "checkpoint_waiting_at_most", None)
+                if callable(waiting_at_most):
+                    bounded.enter_context(waiting_at_most(self.in_flight_wait_seconds))
+            checkpoint = save_checkpoint_now(trainer, keeper) if keeper is not None else None
         self._stop = StoppedBySignal(self._stopping[0].name, trainer.global_step, checkpoint, announce=trainer.is_global_zero)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:

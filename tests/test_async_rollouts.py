@@ -8,7 +8,11 @@ is logged, and a run killed with SIGKILL and resumed with `--ckpt_path last` tra
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
+import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +22,8 @@ import yaml
 from test_distributed import STRATEGIES, run_dir, run_worker  # noqa: F401  (run_dir is a fixture)
 from test_resume import PROMPTS, REPO, checkpoint_at, fit_config, killed_during_step_after, lit_grpo_fit, logged_scalars
 
-from lit_grpo.async_rollouts import check_async_settings
+from lit_grpo.async_rollouts import InFlight, RolloutPipeline, check_async_settings
+from lit_grpo.data import PromptBatch
 from lit_grpo.errors import ConfigError
 
 
@@ -207,3 +212,215 @@ def test_settings_async_grpo_cannot_run_with_fail_naming_the_key(settings, messa
     with pytest.raises(ConfigError) as error:
         check_async_settings(hp)
     assert message in str(error.value)
+
+
+def pipeline_holding(*prompts: str) -> RolloutPipeline:
+    """A one-step-off pipeline with one batch of ``prompts`` in flight, not sampled yet."""
+    pipeline = RolloutPipeline(max_staleness=1, optimizer_steps_per_batch=1)
+    pipeline.in_flight.append(InFlight(PromptBatch(list(prompts), {"target": ["x"] * len(prompts)}), {"generate": 0.0}))
+    return pipeline
+
+
+def test_a_checkpoint_before_the_first_step_after_a_resume_keeps_the_restored_batches():
+    """The restored batches are shared out at the first training step; a checkpoint written before it
+    (a server lost during the sanity validation) holds them still, not an empty pipeline."""
+    state = pipeline_holding("Say a:", "Say b:").state_dict()
+    assert [batch["prompts"] for batch in state["per_rank"][0]] == [["Say a:", "Say b:"]]
+    resumed = RolloutPipeline(max_staleness=1, optimizer_steps_per_batch=1)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+
+
+def save_pipeline_state_on_rank(rank: int, init_file: str, out_dir: str) -> None:
+    """One of two gloo processes: a batch of this rank's own prompts in flight, then a checkpoint's state."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.save(pipeline_holding(f"Say {rank}:").state_dict(), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_checkpoint_gathers_every_ranks_batches_in_flight_to_the_writer_only(tmp_path):
+    """Rank 0 writes the checkpoint: it holds both ranks' batches, each under its rank; rank 1 holds
+    none of rank 0's (a gather to the writer, not an all-gather to every rank)."""
+    torch.multiprocessing.spawn(save_pipeline_state_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    writer = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    assert [[batch["prompts"] for batch in batches] for batches in writer["per_rank"]] == [[["Say 0:"]], [["Say 1:"]]]
+    assert torch.load(tmp_path / "rank1.pt", weights_only=True)["per_rank"] is None
+
+
+def test_a_reward_that_raises_in_the_background_on_one_rank_stops_both_ranks_with_a_checkpoint(tiny_model_dir, tmp_path):
+    """2 processes (gloo DDP), k = 1: rank 1's reward raises, in the background, on the batch sampled
+    while the pipeline fills. Both ranks stop at the next step, where they agree on it (no rank left
+    waiting in a collective), each with one line naming the rank and the error; the checkpoint holds
+    the batch (its prompts and completions), to score again after the resume."""
+    reward_file = tmp_path / "flaky_reward.py"
+    reward_file.write_text(textwrap.dedent("""
+        import os
+
+        def broken_on_rank_1(completions, **kwargs):
+            if os.environ["RANK"] == "1":
+                raise ValueError("rank 1's reward broke")
+            return [float(len(text) % 3) for text in completions]
+    """))
+    config = async_config(tiny_model_dir, tmp_path, max_staleness=1)
+    config["trainer"].update(devices=2, strategy="ddp")
+    config["model"]["rewards"] = [{"name": f"{reward_file}:broken_on_rank_1"}]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "lit_grpo.cli", "fit", "--config", str(tmp_path / "config.yaml")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    stopped = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)  # a hang fails here
+    assert stopped.returncode != 0
+    # one message per rank (the reward's error spans lines: its frames, then what to set)
+    errors = [message for message in stopped.stderr.split("\nerror: ")[1:]]
+    assert len(errors) == 2, stopped.stderr[-5000:]
+    for message in errors:
+        assert message.startswith("the background job of the asynchronous pipeline (model.max_staleness) failed on "
+                                  "rank 1: RewardError: "), message
+        assert "rank 1's reward broke" in message and "; checkpoint: " in message and "--ckpt_path last" in message
+    saved = checkpoint_at(tmp_path)
+    assert saved["global_step"] == 0  # stopped in the first step after the fill, before its optimizer step
+    (rank_0_batch,), (rank_1_batch,) = saved["callbacks"]["RolloutPipeline"]["per_rank"]
+    assert rank_0_batch["rewards_per_func"] is not None  # scored: trained after the resume
+    assert len(rank_1_batch["prompts"]) == 2 and rank_1_batch["rewards_per_func"] is None  # failed: scored again
+    assert rank_1_batch["rollout"]["completion_ids"].size(0) == 2 * 4
+
+
+SIGNAL_HELPERS = '''
+import os
+import signal
+
+from lightning.pytorch.callbacks import Callback
+
+
+class SigtermAtFirstBatch(Callback):
+    """SIGTERM to this process as the first training step starts: one that only fills the pipeline."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+'''
+
+
+SLOW_REWARD = '''
+import json
+import time
+from pathlib import Path
+
+CHECKPOINT = Path("runs/resume/version_0/checkpoints/last.ckpt")
+BATCHES = Path("batches.json")  # the batches scored, in order (the reward may run in a process of its own)
+
+
+def slow_second_batch(prompts, completions, **kwargs):
+    """The second batch ever scored is held until a checkpoint is written (or 30 s), once."""
+    batches = json.loads(BATCHES.read_text()) if BATCHES.exists() else []
+    batch = sorted(set(prompts))
+    if batch not in batches:
+        batches.append(batch)
+        BATCHES.write_text(json.dumps(batches))
+    if batches.index(batch) == 1 and not Path("slow.json").exists():
+        start, started_at = time.monotonic(), time.time()
+        while not (CHECKPOINT.exists() and CHECKPOINT.stat().st_mtime > started_at) and time.monotonic() - start < 30:
+            time.sleep(0.05)
+        Path("slow.json").write_text(json.dumps({"waited": time.monotonic() - start}))
+    return [float(len(text) % 3) for text in completions]
+'''
+
+
+def test_signals_while_the_pipeline_fills_and_while_a_slow_reward_scores_checkpoint_at_once(tiny_model_dir, tmp_path,
+                                                                                              monkeypatch):
+    """k = 1, three runs of one training directory. 1: SIGTERM in the first step, which only fills the
+    pipeline (samples a batch, takes no optimizer step): the run stops with the path of a checkpoint
+    that exists (step 0, the batch in flight). 2: resumed, with a reward that holds the second batch
+    until a checkpoint is written, SIGTERM in the step that trains the first: the signal's checkpoint
+    waits 1 s (``in_flight_wait_seconds``) for the scoring, then saves the sampled batch unscored. 3:
+    resumed, it scores that batch and trains it."""
+    (tmp_path / "signal_helpers.py").write_text(SIGNAL_HELPERS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    reward_file = tmp_path / "slow_reward.py"
+    reward_file.write_text(SLOW_REWARD)
+    config = async_config(tiny_model_dir, tmp_path, max_staleness=1)
+    config["trainer"]["max_steps"] = 2
+    config["model"]["rewards"] = [{"name": f"{reward_file}:slow_second_batch"}]
+    config["trainer"]["callbacks"] = [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",  # last.ckpt only on the signals
+         "init_args": {"every_n_train_steps": 100, "save_last": True, "save_top_k": 0}},
+        {"class_path": "lit_grpo.preemption.CheckpointOnSignal", "init_args": {"in_flight_wait_seconds": 1.0}},
+    ]
+
+    def with_callback(callback: dict) -> dict:
+        return {**config, "trainer": {**config["trainer"], "callbacks": [*config["trainer"]["callbacks"], callback]}}
+
+    directory = tmp_path / "run"
+    directory.mkdir()
+    stopped = lit_grpo_fit(directory, with_callback({"class_path": "signal_helpers.SigtermAtFirstBatch"}))
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-5000:]
+    line = next(line for line in stopped.stderr.splitlines() if line.startswith("stopped by SIGTERM"))
+    path = line.split("checkpoint: ")[1].split(";")[0]
+    assert path.endswith("last.ckpt") and (directory / path).is_file(), line
+    saved = checkpoint_at(directory)
+    assert saved["global_step"] == 0
+    (first,) = saved["callbacks"]["RolloutPipeline"]["per_rank"][0]
+
+    stopped = lit_grpo_fit(directory, with_callback({"class_path": "resume_helpers.SignalDuringStep",
+                                                     "init_args": {"signal_name": "SIGTERM", "after_step": 0}}),
+                           "--ckpt_path", "last")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-5000:]
+    # the reward started on the second batch while the first trained; the checkpoint came 1 s after that
+    # step, not after the reward (measured: about 3 s on a busy 2-core machine; 30 without the bound)
+    assert json.loads((directory / "slow.json").read_text())["waited"] < 10
+    saved = checkpoint_at(directory)
+    assert saved["global_step"] == 1
+    (second,) = saved["callbacks"]["RolloutPipeline"]["per_rank"][0]
+    assert second["rollout"] is not None and second["rewards_per_func"] is None  # sampled, not scored
+
+    resumed = lit_grpo_fit(directory, config, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert sorted(logged_scalars(directory / "runs/resume/version_0")["reward"]) == [1, 2]
+    assert trained_prompts(directory) == [prompt for batch in (first, second) for prompt in batch["prompts"] for _ in range(4)]
+
+
+ERRORS_REWARD = '''
+import json
+from pathlib import Path
+
+BATCHES = Path("batches.txt")  # (the reward may run in a process of its own)
+FAILING = Path("failing.json")
+
+
+def fails_on_the_second_batch(prompts, completions, **kwargs):
+    """Raises on every sample of the second batch scored (called with the batch, then each sample)."""
+    if len(completions) > 1:
+        with BATCHES.open("a") as batches:
+            batches.write("batch\\n")
+        if len(BATCHES.read_text().splitlines()) == 2:
+            FAILING.write_text(json.dumps(sorted(set(prompts))))
+    if FAILING.exists() and set(prompts) <= set(json.loads(FAILING.read_text())):
+        raise ValueError("the second batch")
+    return [float(len(text) % 3) for text in completions]
+'''
+
+
+def test_reward_errors_are_logged_at_the_step_that_trains_the_batch(tiny_model_dir, tmp_path):
+    """k = 1: the second batch's 2 x 4 samples fail (``on_error: zero``); it is scored during step 1
+    (which trains the first) and trained at step 2, where ``rewards/<name>/errors`` counts them."""
+    reward_file = tmp_path / "errors_reward.py"
+    reward_file.write_text(ERRORS_REWARD)
+    config = async_config(tiny_model_dir, tmp_path, max_staleness=1)
+    config["trainer"]["max_steps"] = 2
+    config["model"]["rewards"] = [{"name": f"{reward_file}:fails_on_the_second_batch", "on_error": "zero"}]
+    logged = run(tmp_path / "run", config)
+    (tag,) = [tag for tag in logged if tag.startswith("rewards/") and tag.endswith("/errors")]
+    assert logged[tag] == {1: 0.0, 2: 8.0}
+
+
+def test_the_scoring_thread_reads_and_makes_only_cpu_tensors(tiny_model_dir):
+    """Issue 49.13's guard (bench/gpu_check.py runs the same on CUDA): every rollout the background
+    thread scores, and the rewards it makes, are on the CPU, so that the thread never syncs with the
+    trainer's device."""
+    from bench.gpu_check import scoring_thread_devices
+
+    seen = scoring_thread_devices(tiny_model_dir, "cpu", steps=2)
+    assert seen["devices"] == ["cpu"]
+    assert seen["threads"] and all(name.startswith("lit-grpo-scoring") for name in seen["threads"])

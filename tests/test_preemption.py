@@ -171,7 +171,7 @@ def _environment(variables: dict[str, str]):
                 os.environ[name] = value
 
 
-def test_an_unknown_or_uncatchable_signal_is_one_error_line():
+def test_an_unknown_or_uncatchable_signal_or_a_negative_wait_is_one_error_line():
     from lit_grpo.preemption import CheckpointOnSignal
 
     assert [s.name for s in CheckpointOnSignal(["term", "SIGUSR2"]).signals] == ["SIGTERM", "SIGUSR2"]
@@ -179,6 +179,8 @@ def test_an_unknown_or_uncatchable_signal_is_one_error_line():
         CheckpointOnSignal(["SIGKILL"])
     with pytest.raises(ConfigError, match="'SIGFOO' is not a signal"):
         CheckpointOnSignal(["SIGFOO"])
+    with pytest.raises(ConfigError, match=r"^CheckpointOnSignal\(in_flight_wait_seconds=-1\): must be at least 0 seconds"):
+        CheckpointOnSignal(in_flight_wait_seconds=-1)
 
 
 # ----------------------------------------------------------------------------------------------
