@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import pickle
+import subprocess
 import sys
 import threading
 import time
@@ -108,6 +109,12 @@ def test_pool_scores_samples_in_parallel(make_scorer):
     assert out[:, 0].tolist() == [float(i + 1) for i in range(8)]
     assert elapsed < 0.6 * serial, f"{elapsed:.2f} s for 8 samples on 4 workers; serial takes {serial:.2f} s"
     assert scorer.last_error_counts == {"slow_len": 0}
+
+
+def test_a_worker_process_imports_no_torch():
+    """A worker imports lit_grpo.scoring.pool: the package's __init__ must not import the scorer (torch)."""
+    code = "import sys, lit_grpo.scoring.pool; print(sorted({'torch', 'lit_grpo.scoring.scorer'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 
 def test_pool_workers_are_kept_between_calls_and_restart_after_close(make_scorer):

@@ -1,7 +1,9 @@
-"""Worker processes for rewards configured with ``num_workers > 0`` (used by :mod:`lit_grpo.scoring`).
+"""Worker processes for rewards configured with ``num_workers > 0``, and for in-process rewards
+scored off the main thread (a process of one each; used by :mod:`lit_grpo.scoring`).
 
-Standard-library only on purpose (and :mod:`lit_grpo.scoring.failures`, which is too): a worker
-process imports this module, and a pool worker should start in milliseconds, not re-import torch.
+Standard-library only on purpose (and :mod:`lit_grpo.scoring.failures`, which is too; the package's
+``__init__`` imports the rest on first use): a worker process imports this module, and a pool worker
+should start in milliseconds, not re-import torch.
 
 Why not ``concurrent.futures.ProcessPoolExecutor`` or ``multiprocessing.Pool``? Neither can stop one
 running task: a sample that hangs would hold its worker forever, and a worker that dies takes every
