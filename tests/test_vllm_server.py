@@ -429,7 +429,7 @@ def test_a_slow_server_is_not_lost_a_silent_one_or_one_that_refuses_is(fake, cap
     /health, is waited for; a server silent on /health while requests are out, or refusing connections,
     is lost after the timeout (said once, retried meanwhile)."""
     engine = VLLMServerEngine([fake.url], timeout=1)
-    fake.generate_delay = 2.5
+    fake.generate_delay = 1.5  # longer than the timeout
     slow = server_sample(engine, [[5, 6]], 2, max_tokens=3)
     assert slow.completion_ids == [COMPLETION, COMPLETION] and fake.generate_calls == 1
 
