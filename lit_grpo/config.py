@@ -19,7 +19,7 @@ from __future__ import annotations
 from jsonargparse.typing import register_type
 
 from lit_grpo import algorithm
-from lit_grpo.sampling_correction import SAMPLING_CORRECTION_SETTINGS
+from lit_grpo.sampling_correction import SAMPLING_CORRECTION_SETTINGS, correction_settings
 from lit_grpo.errors import ConfigError
 
 __all__ = ["AsWritten", "check_batch_sizes", "check_reference_sync", "check_settings"]
@@ -136,7 +136,12 @@ def check_vllm_settings(hp) -> None:
             f"model.vllm_importance_sampling_mode must be one of {SAMPLING_CORRECTION_SETTINGS}, "
             f"got {hp.vllm_importance_sampling_mode!r}"
         )
-    low, high = hp.vllm_importance_sampling_clip_min, hp.vllm_importance_sampling_clip_max
+    resolved = correction_settings(hp.vllm_importance_sampling_mode, hp.vllm_importance_sampling_clip_min,
+                                   hp.vllm_importance_sampling_clip_max, hp.max_staleness)
+    for key, value in (("_clip_min", resolved.clip_min), ("_clip_max", resolved.clip_max)):
+        if value is not None and not isinstance(value, (int, float)):
+            raise ConfigError(f"model.vllm_importance_sampling{key} must be a number, null or auto, got {value!r}")
+    low, high = resolved.clip_min, resolved.clip_max
     if low is not None and high is not None and not 0 <= low < high:
         raise ConfigError(
             f"model.vllm_importance_sampling_clip_min ({low}) and _clip_max ({high}) must satisfy 0 <= min < max"

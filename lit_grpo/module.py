@@ -72,7 +72,7 @@ from lit_grpo.rollout import (
 )
 from lit_grpo.python_objects import storable
 from lit_grpo.runs import run_directory
-from lit_grpo.sampling_correction import correction_mode
+from lit_grpo.sampling_correction import correction_settings
 from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
 
 __all__ = ["GRPOModule"]
@@ -160,9 +160,9 @@ class GRPOModule(pl.LightningModule):
         vllm_importance_sampling_correction: reweight the engine's samples by trainer / engine probability,
             ``vllm_importance_sampling_mode`` (``token|sequence`` x ``truncate|mask``) within
             [``vllm_importance_sampling_clip_min``, ``vllm_importance_sampling_clip_max``] (TRL 1.16); with
-            ``max_staleness > 0`` it also corrects for the staleness, and cannot be off. Mode ``auto``:
-            ``sequence_mask`` (TRL's), with ``max_staleness > 0`` ``token_mask`` (decoupled PPO,
-            ``lit_grpo.sampling_correction``).
+            ``max_staleness > 0`` it also corrects for the staleness, and cannot be off. ``auto``: TRL's
+            ``sequence_mask`` in [None, 3]; with ``max_staleness > 0`` decoupled PPO's per-token weights,
+            ``token_mask`` in [0.125, 8] (``lit_grpo.sampling_correction``).
         chat_template_kwargs: ``apply_chat_template`` arguments (``lit-grpo fit``: ``data.chat_template_kwargs``).
         tools: functions the policy may call, ``package.module:function`` or ``file.py:function``: multi-turn
             rollouts (``lit_grpo.multi_turn``); with ``environment``: ``{name, args, weight}`` (or a list of
@@ -240,8 +240,8 @@ class GRPOModule(pl.LightningModule):
         vllm_server_timeout: float = 300.0,
         vllm_importance_sampling_correction: bool = True,
         vllm_importance_sampling_mode: str = "auto",
-        vllm_importance_sampling_clip_min: float | None = None,
-        vllm_importance_sampling_clip_max: float | None = 3.0,
+        vllm_importance_sampling_clip_min: float | Literal["auto"] | None = "auto",
+        vllm_importance_sampling_clip_max: float | Literal["auto"] | None = "auto",
         chat_template_kwargs: dict[str, AsWritten] | None = None,
         tools: list[str] | None = None,
         environment: AsWritten | None = None,
@@ -271,7 +271,11 @@ class GRPOModule(pl.LightningModule):
         self.automatic_optimization = False
         check_settings(self.hparams, GENERATION_BACKENDS)
         # "auto": the correction of this run's staleness, in the hparams the loss reads (lit_grpo.logprobs)
-        self.hparams.vllm_importance_sampling_mode = correction_mode(vllm_importance_sampling_mode, max_staleness)
+        correction = correction_settings(vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
+                                         vllm_importance_sampling_clip_max, max_staleness)
+        self.hparams.update(vllm_importance_sampling_mode=correction.mode,
+                            vllm_importance_sampling_clip_min=correction.clip_min,
+                            vllm_importance_sampling_clip_max=correction.clip_max)
         if lora is not None:
             models.lora_config(lora)  # a bad model.lora fails before any model is loaded
             # The module's state dict, so every checkpoint (FSDP2's sharded ones too), holds only the

@@ -17,46 +17,71 @@ Two reasons the policy that sampled (the *behaviour* policy) is not the one trai
   computed per token and left out of the loss above a cap: AReaL's ``ppo_actor_loss_fn``
   (``areal/utils/functional.py``: ``behav_imp_weight``, tokens above ``behav_imp_weight_cap`` masked)
   and prime-rl's token mask (``src/prime_rl/trainer/rl/loss.py``, ``compute_loss``: tokens whose
-  ratio is outside ``[mask_ratio_low, mask_ratio_high]`` leave the loss). That is ``token_mask`` here
-  with ``trainer_logps`` the proximal policy's, the default with ``max_staleness > 0``
-  (:func:`correction_mode`).
+  ratio is outside ``[mask_ratio_low, mask_ratio_high]``, default ``[0.125, 8]``, leave the loss).
+  That is ``token_mask`` here with ``trainer_logps`` the proximal policy's; with ``max_staleness >
+  0`` the default, with prime-rl's bounds (:func:`correction_settings`).
 
-Why per token under staleness: one weight per sequence is the product of its tokens' ratios, which
-after an optimizer step is far from 1 for most sequences (16 tokens at 0.1 nat each: e^1.6 = 5).
-``sequence_mask`` (TRL's default against the engine mismatch) then zeroes the sequences the last
-update made more likely (ratio above the cap: the ones it reinforced) and keeps, with weights near 0,
-the ones it made less likely: one-sided, and most of the batch's signal lost.
+Why per token under staleness: one weight per sequence is the product of its tokens' ratios, far
+from 1 once the weights have moved. ``sequence_mask`` (TRL's default against the engine mismatch)
+then zeroes the sequences the last update made more likely (the ones it reinforced) and keeps, at
+weights near 0, the ones it made less likely: one-sided, and most of the batch's signal lost (on the
+quickstart at ``max_staleness: 1`` it stalled on the 0.25 plateau the synchronous run leaves after
+about 150 steps: ``bench/results/staleness.md``).
+
+With one optimizer step per batch the clipped ratio against the proximal policy is 1 (the trainer's
+weights have not moved yet), so the clip bounds nothing and a stale batch pushes on tokens the step
+before already moved: keep the learning rate lower than a synchronous run's (docs/configuration.md,
+"Asynchronous GRPO").
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
+    "AUTO",
     "SAMPLING_CORRECTION_MODES",
     "SAMPLING_CORRECTION_SETTINGS",
+    "CorrectionSettings",
     "SamplingCorrection",
-    "correction_mode",
+    "correction_settings",
     "sampling_correction",
 ]
 
 SAMPLING_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-# what ``model.vllm_importance_sampling_mode`` may say: a mode, or "auto" (:func:`correction_mode`)
-SAMPLING_CORRECTION_SETTINGS = ("auto", *SAMPLING_CORRECTION_MODES)
-ENGINE_MISMATCH_MODE = "sequence_mask"  # TRL 1.16's default, for synchronous runs
-STALENESS_MODE = "token_mask"  # decoupled PPO's per-token behaviour weight, masked above the cap
+AUTO = "auto"
+# what ``model.vllm_importance_sampling_mode`` may say: a mode, or "auto" (:func:`correction_settings`)
+SAMPLING_CORRECTION_SETTINGS = (AUTO, *SAMPLING_CORRECTION_MODES)
 
 
-def correction_mode(setting: str, max_staleness: int) -> str:
-    """The correction mode of ``model.vllm_importance_sampling_mode``: as written, or for ``"auto"``
-    TRL's ``sequence_mask`` in a synchronous run (the engine mismatch only: ratios near 1) and the
-    decoupled correction ``token_mask`` with ``max_staleness > 0`` (see the module doc)."""
-    if setting != "auto":
-        return setting
-    return STALENESS_MODE if max_staleness > 0 else ENGINE_MISMATCH_MODE
+class CorrectionSettings(NamedTuple):
+    """A correction's mode and the range ``[clip_min, clip_max]`` its weights are kept in (None: unbounded)."""
+
+    mode: str
+    clip_min: float | None
+    clip_max: float | None
+
+
+# TRL 1.16's defaults against the engine mismatch alone (weights near 1): one weight per sequence, 0 above 3
+ENGINE_MISMATCH = CorrectionSettings("sequence_mask", None, 3.0)
+# With staleness: per token, tokens outside [1/8, 8] leave the loss (prime-rl's mask_ratio_low / _high)
+STALENESS = CorrectionSettings("token_mask", 0.125, 8.0)
+
+
+def correction_settings(mode: str, clip_min, clip_max, max_staleness: int) -> CorrectionSettings:
+    """The correction of ``model.vllm_importance_sampling_mode`` / ``_clip_min`` / ``_clip_max``: each as
+    written, or where it says ``"auto"`` :data:`ENGINE_MISMATCH`'s in a synchronous run and
+    :data:`STALENESS`'s with ``max_staleness > 0`` (see the module doc)."""
+    default = STALENESS if max_staleness > 0 else ENGINE_MISMATCH
+    return CorrectionSettings(
+        mode=default.mode if mode == AUTO else mode,
+        clip_min=default.clip_min if clip_min == AUTO else clip_min,
+        clip_max=default.clip_max if clip_max == AUTO else clip_max,
+    )
 
 
 @dataclass

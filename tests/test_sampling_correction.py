@@ -12,7 +12,7 @@ import torch
 from lit_grpo.algorithm import grpo_loss
 from lit_grpo.async_rollouts import check_async_settings
 from lit_grpo.errors import ConfigError
-from lit_grpo.sampling_correction import correction_mode, sampling_correction
+from lit_grpo.sampling_correction import correction_settings, sampling_correction
 
 TRAINER = torch.log(torch.tensor([[0.5, 0.5, 0.25], [0.25, 0.5, 0.5]]))
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
@@ -116,24 +116,31 @@ def test_the_step_reweights_an_engines_samples_and_logs_how_far_it_is(tiny_model
 # ------------------------------------------------------------------------------------------------
 
 
+def staleness_correction(prox, behav, mask):
+    """The correction a run with ``max_staleness: 1`` applies by default."""
+    settings = correction_settings("auto", "auto", "auto", max_staleness=1)
+    return sampling_correction(prox, behav, mask, settings.mode, settings.clip_min, settings.clip_max)
+
+
 def test_decoupled_ppo_weighs_the_clipped_proximal_ratio_by_the_masked_behaviour_weight():
     """Three policies, probabilities chosen by hand (AReaL's decoupled PPO): pi_behav sampled,
     pi_prox is the trainer's at the start of the batch's update (``old_logps``), pi_theta is trained.
-    Loss per token: -min(r A, clip(r, 0.8, 1.2) A) * w, r = theta / prox, w = prox / behav (0 above 3)."""
-    behav = torch.log(torch.tensor([[0.5, 0.1], [0.5, 0.5]]))
-    prox = torch.log(torch.tensor([[0.25, 0.5], [0.5, 0.25]]))
-    theta = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.5]])).requires_grad_(True)
+    Loss per token: -min(r A, clip(r, 0.8, 1.2) A) * w, r = theta / prox, w = prox / behav, 0 outside
+    [1/8, 8] (prime-rl's token mask)."""
+    behav = torch.log(torch.tensor([[0.5, 0.05], [0.5, 0.5]]))
+    prox = torch.log(torch.tensor([[0.25, 0.5], [0.05, 0.25]]))
+    theta = torch.log(torch.tensor([[0.5, 0.5], [0.025, 0.5]])).requires_grad_(True)
     mask = torch.ones(2, 2, dtype=torch.long)
     advantages = torch.tensor([1.0, -1.0])
-    correction = sampling_correction(prox, behav, mask, correction_mode("auto", max_staleness=1), clip_max=3.0)
-    close(correction.ratio, [[0.5, 5.0], [1.0, 0.5]])  # w = prox / behav
-    close(correction.weights, [[0.5, 0.0], [1.0, 0.5]])  # 5 > 3: the token leaves the loss
-    assert correction.changed.tolist() == [[False, True], [False, False]]
+    correction = staleness_correction(prox, behav, mask)
+    close(correction.ratio, [[0.5, 10.0], [0.1, 0.5]])  # w = prox / behav
+    close(correction.weights, [[0.5, 0.0], [0.0, 0.5]])  # 10 > 8 and 0.1 < 1/8 leave the loss
+    assert correction.changed.tolist() == [[False, True], [True, False]]
     out = grpo_loss(theta, prox, advantages, mask, loss_type="dapo", max_completion_length=2,
                     sampling_weights=correction.weights)
     # r = [[2, 1], [.5, 2]]; row 0 (A = 1): -min(2, 1.2) * .5 = -.6, -1 * 0 = 0;
-    # row 1 (A = -1): -min(-.5, -.8) * 1 = .8, -min(-2, -1.2) * .5 = 1; dapo: sum over the 4 tokens / 4
-    close(out.loss, (-0.6 + 0.0 + 0.8 + 1.0) / 4)
+    # row 1 (A = -1): -min(-.5, -.8) * 0 = 0, -min(-2, -1.2) * .5 = 1; dapo: sum over the 4 tokens / 4
+    close(out.loss, (-0.6 + 0.0 + 0.0 + 1.0) / 4)
     out.loss.backward()
     # only row 1's second token is unclipped and kept: d/dlogp (-A r w) / 4 = 1 * 2 * .5 / 4
     close(theta.grad, [[0.0, 0.0], [0.0, 0.25]])
@@ -147,22 +154,29 @@ def test_the_staleness_default_keeps_the_tokens_a_sequence_weight_would_drop():
     prox = torch.zeros(2, 8)
     behav = torch.tensor([[-0.2] * 8, [0.2] * 8])
     mask = torch.ones(2, 8, dtype=torch.long)
-    sequence = sampling_correction(prox, behav, mask, correction_mode("auto", max_staleness=0), clip_max=3.0)
+    synchronous = correction_settings("auto", "auto", "auto", max_staleness=0)
+    sequence = sampling_correction(prox, behav, mask, synchronous.mode, synchronous.clip_min, synchronous.clip_max)
     close(sequence.weights, [[0.0], [math.exp(-1.6)]])
-    token = sampling_correction(prox, behav, mask, correction_mode("auto", max_staleness=1), clip_max=3.0)
+    token = staleness_correction(prox, behav, mask)
     close(token.weights, [[math.exp(0.2)] * 8, [math.exp(-0.2)] * 8])
     assert not token.changed.any()
 
 
-def test_auto_mode_is_trls_synchronously_and_the_token_mask_with_staleness(tiny_model_dir):
+def test_auto_is_trls_correction_synchronously_and_the_token_mask_with_staleness(tiny_model_dir):
     from test_module import make_module
 
-    assert correction_mode("auto", 0) == "sequence_mask"
-    assert correction_mode("auto", 2) == "token_mask"
-    assert correction_mode("sequence_truncate", 1) == "sequence_truncate"  # as written
+    assert correction_settings("auto", "auto", "auto", 0) == ("sequence_mask", None, 3.0)
+    assert correction_settings("auto", "auto", "auto", 2) == ("token_mask", 0.125, 8.0)
+    assert correction_settings("sequence_truncate", None, 4.0, 1) == ("sequence_truncate", None, 4.0)  # as written
     # the loss reads the module's hparams: "auto" is resolved there
-    assert make_module(tiny_model_dir).hparams.vllm_importance_sampling_mode == "sequence_mask"
-    assert make_module(tiny_model_dir, max_staleness=1).hparams.vllm_importance_sampling_mode == "token_mask"
+    hp = make_module(tiny_model_dir).hparams
+    assert (hp.vllm_importance_sampling_mode, hp.vllm_importance_sampling_clip_min, hp.vllm_importance_sampling_clip_max) \
+        == ("sequence_mask", None, 3.0)
+    hp = make_module(tiny_model_dir, max_staleness=1, vllm_importance_sampling_clip_max=5.0).hparams
+    assert (hp.vllm_importance_sampling_mode, hp.vllm_importance_sampling_clip_min, hp.vllm_importance_sampling_clip_max) \
+        == ("token_mask", 0.125, 5.0)
+    with pytest.raises(ConfigError, match="_clip_min .* and _clip_max"):
+        make_module(tiny_model_dir, max_staleness=1, vllm_importance_sampling_clip_max=0.1)
 
 
 def test_staleness_without_the_correction_is_refused_naming_both_keys():
