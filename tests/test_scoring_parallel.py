@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 import types
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -442,7 +441,7 @@ def test_first_party_rewards_that_use_no_signals_stay_in_the_scoring_thread(make
                          RewardSpec("numeric_accuracy"), RewardSpec("math_accuracy"))
     scores = call_in_a_thread(scorer, ["<think>a</think><answer>72</answer>"], {"answer": ["72"]})
     assert scores[0, 2:].tolist() == [1.0, 1.0]
-    assert sorted(scorer._pools) == [2, 3]  # only the Math-Verify rewards got a process of their own
+    assert sorted(scorer._own_processes.pools) == [2, 3]  # only the Math-Verify rewards got a process of their own
 
 
 def test_in_process_reward_errors_off_the_main_thread_follow_on_error(make_scorer):

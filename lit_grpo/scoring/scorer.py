@@ -27,19 +27,8 @@ Where a reward runs (``model.rewards[i]`` keys ``num_workers`` and ``timeout``):
 
 * ``num_workers: 0`` (default), synchronous reward: called once per batch in the training
   process. Right for fast pure functions: no pickling, no process hop. Called off the main thread
-  (the asynchronous pipeline scores in a thread, ``model.max_staleness > 0``), it runs in a worker
-  process of its own instead (one per reward, started on first use and kept), still once per batch,
-  so that it behaves as in the main thread: signal-based timeouts (``signal.alarm``: Math-Verify's
-  ``parse`` and ``verify``, lit-grpo's math rewards' ``timeout_seconds``) work there, and raise or
-  are lost in a thread. The cost: the batch's arguments and the rewards' values are pickled across
-  (measured: 2 ms on top of 11 ms for ``numeric_accuracy`` on 128 GSM8K completions, 2 busy cores),
-  the first start of a worker process starts multiprocessing's fork server once per trainer process
-  (seconds: it imports the trainer's main module), and state the reward keeps lives in that
-  process. A reward that declares itself thread-safe (``thread_safe = True`` on the function or
-  class: lit-grpo-rewards' that use no signals, and ``reward_model``, whose model stays on the
-  trainer's GPU) stays in the thread; so does one that
-  cannot be pickled (a lambda, a closure), whose batch cannot be pickled, or that a worker cannot
-  load, with a warning (once) saying why.
+  (the asynchronous pipeline scores in a thread), in a worker process of its own instead, so that
+  signal-based timeouts work as in the main thread (:mod:`lit_grpo.scoring.own_process`).
 * ``num_workers: N > 0``: called once per *sample* (every argument a list of length 1) in a pool of
   N worker processes that the scorer owns and keeps between steps, so a slow CPU-bound reward uses
   N cores. The reward object must pickle (module-level functions and classes do, lambdas and
@@ -81,8 +70,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
-import functools
 import inspect
 import logging
 import math
@@ -100,6 +87,8 @@ import torch
 from lit_grpo import plugins
 from lit_grpo.errors import ConfigError
 from lit_grpo.scoring.arguments import build_reward, check_columns
+from lit_grpo.scoring.event_loop import CallTimeout, EventLoopThread, await_call
+from lit_grpo.scoring.own_process import OwnProcesses
 from lit_grpo.scoring.pool import PoolCancelled, PoolInitError, WorkerPool, pickle_reward
 from lit_grpo.scoring.failures import SampleFailure, indent, keep_training_hint, preview, sample_lines
 from lit_grpo.scoring.specs import RewardError, RewardSpec, as_spec, check_spec, expand_reward_groups, metric_names
@@ -132,71 +121,8 @@ class _Scored:
     errors: list[SampleFailure]
 
 
-class _CallTimeout(Exception):
-    """An async reward call ran past its ``timeout``."""
-
-    def __init__(self, timeout: float):
-        super().__init__(f"no result within the {timeout:g} s timeout")
-        self.timeout = timeout
-
-
 def _failure(index: int | None, exc: BaseException) -> SampleFailure:
-    return SampleFailure.from_exception(index, exc, timed_out=isinstance(exc, _CallTimeout))
-
-
-async def _await_call(reward: Any, kwargs: dict[str, Any], timeout: float | None) -> Any:
-    """Call an async reward and await it, for at most ``timeout`` seconds (:class:`_CallTimeout`).
-
-    The call runs as a task that is cancelled, not awaited, after the timeout, so a coroutine that
-    ignores cancellation cannot hold the step up (it keeps running on the scorer's loop).
-    """
-    result = reward(**kwargs)
-    if not inspect.isawaitable(result):
-        return result
-    task = asyncio.ensure_future(result)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # no "never retrieved" noise
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        raise _CallTimeout(timeout)
-    return task.result()
-
-
-class _EventLoopThread:
-    """An asyncio loop running forever in a daemon thread; the scorer's async rewards run on it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="lit-grpo-async-rewards", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Any) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-
-        async def shutdown() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.wait(tasks, timeout=1)
-            await self.loop.shutdown_asyncgens()
-
-        try:
-            self.submit(shutdown()).result(timeout=2)
-        except Exception:  # noqa: BLE001  (best effort)
-            pass
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=2)
-        if not self.thread.is_alive():
-            self.loop.close()
+    return SampleFailure.from_exception(index, exc, timed_out=isinstance(exc, CallTimeout))
 
 
 class _Job(threading.Thread):
@@ -250,10 +176,8 @@ class RewardScorer:
     def __init__(self, specs: Sequence[RewardSpec | Mapping[str, Any]], run_settings: Mapping[str, Any] | None = None,
                  key: str = "model.rewards"):
         self._pools: dict[int, WorkerPool] = {}
-        self._loop: _EventLoopThread | None = None
-        # In-process rewards that stay in the calling thread off the main thread: k -> why (None:
-        # the reward declares itself thread-safe; else the one-time warning's reason).
-        self._in_thread: dict[int, str | None] = {}
+        self._loop: EventLoopThread | None = None
+        self._own_processes = OwnProcesses()  # in-process rewards called off the main thread
         self.key = key
         specs = [as_spec(spec, f"{key}[{i}]") for i, spec in enumerate(specs or [])]
         if not specs:
@@ -345,6 +269,8 @@ class RewardScorer:
         pools, self._pools = getattr(self, "_pools", {}), {}
         for pool in pools.values():
             pool.close()
+        if hasattr(self, "_own_processes"):
+            self._own_processes.close()
         loop, self._loop = getattr(self, "_loop", None), None
         if loop is not None:
             loop.close()
@@ -358,6 +284,7 @@ class RewardScorer:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_pools"] = {}
+        state["_own_processes"] = OwnProcesses()
         state["_loop"] = None
         return state
 
@@ -371,9 +298,9 @@ class RewardScorer:
             pool = self._pools[k] = WorkerPool(self._payloads[k], self.specs[k].num_workers, name=self.names[k])
         return pool
 
-    def _event_loop(self) -> _EventLoopThread:
+    def _event_loop(self) -> EventLoopThread:
         if self._loop is None:
-            self._loop = _EventLoopThread()
+            self._loop = EventLoopThread()
         return self._loop
 
     # ---------------------------------------------------------------------------------------------
@@ -492,31 +419,14 @@ class RewardScorer:
 
     def _call_local(self, k: int, calls: list[dict[str, Any]], batch: bool = False,
                     stop_on_error: bool = False) -> list[tuple[str, Any] | None]:
-        """Call reward ``k`` once with each of ``calls`` (keyword arguments), here or in its own worker
-        process (:meth:`_own_process`). One result per call: ``("ok", value)``, ``("error",
-        SampleFailure)`` (index: the call's position, or None for a ``batch`` call), or None where
-        ``stop_on_error`` stopped before it."""
-        pool = self._own_process(k)
-        tasks: list[bytes] = []
-        if pool is not None:
-            try:
-                tasks = [pickle.dumps((i, one), protocol=pickle.HIGHEST_PROTOCOL) for i, one in enumerate(calls)]
-            except Exception as exc:  # noqa: BLE001  (whatever pickling raises)
-                self._keep_in_thread(k, f"the arguments of its batch cannot be pickled ({type(exc).__name__}: {exc})")
-                pool = None
-        if pool is not None:
-            try:
-                results = pool.run(tasks, stop_on_error=stop_on_error)
-            except PoolInitError as exc:
-                self._keep_in_thread(k, f"a worker process cannot load it ({exc})")
-            else:
-                return [
-                    ("error", SampleFailure(None if batch else i, result[1].kind, result[1].type_name,
-                                            result[1].message, result[1].traceback))
-                    if result is not None and result[0] == "error" else result
-                    for i, result in enumerate(results)
-                ]
-        results: list[tuple[str, Any] | None] = [None] * len(calls)
+        """Call reward ``k`` once with each of ``calls`` (keyword arguments), here or, off the main
+        thread, in its own worker process (:class:`~lit_grpo.scoring.own_process.OwnProcesses`). One
+        result per call: ``("ok", value)``, ``("error", SampleFailure)`` (index: the call's position,
+        or None for a ``batch`` call), or None where ``stop_on_error`` stopped before it."""
+        results = self._own_processes.run(k, self.rewards[k], calls, self.names[k], self._who(k), batch, stop_on_error)
+        if results is not None:
+            return results
+        results = [None] * len(calls)
         for i, one in enumerate(calls):
             try:
                 results[i] = ("ok", self.rewards[k](**one))
@@ -525,46 +435,6 @@ class RewardScorer:
                 if stop_on_error:
                     break
         return results
-
-    def _own_process(self, k: int) -> WorkerPool | None:
-        """The worker process in-process reward ``k`` runs in: None (here) in the main thread; off it
-        (the asynchronous pipeline's scoring thread), a process of its own, started on first use and
-        kept, where signal-based timeouts (``signal.alarm``: Math-Verify's) work as in the main thread.
-        A reward stays in the calling thread if it declares itself thread-safe (a ``thread_safe = True``
-        attribute, as ``reward_model``'s GPU model), or, with a one-time warning, if it cannot be
-        pickled or a worker process cannot load it."""
-        if threading.current_thread() is threading.main_thread() or k in self._in_thread:
-            return None
-        pool = self._pools.get(k)
-        if pool is not None:
-            return pool
-        reward = self.rewards[k]
-        if getattr(reward.func if isinstance(reward, functools.partial) else reward, "thread_safe", False) is True:
-            self._in_thread[k] = None
-            return None
-        try:
-            payload = pickle_reward(reward)
-        except Exception as exc:  # noqa: BLE001  (whatever pickling raises)
-            self._keep_in_thread(k, f"it cannot be pickled ({type(exc).__name__}: {exc})")
-            return None
-        pool = self._pools[k] = WorkerPool(payload, 1, name=self.names[k])
-        return pool
-
-    def _keep_in_thread(self, k: int, reason: str) -> None:
-        """From now on, score reward ``k`` in the calling thread (its worker process, if any, stops),
-        and say why."""
-        self._in_thread[k] = reason
-        pool = self._pools.pop(k, None)
-        if pool is not None:
-            pool.close()
-        logger.warning(
-            f"{self._who(k)} runs in the scoring thread of the asynchronous pipeline (model.max_staleness > 0), "
-            f"not in a worker process of its own as other in-process rewards do there, because {reason}. In a "
-            "thread, signal-based timeouts do not work: Math-Verify's parse and verify with their default "
-            "timeouts raise there, and lit-grpo's math rewards run without their timeout_seconds. Define the "
-            "reward at the top level of an importable module (or a file named as path/to/file.py:function) to "
-            "score it as in the main thread."
-        )
 
     # ---------------------------------------------------------------------------------------------
     # Pool rewards (num_workers > 0): one sample per call, in worker processes
@@ -621,7 +491,7 @@ class RewardScorer:
         spec = self.specs[k]
         prompts, completions = kwargs["prompts"], kwargs["completions"]
         try:
-            raw = await _await_call(self.rewards[k], kwargs, spec.timeout)
+            raw = await await_call(self.rewards[k], kwargs, spec.timeout)
         except Exception as exc:
             scored = await self._score_async_per_sample(k, kwargs)
             if spec.on_error == "raise":
@@ -636,7 +506,7 @@ class RewardScorer:
 
         async def one(i: int) -> tuple[Any, BaseException | None]:
             try:
-                return await _await_call(self.rewards[k], _one(kwargs, i), timeout), None
+                return await await_call(self.rewards[k], _one(kwargs, i), timeout), None
             except Exception as exc:
                 return None, exc
 
