@@ -38,6 +38,7 @@ from lit_grpo.errors import ConfigError
 __all__ = [
     "ModelParallelStrategy",
     "agreed_over_sharded_ranks",
+    "clip_grad_norm",
     "data_parallel_mesh",
     "gather_objects",
     "gather_real_values",
@@ -167,6 +168,15 @@ def reshard(model: torch.nn.Module) -> None:
     (the root unit keeps its weights gathered after a forward without backward). No-op unsharded."""
     for unit in _fsdp_modules(model):
         unit.reshard()
+
+
+def clip_grad_norm(parameters: Iterator[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor | None:
+    """Clip the gradients' norm to ``max_norm`` (None or 0: no clipping, as in Lightning and TRL); the
+    norm before clipping, whole (FSDP2: that of sharded DTensor gradients is itself a DTensor)."""
+    if not max_norm:
+        return None
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in parameters if p.grad is not None], max_norm)
+    return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 
 
 def gather_rows(tensor: torch.Tensor, all_gather) -> torch.Tensor:

@@ -57,6 +57,7 @@ __all__ = [
     "partial_kv_cache_reason",
     "reference_model",
     "text_config",
+    "without_frozen_policy_weights",
 ]
 
 # What ``model.lora`` adds to peft's own LoraConfig defaults (r 8, lora_alpha 8, lora_dropout 0):
@@ -350,6 +351,12 @@ def _frozen_parameter_names(model: torch.nn.Module, prefix: str) -> set[str]:
 
 def _trainable_parameter_names(model: torch.nn.Module, prefix: str) -> set[str]:
     return {prefix + name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def without_frozen_policy_weights(module: Any, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post-hook of a LoRA-trained module: drops its policy's frozen base weights."""
+    if module.policy is not None:
+        drop_frozen_weights(state_dict, module.policy, prefix=prefix + "policy.")
 
 
 def drop_frozen_weights(state_dict: dict[str, Any], model: torch.nn.Module, prefix: str = "") -> None:

@@ -53,7 +53,7 @@ from lit_grpo.completions import log_step_completions
 from lit_grpo.config import AsWritten, check_batch_sizes, check_settings
 from lit_grpo.data import PromptBatch
 from lit_grpo.dynamic_sampling import dynamic_sampling
-from lit_grpo.distributed import data_parallel_mesh, gather_rows, mixed_precision_policy, shard_model
+from lit_grpo.distributed import clip_grad_norm, data_parallel_mesh, gather_rows, mixed_precision_policy, shard_model
 from lit_grpo.engines import GENERATION_BACKENDS, check_backend, engine_for_run
 from lit_grpo.engines.base import GenerationEngine
 from lit_grpo.engines.server_lost import CheckpointWhenServerLost
@@ -70,18 +70,12 @@ from lit_grpo.rollout import (
     rollout_statistics,
     score_groups,
 )
-from lit_grpo.python_objects import storable
+from lit_grpo.python_objects import save_settings
 from lit_grpo.runs import run_directory
 from lit_grpo.sampling_correction import correction_settings
 from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
 
 __all__ = ["GRPOModule"]
-
-
-def _without_frozen_policy_weights(module: "GRPOModule", state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """State-dict post-hook of a LoRA module: drops the policy's frozen base weights."""
-    if module.policy is not None:
-        models.drop_frozen_weights(state_dict, module.policy, prefix=prefix + "policy.")
 
 
 ignore_expected_lightning_warnings()
@@ -258,30 +252,21 @@ class GRPOModule(pl.LightningModule):
         settings = {name: value for name, value in locals().items()
                     if name not in ("self", "__class__", "optimizer", "lr_scheduler", "tokenizer")}
         super().__init__()
-        # What checkpoints and logs keep: names, never the objects. save_hyperparameters deep-copies
-        # what it saves, so the objects are left out of it (a model given in Python would be copied on
-        # its device: twice the memory) and their names added after.
-        objects = [name for name, value in settings.items() if storable(value) != value]
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "tokenizer", *objects])
-        if objects:
-            self.save_hyperparameters({name: storable(settings[name]) for name in objects})
+        save_settings(self, settings, ignore=["optimizer", "lr_scheduler", "tokenizer"])  # names, never objects
         self.model_source = model_name_or_path  # a hub id, a directory, or a model given in Python
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.automatic_optimization = False
         check_settings(self.hparams, GENERATION_BACKENDS)
         # "auto": the correction of this run's staleness, in the hparams the loss reads (lit_grpo.logprobs)
-        correction = correction_settings(vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
-                                         vllm_importance_sampling_clip_max, max_staleness)
-        self.hparams.update(vllm_importance_sampling_mode=correction.mode,
-                            vllm_importance_sampling_clip_min=correction.clip_min,
-                            vllm_importance_sampling_clip_max=correction.clip_max)
+        self.hparams.update(correction_settings(vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
+                                                vllm_importance_sampling_clip_max, max_staleness).as_hparams())
         if lora is not None:
             models.lora_config(lora)  # a bad model.lora fails before any model is loaded
             # The module's state dict, so every checkpoint (FSDP2's sharded ones too), holds only the
             # adapter: the base weights are model_name_or_path's. on_load_checkpoint checks a full
             # checkpoint and adds them back; a sharded one loads the keys the state dict has.
-            self.register_state_dict_post_hook(_without_frozen_policy_weights)
+            self.register_state_dict_post_hook(models.without_frozen_policy_weights)
             self.strict_loading = False
 
         # Rewards are resolved now, so a misspelt name fails before any model is loaded.
@@ -485,7 +470,7 @@ class GRPOModule(pl.LightningModule):
                     step_stats.append(stats)
                     if fills_old_logps:
                         scored.old_logps[rows, : logps.size(1)] = logps  # logps [n, c]
-                grad_norm = self._clip_gradients()
+                grad_norm = clip_grad_norm(self.parameters(), hp.max_grad_norm)
                 optimizer.step()
                 self.policy_version += 1  # the engine's weights are stale from here (engine.sync_weights)
                 # free the gradients now (set to None), which also starts the next mini-batch's
@@ -664,14 +649,6 @@ class GRPOModule(pl.LightningModule):
         block_sync = getattr(self.trainer.strategy, "block_backward_sync", None)  # DDP only
         with nullcontext() if sync or block_sync is None else block_sync():
             self.manual_backward(loss)
-
-    def _clip_gradients(self) -> torch.Tensor | None:
-        if not self.hparams.max_grad_norm:  # None or 0: no clipping, as in Lightning and TRL
-            return None
-        params = [p for p in self.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.hparams.max_grad_norm)
-        # FSDP2: the norm of sharded (DTensor) gradients is itself a DTensor; log its full value
-        return grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 
     # ------------------------------------------------------------------------------------------
     # Validation: sample k completions per prompt, score them (lit_grpo.evaluation)

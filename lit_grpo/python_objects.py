@@ -12,7 +12,7 @@ import functools
 import inspect
 from typing import Any
 
-__all__ = ["object_name", "storable"]
+__all__ = ["object_name", "save_settings", "storable"]
 
 
 def object_name(obj: Any) -> str:
@@ -39,3 +39,14 @@ def storable(value: Any) -> Any:
     if callable(value) and not isinstance(value, (str, bytes)):
         return object_name(value)
     return value
+
+
+def save_settings(module: Any, settings: dict[str, Any], ignore: list[str]) -> None:
+    """``module.save_hyperparameters`` of its ``__init__`` arguments, less ``ignore``, with the objects
+    among them (a model, reward or tool given in Python) saved as their names (:func:`storable`).
+    Lightning deep-copies what it saves: the objects are left out of that (a model given in Python would
+    be copied on its device, twice the memory, and warned about) and their names added after."""
+    objects = [name for name, value in settings.items() if name not in ignore and storable(value) != value]
+    module.save_hyperparameters(ignore=[*ignore, *objects], frame=inspect.currentframe().f_back)
+    if objects:
+        module.save_hyperparameters({name: storable(settings[name]) for name in objects})

@@ -65,6 +65,11 @@ class CorrectionSettings(NamedTuple):
     clip_min: float | None
     clip_max: float | None
 
+    def as_hparams(self) -> dict:
+        """The three ``model.vllm_importance_sampling_*`` settings, resolved."""
+        return {"vllm_importance_sampling_mode": self.mode, "vllm_importance_sampling_clip_min": self.clip_min,
+                "vllm_importance_sampling_clip_max": self.clip_max}
+
 
 # TRL 1.16's defaults against the engine mismatch alone (weights near 1): one weight per sequence, 0 above 3
 ENGINE_MISMATCH = CorrectionSettings("sequence_mask", None, 3.0)
