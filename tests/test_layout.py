@@ -16,7 +16,8 @@ MAX_LINES = 700
 # Lowest first: a module may import from its own layer and the layers below, never from above.
 LAYERS = [
     # pure functions, records and settings
-    ["lit_grpo", "lit_grpo.errors", "lit_grpo.algorithm", "lit_grpo.sampling_correction", "lit_grpo.config", "lit_grpo.evaluation",
+    ["lit_grpo", "lit_grpo.errors", "lit_grpo.algorithm", "lit_grpo.sampling_correction", "lit_grpo.sampling_filters",
+     "lit_grpo.config", "lit_grpo.evaluation",
      "lit_grpo.hookspecs", "lit_grpo.tiny", "lit_grpo.config_files", "lit_grpo.trl_names", "lit_grpo.openmp",
      "lit_grpo.python_objects"],
     # loading models, checkpoints, a run's directory, the plugin registry
@@ -26,15 +27,17 @@ LAYERS = [
     ["lit_grpo.distributed", "lit_grpo.cpu.allocator", "lit_grpo.cpu.attention", "lit_grpo.cpu.prepacked", "lit_grpo.cpu.threads",
      "lit_grpo.cpu.amx", "lit_grpo.policy_weights",
      "lit_grpo.scoring.specs", "lit_grpo.scoring.arguments", "lit_grpo.scoring.failures", "lit_grpo.scoring.pool",
+     "lit_grpo.scoring.own_process", "lit_grpo.scoring.event_loop",
      "lit_grpo.environments"],
     ["lit_grpo.cpu", "lit_grpo.rollout", "lit_grpo.reference", "lit_grpo.scoring.scorer", "lit_grpo.completions"],
     # what a step is built from
     ["lit_grpo.shared_prompt", "lit_grpo.engines.lit_sampler", "lit_grpo.scoring", "lit_grpo.data", "lit_grpo.callbacks",
-     "lit_grpo.multi_turn", "lit_grpo.dynamic_sampling", "lit_grpo.engines.base", "lit_grpo.engines.vllm_sampling"],
+     "lit_grpo.multi_turn", "lit_grpo.dynamic_sampling", "lit_grpo.engines.base", "lit_grpo.engines.vllm_sampling",
+     "lit_grpo.engines.server_lost"],
     ["lit_grpo.generation", "lit_grpo.logprobs", "lit_grpo.engines.policy"],
     ["lit_grpo.agent", "lit_grpo.async_rollouts"],
     # the vLLM engines (the vllm extra): in each process; on servers, with their weights over gloo
-    ["lit_grpo.engines.vllm_colocated", "lit_grpo.engines.server_lost", "lit_grpo.engines.vllm_plugin"],
+    ["lit_grpo.engines.vllm_colocated", "lit_grpo.engines.vllm_plugin"],
     ["lit_grpo.engines.vllm_gloo", "lit_grpo.engines.vllm_serve"],
     ["lit_grpo.engines.vllm_server"],
     ["lit_grpo.engines"],
