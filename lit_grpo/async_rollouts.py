@@ -250,7 +250,7 @@ class RolloutPipeline(pl.Callback):
         self.metrics: dict[str, torch.Tensor] = {}  # of the batch trained last, logged by the module
         self._executor: ThreadPoolExecutor | None = None
         self._to_restore: dict[str, Any] | None = None
-        self._checkpoint_wait: float | None = None  # seconds a checkpoint waits for the jobs (None: until they end)
+        self._checkpoint_deadline: float | None = None  # until when a checkpoint waits for the jobs (None: their end)
         self._stopping = threading.Event()  # the run ends: jobs not scoring yet skip it
 
     @classmethod
@@ -310,7 +310,8 @@ class RolloutPipeline(pl.Callback):
                 "async/dropped_stale": torch.tensor(float(self.dropped_stale)),
                 "async/batches_in_flight": torch.tensor(float(len(self.in_flight))),
             }
-            for name, errors in (item.reward_errors or {}).items():  # the trained batch's, not the one scored now
+            for name in module.scorer.names:  # the trained batch's, not the one scored now; every rank reduces each
+                errors = (item.reward_errors or {}).get(name, 0)  # None: restored from a checkpoint that had no counts
                 self.metrics[f"rewards/{name}/errors"] = reduce(torch.tensor(float(errors), device=module.device), reduce_op="sum")
             return scored, item.completions
         return None, None
@@ -421,11 +422,11 @@ class RolloutPipeline(pl.Callback):
         """Inside, a checkpoint waits at most ``seconds`` in all for the jobs in flight (a signal's, within
         the grace before the kill); what is not done by then is saved as what is left to do
         (:meth:`InFlight.state`). Outside, a checkpoint waits until they end, so that it resumes exactly."""
-        self._checkpoint_wait = seconds
+        self._checkpoint_deadline = time.monotonic() + seconds  # one deadline for every state_dict inside
         try:
             yield
         finally:
-            self._checkpoint_wait = None
+            self._checkpoint_deadline = None
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's batches in flight, gathered to rank 0, which writes the checkpoint (called on every
@@ -433,7 +434,7 @@ class RolloutPipeline(pl.Callback):
         resume, the state restored, not yet shared out (a checkpoint then loses none of it)."""
         if self._to_restore is not None:
             return self._to_restore
-        deadline = None if self._checkpoint_wait is None else time.monotonic() + self._checkpoint_wait
+        deadline = self._checkpoint_deadline  # a checkpoint may be written twice (top-k and last): waited for once
         states = [item.state(None if deadline is None else max(0.0, deadline - time.monotonic())) for item in self.in_flight]
         per_rank: list[Any] | None = [states]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -443,21 +444,22 @@ class RolloutPipeline(pl.Callback):
         return {"per_rank": per_rank, "dropped_stale": self.dropped_stale}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """At the start of a resumed run (before validation or any step): its batches are shared out by rank."""
+        world_size = torch.distributed.get_world_size() if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
+        if len(state_dict["per_rank"]) != world_size:
+            raise ConfigError(
+                f"the checkpoint holds the asynchronous pipeline (model.max_staleness) of {len(state_dict['per_rank'])} "
+                f"process(es) and this run has {world_size}: their sampled batches cannot be shared out; resume "
+                f"with {len(state_dict['per_rank'])} process(es)"
+            )
         self._to_restore = state_dict
 
     def _restore(self, module) -> None:
         state = self._to_restore
         if state is None:
             return
-        world_size, rank = module.trainer.world_size, module.global_rank
-        if len(state["per_rank"]) != world_size:
-            raise RuntimeError(
-                f"the checkpoint holds the asynchronous pipeline (model.max_staleness) of {len(state['per_rank'])} "
-                f"processes and this run has {world_size}: their sampled batches cannot be shared out; resume "
-                f"with {len(state['per_rank'])} processes"
-            )
         self._to_restore = None
-        self.in_flight = deque(InFlight.from_state(item) for item in state["per_rank"][rank])
+        self.in_flight = deque(InFlight.from_state(item) for item in state["per_rank"][module.global_rank])
         self.dropped_stale = state["dropped_stale"]
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -393,3 +393,12 @@ def test_the_scoring_thread_reads_and_makes_only_cpu_tensors(tiny_model_dir):
     seen = scoring_thread_devices(tiny_model_dir, "cpu", steps=2)
     assert seen["devices"] == ["cpu"]
     assert seen["threads"] and all(name.startswith("lit-grpo-scoring") for name in seen["threads"])
+
+
+def test_a_pipeline_checkpoint_of_another_number_of_processes_is_refused_when_loaded():
+    """At the start of the resumed run (callbacks load before validation or any step), in one line."""
+    pipeline = RolloutPipeline(max_staleness=1, optimizer_steps_per_batch=1)
+    with pytest.raises(ConfigError, match=r"the asynchronous pipeline \(model.max_staleness\) of 2 process\(es\) and this "
+                                          r"run has 1: .* resume with 2 process\(es\)"):
+        pipeline.load_state_dict({"per_rank": [[], []], "dropped_stale": 0})
+    pipeline.load_state_dict({"per_rank": [[]], "dropped_stale": 3})  # its own number: kept to restore
