@@ -563,3 +563,28 @@ def test_one_step_off_quickstart_with_a_math_verify_reward_scores_as_in_the_main
     torch.testing.assert_close(logged, rescored, equal_nan=True)
     parsed = ~logged[:, 1].isnan()  # where Math-Verify found an expression in the completion
     assert 0 < parsed.sum() < len(rows) and logged[:, 0].sum() > 0
+
+
+class LinearScore:
+    """A reward holding a torch module (as a reward model would, on a GPU): module-level, so it pickles."""
+
+    def __init__(self):
+        self.model = torch.nn.Linear(1, 1)
+        self.calls = 0
+
+    def __call__(self, completions, **kwargs):
+        self.calls += 1
+        return [float(len(c)) for c in completions]
+
+
+def test_a_reward_holding_torch_state_stays_in_the_scoring_thread_with_one_warning(make_scorer, caplog):
+    """Moved to a process of its own, a reward model would be copied there (a second copy on the GPU) and
+    its state would drift from the trainer's: it is called in the thread, on this object, and says why."""
+    reward = LinearScore()
+    scorer = make_scorer(reward)
+    with caplog.at_level(logging.WARNING, logger="lit_grpo.scoring.scorer"):
+        assert call_in_a_thread(scorer, ["ab", "abc"]).tolist() == [[2.0], [3.0]]
+        assert call_in_a_thread(scorer, ["a"]).tolist() == [[1.0]]
+    assert reward.calls == 2 and scorer._own_processes.pools == {}  # called here, on this object
+    (warning,) = [r.getMessage() for r in caplog.records if "scoring thread" in r.getMessage()]
+    assert "holds torch tensors or modules" in warning

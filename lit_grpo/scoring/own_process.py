@@ -15,8 +15,9 @@ worker process starts multiprocessing's fork server once per trainer process (se
 the trainer's main module); and state the reward keeps lives in that process. A reward that
 declares itself thread-safe (``thread_safe = True`` on the function or class: lit-grpo-rewards'
 that use no signals, and ``reward_model``, whose model stays on the trainer's GPU) stays in the
-thread; so does one that cannot be pickled (a lambda, a closure), whose batch cannot be pickled, or
-that a worker cannot load, with a warning (once) saying why.
+thread; so does one that holds torch tensors or modules (a reward model on a GPU: a process of its
+own would copy it), one that cannot be pickled (a lambda, a closure), whose batch cannot be pickled,
+or that a worker cannot load, with a warning (once) saying why.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import threading
 from typing import Any
 
 from lit_grpo.scoring.failures import SampleFailure
-from lit_grpo.scoring.pool import PoolInitError, WorkerPool, pickle_reward
+from lit_grpo.scoring.pool import HoldsTorchState, PoolInitError, WorkerPool, pickle_reward
 
 __all__ = ["OwnProcesses"]
 
@@ -81,7 +82,10 @@ class OwnProcesses:
             self.in_thread[k] = None
             return None
         try:
-            payload = pickle_reward(reward)
+            payload = pickle_reward(reward, torch_state=False)
+        except HoldsTorchState as exc:
+            self._keep_in_thread(k, who, str(exc))
+            return None
         except Exception as exc:  # noqa: BLE001  (whatever pickling raises)
             self._keep_in_thread(k, who, f"it cannot be pickled ({type(exc).__name__}: {exc})")
             return None

@@ -88,6 +88,7 @@ class _RecordingPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.modules: dict[str, str] = {}
+        self.torch_state = False  # whether it pickled a torch object (a tensor, a module's parameter)
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, (type, types.FunctionType)):
@@ -95,17 +96,27 @@ class _RecordingPickler(pickle.Pickler):
             path = getattr(sys.modules.get(name or ""), "__file__", None)
             if name and name != "__main__" and path:  # multiprocessing itself loads __main__ in a worker
                 self.modules.setdefault(name, path)
+        elif (type(obj).__module__ or "").split(".")[0] == "torch":
+            self.torch_state = True
         return NotImplemented  # pickle it as usual
 
 
-def pickle_reward(reward: Any) -> bytes:
+class HoldsTorchState(Exception):
+    """A reward that holds torch tensors or modules (:func:`pickle_reward` with ``torch_state=False``)."""
+
+
+def pickle_reward(reward: Any, torch_state: bool = True) -> bytes:
     """The payload a worker loads ``reward`` from: the reward pickled, and the files of the modules
     its functions and classes come from, so that a worker loads a module it cannot import by name
     (a reward given as ``path/to/file.py:function``) from its file. Raises what ``pickle`` raises
-    for an object that cannot be pickled (a lambda, a closure)."""
+    for an object that cannot be pickled (a lambda, a closure), and with ``torch_state=False``
+    :class:`HoldsTorchState` for one that holds torch tensors or modules (a model on a GPU would be
+    copied into the worker)."""
     buffer = io.BytesIO()
     pickler = _RecordingPickler(buffer)
     pickler.dump(reward)
+    if pickler.torch_state and not torch_state:
+        raise HoldsTorchState("it holds torch tensors or modules (a model), which a process of its own would copy")
     return pickle.dumps((pickler.modules, buffer.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
 
 
