@@ -542,6 +542,21 @@ def test_a_server_that_refuses_the_transfer_init_is_one_line_without_waiting_for
     assert time.monotonic() - started < 4
 
 
+def test_a_refused_transfer_mid_run_stops_with_a_checkpoint(fake, model_dir):
+    """The same refusal after weights were pushed (a server restarted mid-run without the transfer) is a
+    GenerationFailed, which the run stops on with a checkpoint (CheckpointWhenServerLost), not a plain
+    ConfigError that would lose everything since the last periodic checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_grpo.engines.server_lost import GenerationFailed
+
+    fake.weight_transfer, fake.server_info = None, False
+    engine = VLLMServerEngine([fake.url], timeout=8)
+    engine.pushed_version = 3  # as after the run's earlier pushes
+    with pytest.raises(GenerationFailed, match=re.escape("start it with --weight-transfer-config")):
+        engine.sync_weights(AutoModelForCausalLM.from_pretrained(model_dir), version=4)
+
+
 def test_servers_too_short_for_prompt_and_completion_are_one_line_at_start(fake, model_dir):
     """Issue 49.2: a server whose max_model_len cannot hold model.max_prompt_length +
     model.max_completion_length (it would refuse long prompts and cut completions short) stops the run

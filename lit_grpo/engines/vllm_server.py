@@ -112,8 +112,9 @@ class VLLMServer:
         self.host = parsed.hostname
         self.timeout = timeout
         self.session = requests.Session()
-        # one connection per request in flight (requests' default pool keeps 10, and drops the rest)
-        adapter = HTTPAdapter(pool_maxsize=MAX_CONCURRENT_REQUESTS)
+        # one connection per request in flight (requests' default pool keeps 10, and drops the rest),
+        # and a few for what goes beside them: the health checks while they run, a weight push's calls
+        adapter = HTTPAdapter(pool_maxsize=MAX_CONCURRENT_REQUESTS + 8)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
 
@@ -396,6 +397,9 @@ class VLLMServerEngine(GenerationEngine):
             self._leave_transfer()  # its group is broken: a new one with the servers that answer
             if isinstance(failure, (ConfigError, DataError)) or not sends:
                 lost = failure
+                if failure is not None and sends and self.pushed_version is not None:
+                    # mid-run (a server restarted without the transfer, say): a checkpoint first, then the line
+                    lost = GenerationFailed(str(failure))
             else:
                 deadline = deadline or time.monotonic() + self.timeout
                 lost = None if self._wait_for_servers(deadline, failure) else failure
