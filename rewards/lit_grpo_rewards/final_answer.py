@@ -53,13 +53,16 @@ _NUMBERED_HEADING = re.compile(r"\d+[.):][ \t]+[^\W\d_]")
 # The end of the sentence that an answer phrase starts: ". ", "!", "?", ";" or a line break.
 _SENTENCE_END = re.compile(r"[.!?;](?:\s|$)|\n")
 # A correction of an answer given before: "Wait, it is 9", "Actually, it's 9", "No, that should be
-# 9", "Oops, the correct answer is 9" (an answer phrase itself, found as one). The cue and the
+# 9", "Oops, the correct answer is 9" (an answer phrase itself, found as one); "no" only as an
+# interjection ("no matter how it is split" is none). The cue and the
 # statement are at most 40 characters apart, so that a search stays linear.
 _CORRECTION = re.compile(
-    r"\b(?:wait|actually|oops|sorry|correction|no|hmm|on second thought)\b[^.!?;\n]{0,40}?"
+    r"\b(?:wait|actually|oops|sorry|correction|no(?=\s*[,.;!])|hmm|on second thought)\b[^.!?;\n]{0,40}?"
     r"\b(?:it|that|this)(?:'s|\s+is|\s+should\s+be|\s+must\s+be)\b",
     re.IGNORECASE,
 )
+# A computation, which a remark after the answer may show ("that is 3 x 24") and a correction does not.
+_COMPUTATION = re.compile(r"\d\s*(?:[x\u00d7*+=\u00f7]|\\times|\\cdot)\s*\d")
 # An answer that says what it is not: "not 72", "definitely not 72", "never 72"; "not 72 but 70" is 70.
 _NEGATED = re.compile(r"(?:[^\W\d_]+ly\s+)?(?:not|never)\b", re.IGNORECASE)
 _BUT = re.compile(r"\b(?:but|rather|instead)\b[\s,:]*", re.IGNORECASE)
@@ -113,9 +116,11 @@ def marked_answer(text: str) -> str | None:
         return None
     start, marked = max(candidates, key=lambda candidate: candidate[0])
     correction = _last_match(_CORRECTION, text, start + 1)
+    # a correction states a value ("Wait, it is 9."), not a computation ("72. Hmm, that is 3 x 24.",
+    # "72, no matter how it is split: 36 + 36")
     if correction is not None:
         corrected = _rest_of_sentence(text, correction.end())
-        if any(ch.isdigit() for ch in corrected):
+        if any(ch.isdigit() for ch in corrected) and not _COMPUTATION.search(corrected):
             marked = corrected
     return _affirmed(marked)
 

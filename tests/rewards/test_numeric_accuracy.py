@@ -307,3 +307,12 @@ def test_every_parser_is_linear_on_100k_character_worst_cases(name):
     elapsed = time.perf_counter() - start
     # about 0.1 s here on a busy 2-core machine; the quadratic parsers took 2 s to minutes
     assert elapsed < 1.5, f"{name}: {elapsed:.2f} s for {len(text)} characters"
+
+
+@pytest.mark.parametrize("completion, value", [
+    ("The answer is 72. Hmm, that is 6 + 6 per row.", 72),  # a computation after the answer is no correction
+    ("The answer is 72. Hmm, that is 6 \\times 12.", 72),
+    ("The answer is 72, no, it is 70.", 70),  # a correction within the sentence
+])
+def test_a_remark_after_the_answer_that_computes_does_not_replace_it(completion, value):
+    assert numeric_accuracy([completion], answer=[str(value)]) == [1.0]
