@@ -349,7 +349,7 @@ class RolloutPipeline(pl.Callback):
                 item.copied.synchronize()  # the rollout's copies to the CPU are done
             if sample is not None:
                 start = time.perf_counter()
-                rollout, failure = sample()
+                rollout, failure = sample(stopping)  # the run's end stops it (teardown waits for this job)
                 item.timings["generate"] = time.perf_counter() - start
                 if failure is not None:
                     raise failure

@@ -448,6 +448,21 @@ def test_a_slow_server_is_not_lost_a_silent_one_or_one_that_refuses_is(fake, cap
     assert len(said) == 1 and said[0].startswith(f"the vLLM server at {gone.servers[0].url} is not answering"), said
 
 
+def test_a_sampling_call_stops_when_the_run_ends_without_waiting_for_a_slow_answer(fake):
+    """The asynchronous pipeline's teardown (the run's end, a signal) sets the stop event: the background
+    sampling gives up within a watch interval instead of waiting out a long generation."""
+    from lit_grpo.engines.server_lost import GenerationFailed
+
+    engine = VLLMServerEngine([fake.url], timeout=1)  # watch interval: 0.25 s
+    fake.generate_delay = 3.0
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(GenerationFailed, match="the run stopped while the vLLM server"):
+        engine.sample(sampling_requests([[5, 6]], 2, max_tokens=3), stop)
+    assert time.monotonic() - started < 1.5
+
+
 @pytest.mark.parametrize("kind, said", [
     ("too_long", "refused /inference/v1/generate: HTTP 400 .*longer than the maximum model length of 64"),
     ("wrong_count", "returned 1 completions, not 2"),

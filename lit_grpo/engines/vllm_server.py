@@ -514,15 +514,15 @@ class VLLMServerEngine(GenerationEngine):
         rollout, or the :class:`GenerationFailed` that stopped it (it never raises), which every rank
         then passes to :meth:`agree_on_failure` at the same point (``lit_grpo.async_rollouts``)."""
         if len(prompt_ids) == 0:
-            return lambda: (None, None)
+            return lambda stop=None: (None, None)
         seed = draw_engine_seed()
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         requests = sampling_requests(prompts, num_generations, seed=seed, **sampling_settings(config))
         pushed_version = self.pushed_version
 
-        def sample() -> tuple[Rollout | None, Exception | None]:
+        def sample(stop: threading.Event | None = None) -> tuple[Rollout | None, Exception | None]:
             try:
-                output = self.sample(requests)
+                output = self.sample(requests, stop)
                 versions = [int(version) if version is not None else pushed_version for version in output.weight_versions]
                 rollout = engine_rollout(output, prompt_ids, prompt_mask, prompt_truncated, num_generations, pad_token_id,
                                          versions)
@@ -545,10 +545,12 @@ class VLLMServerEngine(GenerationEngine):
         return GenerationFailed(f"sampling on the vLLM server(s) {self._urls()} failed: {type(error).__name__}: "
                                 f"{_reason(error)}")
 
-    def sample(self, requests: list[tuple[list[int], dict]]) -> EngineOutput:
+    def sample(self, requests: list[tuple[list[int], dict]], stop: threading.Event | None = None) -> EngineOutput:
         """The completions of ``requests`` (:func:`~lit_grpo.engines.vllm_sampling.sampling_requests`), in
         order: all sent at once (at most ``MAX_CONCURRENT_REQUESTS`` in flight), request j to server
-        ``(j + rank) % servers``; while they are out, the servers that have some must answer ``/health``."""
+        ``(j + rank) % servers``; while they are out, the servers that have some must answer ``/health``.
+        ``stop`` set (the run ends): :class:`GenerationFailed` within a watch interval, not waiting for
+        the answers (their threads are daemons)."""
         rank = process_rank()
         targets = [self.servers[(index + rank) % len(self.servers)] for index in range(len(requests))]
         abandoned = threading.Event()
@@ -566,7 +568,7 @@ class VLLMServerEngine(GenerationEngine):
         answers = [in_background(answer, server, {"token_ids": prompt, "sampling_params": params})
                    for server, (prompt, params) in zip(targets, requests)]
         try:
-            self._watch(answers, targets, say)
+            self._watch(answers, targets, say, stop)
             output = EngineOutput()
             for answer_, server, (_, params) in zip(answers, targets, requests):
                 choices = sorted(answer_.result()["choices"], key=lambda choice: choice["index"])
@@ -579,7 +581,8 @@ class VLLMServerEngine(GenerationEngine):
         finally:
             abandoned.set()  # requests still retrying stop (after a failure)
 
-    def _watch(self, answers: list[Future], targets: list[VLLMServer], say: Callable[[VLLMServer, str], None]) -> None:
+    def _watch(self, answers: list[Future], targets: list[VLLMServer], say: Callable[[VLLMServer, str], None],
+               stop: threading.Event | None = None) -> None:
         """Return once every answer is in; the failure of the first that failed, or
         :class:`GenerationServerLost` when a server with requests out has not answered ``/health``
         for the timeout (slow is fine, silent is not)."""
@@ -587,6 +590,8 @@ class VLLMServerEngine(GenerationEngine):
         answered = {server.url: time.monotonic() for server in targets}  # when each last answered /health
         pending = set(answers)
         while pending:
+            if stop is not None and stop.is_set():
+                raise GenerationFailed(f"the run stopped while the vLLM server(s) {self._urls()} sampled")
             done, pending = wait(pending, timeout=interval, return_when=FIRST_EXCEPTION)
             for answer in done:
                 if answer.exception() is not None:
