@@ -542,6 +542,7 @@ def test_a_row_the_engine_capped_at_max_model_len_is_truncated_not_finished(setu
     tokenizer = setup["tokenizer"]
     sampler = vllm_colocated.ColocatedVLLMEngine.__new__(vllm_colocated.ColocatedVLLMEngine)
     sampler.llm, sampler.pushed_version, sampler.settings = engine, 0, vllm_colocated.VLLMSettings()
+    sampler.asleep, sampler.phases = False, 0  # awake, outside a generation phase (sleep mode is off on the CPU)
     long_prompt = prompt_ids(tokenizer, ["ab" * 125])[0][:250]  # the engine takes 256 tokens: room for 6
     short_prompt = prompt_ids(tokenizer, ["Hello there"])[0]
     ids = torch.full((2, 250), tokenizer.pad_token_id)
