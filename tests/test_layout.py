@@ -37,7 +37,7 @@ LAYERS = [
     ["lit_grpo.generation", "lit_grpo.logprobs", "lit_grpo.engines.policy"],
     ["lit_grpo.agent", "lit_grpo.async_rollouts"],
     # the vLLM engines (the vllm extra): in each process; on servers, with their weights over gloo
-    ["lit_grpo.engines.vllm_colocated", "lit_grpo.engines.vllm_plugin"],
+    ["lit_grpo.engines.vllm_colocated", "lit_grpo.engines.vllm_plugin", "lit_grpo.engines.vllm_auth"],
     ["lit_grpo.engines.vllm_gloo", "lit_grpo.engines.vllm_serve"],
     ["lit_grpo.engines.vllm_server"],
     ["lit_grpo.engines"],

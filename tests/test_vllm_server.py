@@ -70,7 +70,18 @@ from lit_grpo.tiny import build_tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LIT_GRPO = str(Path(sys.executable).with_name("lit-grpo"))
-QUIET = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+# the servers ask for this key (lit-grpo serve: on every endpoint but /health), and the trainers send it: every
+# test through a server checks that each request of the trainer carries it
+SERVER_KEY = "key-of-the-tests-servers"
+QUIET = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "VLLM_API_KEY": SERVER_KEY}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def server_key():
+    """The servers' key in this process's environment too (the engines made here send it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_API_KEY", SERVER_KEY)
+        yield SERVER_KEY
 
 
 def free_port() -> int:
@@ -93,7 +104,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Server":
-        command = [LIT_GRPO, "serve", str(self.model), "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32"]
+        command = [LIT_GRPO, "serve", str(self.model), "--port", str(self.port), "--dtype", "float32"]  # on 127.0.0.1
         with open(self.log, "a") as log:
             # in the log's directory: not in the checkout, whose lit_grpo.egg-info (when one is there) would hide
             # the installed lit-grpo's vLLM plugin from vLLM's processes
@@ -662,3 +673,188 @@ def test_the_gpu_check_of_a_push_to_a_killed_server_skips_cleanly_on_the_cpu(mod
     if torch.cuda.is_available():
         pytest.skip("a GPU: python -m bench.gpu_check runs the check")
     assert vllm_server_push_bound(model_dir) == {"skipped": "no CUDA device: the NCCL push needs one"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 50.1-2: who may talk to a server and join its weight transfer (tests/test_server_security.py:
+# the same without vLLM)
+# ----------------------------------------------------------------------------------------------
+
+
+def listening_addresses(pids: list[int]) -> set[str]:
+    """The addresses on which the processes ``pids`` listen for TCP connections."""
+    import psutil
+
+    return {connection.laddr.ip for pid in pids for connection in psutil.Process(pid).net_connections(kind="tcp")
+            if connection.status == psutil.CONN_LISTEN}
+
+
+# the endpoints the trainer uses, and vLLM's others that change the server (vLLM's own key guards only /v1 and /inference)
+GUARDED = [("POST", "/inference/v1/generate"), ("GET", "/v1/models"), ("GET", "/get_world_size"), ("GET", "/server_info"),
+           ("POST", "/init_weight_transfer_engine"), ("POST", "/start_weight_update"), ("POST", "/update_weights"),
+           ("POST", "/finish_weight_update"), ("POST", "/shutdown_weight_transfer_engine"), ("POST", "/pause"),
+           ("POST", "/resume"), ("POST", "/reset_prefix_cache"), ("POST", "/sleep"), ("POST", "/wake_up"),
+           ("POST", "/collective_rpc"), ("GET", "/version"), ("GET", "/is_paused"), ("POST", "/invocations")]
+
+
+def test_the_server_listens_on_loopback_and_refuses_every_endpoint_without_its_key(server):
+    """Issue 50.1: ``lit-grpo serve`` without --host listens on 127.0.0.1 only (every process of it), and with
+    VLLM_API_KEY every endpoint the trainer uses (and the dev ones) refuses a client without the key, or
+    with another; /health answers anyone (up or not). The trainer's own requests carry the key: every
+    other test through this server shows it."""
+    import psutil
+    import requests
+
+    server_processes = [server.process.pid] + [child.pid for child in psutil.Process(server.process.pid).children(recursive=True)]
+    assert listening_addresses(server_processes) == {"127.0.0.1"}
+    for method, path in GUARDED:
+        for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+            answer = requests.request(method, server.url + path, headers=headers, json={}, timeout=10)
+            assert answer.status_code == 401, (method, path, headers, answer.status_code, answer.text[:200])
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    keyed = requests.get(server.url + "/get_world_size", headers={"Authorization": f"Bearer {SERVER_KEY}"}, timeout=10)
+    assert keyed.status_code == 200 and keyed.json()["world_size"] == 1
+
+
+class StandInServer:
+    """A server's side of the gloo weight transfer, in this process: its worker's engine
+    (:class:`GlooWeightTransferEngine`, as vLLM's worker holds it) taking the trainer's calls."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        from lit_grpo.engines.vllm_gloo import GlooWeightTransferEngine
+
+        self.engine = GlooWeightTransferEngine.__new__(GlooWeightTransferEngine)
+        self.engine.parallel_config = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+        self.engine.model_update_group, self.engine.device = None, torch.device("cpu")
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.engine.model = SimpleNamespace(load_weights=lambda pairs: self.loaded.update(pairs))
+        self.listening: set[str] = set()
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.engine.init_transfer_engine(self.engine.parse_init_info(init_info))
+        self.listening = listening_addresses([os.getpid()])  # while the group is formed, both sides in it
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict) -> None:
+        self.engine.receive_weights(SimpleUpdate(**update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass
+
+
+@dataclass
+class SimpleUpdate:
+    names: list
+    dtype_names: list
+    shapes: list
+
+
+class Weights:
+    """A WeightSource of a few named tensors."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def metadata(self):
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self.tensors.items()]
+
+    def __iter__(self):
+        return iter(self.tensors.items())
+
+
+def trainer_side(client, weights: Weights, timeout: float = 20.0):
+    from lit_grpo.engines.vllm_gloo import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+
+    return GlooTrainerWeightTransferEngine.trainer_init(GlooTrainerInitInfo("127.0.0.1", 0, 2, timeout_seconds=timeout, rank=0),
+                                                        client=client, source=weights)
+
+
+WEIGHTS = {"layer.weight": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "layer.bias": torch.tensor([0.5, -1.0])}
+
+
+def test_the_weight_rendezvous_listens_only_on_the_address_asked_for_and_pushes_check_out():
+    """Issue 50.2: the gloo transfer's TCP store and both sides' gloo listen on 127.0.0.1 (torch's store,
+    given a port, listens on [::]); a push lands, with its authentication code checked, twice."""
+    server = StandInServer()
+    trainer = trainer_side(server, Weights(WEIGHTS))
+    try:
+        assert server.listening == {"127.0.0.1"}, server.listening
+        for push in (WEIGHTS, {name: tensor + 1 for name, tensor in WEIGHTS.items()}):
+            trainer.source = Weights(push)
+            trainer.send_weights()
+            assert server.loaded.keys() == push.keys() and all(torch.equal(server.loaded[name], push[name]) for name in push)
+    finally:
+        trainer.shutdown()
+        server.engine.shutdown()
+
+
+def test_a_stranger_at_the_rendezvous_cannot_join_in_place_of_a_server_or_push_weights():
+    """Issue 50.1: someone who reaches the rendezvous port and knows lit-grpo's protocol, but not the secret the
+    trainer gave its servers in the (key-guarded) init call: (1) joining in the server's place ends the
+    transfer at once on the trainer's side, naming the ranks; (2) a stranger's group (or one relaying the
+    trainer's) pushing its own weights, or replaying the trainer's last push, is refused by the server
+    before it answers /update_weights."""
+    from lit_grpo.engines.vllm_gloo import (
+        GlooWeightTransferInitInfo,
+        PushAuthenticator,
+        check_members,
+        gloo_group,
+        rendezvous_socket,
+    )
+
+    class StrangerInPlaceOfTheServer:
+        def init_weight_transfer_engine(self, init_info: dict) -> None:  # the server never joins; a stranger does
+            group = gloo_group(init_info["master_address"], init_info["master_port"], 1, 2, 10)
+            guessed = torch.randint(0, 256, (32,), dtype=torch.uint8)
+            group.allgather([[torch.zeros(32, dtype=torch.uint8) for _ in range(2)]], [guessed]).wait()
+
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"rank\(s\) \[1\] of the gloo weight transfer at 127.0.0.1:\d+ do not hold its "
+                                          r"secret: they are not the trainer and servers that started it"):
+        trainer_side(StrangerInPlaceOfTheServer(), Weights(WEIGHTS))
+    assert time.monotonic() - started < 10
+
+    # (2) the server's worker in a group whose rank 0 is not the trainer (it even shows the right proof: a relay)
+    secret = "ab" * 32
+    listening = rendezvous_socket("127.0.0.1")
+    port = listening.getsockname()[1]
+    server = StandInServer()
+    joining = threading.Thread(target=server.init_weight_transfer_engine, daemon=True,
+                               args=(vars(GlooWeightTransferInitInfo("127.0.0.1", port, 1, 2, 10, secret=secret)),))
+    joining.start()
+    stranger = gloo_group("127.0.0.1", port, 0, 2, 10, listening)
+    check_members(stranger, secret, 0, 2, "127.0.0.1", port)
+    joining.join(timeout=20)
+    update = {"names": ["layer.bias"], "dtype_names": ["float32"], "shapes": [[2]]}
+    planted = torch.tensor([9.0, 9.0])
+
+    def push(tensor: torch.Tensor, code: torch.Tensor) -> list:
+        failures = []
+        receiving = threading.Thread(target=lambda: failures.append(pytest.raises(ConfigError, server.update_weights, update)))
+        receiving.start()
+        stranger.broadcast(tensor, 0).wait()
+        stranger.broadcast(code, 0).wait()
+        receiving.join(timeout=20)
+        return failures
+
+    forged = push(planted, torch.randint(0, 256, (32,), dtype=torch.uint8))
+    assert forged and forged[0].match("the weights of this gloo push are not the trainer's")
+    # the trainer's own push (its code: the secret's), then the same bytes again: a replay
+    authentic = PushAuthenticator(secret, 2)
+    authentic.add("layer.bias", WEIGHTS["layer.bias"])
+    receiving = threading.Thread(target=server.update_weights, args=(update,))
+    receiving.start()
+    stranger.broadcast(WEIGHTS["layer.bias"].clone(), 0).wait()
+    stranger.broadcast(authentic.digest(), 0).wait()
+    receiving.join(timeout=20)
+    assert torch.equal(server.loaded["layer.bias"], WEIGHTS["layer.bias"])
+    replayed = push(WEIGHTS["layer.bias"].clone(), authentic.digest())
+    assert replayed and replayed[0].match("are not the trainer's")
+    server.engine.shutdown()
+    stranger.shutdown()

@@ -15,6 +15,9 @@ silent, refusing, or wrong in one way; where it refuses as vLLM does, it gives v
   and ``/init_weight_transfer_engine`` answers vLLM's 500); ``server_info``: whether it says so at
   ``/server_info`` (False: 404, as a server without the endpoint).
 
+- ``api_key``: the key it asks for, as ``lit-grpo serve`` with ``VLLM_API_KEY`` does, on every path but
+  ``/health`` (None: none); ``authorized`` and ``refused`` count the requests it let through and refused.
+
 ``connections``: the connections it accepted; ``generate_calls``: the generate requests it got.
 Run as a script (``python vllm_server_fake.py [too_long|ok ...]``) it serves until killed, one server
 per word, printing their URLs on one line.
@@ -47,6 +50,8 @@ class FakeVLLMServer(ThreadingHTTPServer):
         self.weight_transfer: str | None = "gloo"
         self.server_info = True
         self.max_model_len = 256
+        self.api_key: str | None = None
+        self.authorized = self.refused = 0
         self.connections = 0
         self.generate_calls = 0
         self.released = threading.Event()  # set at stop: what waits "forever" ends
@@ -90,8 +95,21 @@ class Handler(BaseHTTPRequestHandler):
         self.server.released.wait()
         self.close_connection = True
 
+    def refuses(self, path: str) -> bool:
+        """Whether the request lacks the key the server asks for (then answered 401)."""
+        if self.server.api_key is None or path == "/health":
+            return False
+        if self.headers.get("Authorization") == f"Bearer {self.server.api_key}":
+            self.server.authorized += 1
+            return False
+        self.server.refused += 1
+        self.answer(401, {"error": "Unauthorized"})
+        return True
+
     def do_GET(self) -> None:
         path = urlparse(self.path).path
+        if self.refuses(path):
+            return
         if path == "/health":
             if self.server.health == "silent":
                 return self.silent()
@@ -108,6 +126,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
         path = urlparse(self.path).path
+        if self.refuses(path):
+            return
         if path == "/init_weight_transfer_engine" and self.server.weight_transfer is None:
             return self.answer(500, {"error": {"message": NOT_CONFIGURED, "type": "InternalServerError", "code": 500}})
         if path != "/inference/v1/generate":

@@ -14,6 +14,18 @@ broadcasts, CUDA IPC handles); none runs on the CPU. This module adds the one th
   broadcasts the tensors of a ``WeightSource`` one at a time (a gathered FSDP2 shard, a merged LoRA
   layer: :class:`PolicyWeights`).
 
+Who may take part: the group forms over a TCP store that the trainer serves on the one address it
+chose (:func:`rendezvous_socket`; ``VLLM_HOST_IP`` picks it), each rank's gloo listening on its own
+address toward the trainer, never on every interface. Anyone who reaches that port could still join
+(a TCP store asks no one for anything, and lists its keys), so the trainer gives each server a
+secret of this transfer in the init call, which only the API key lets through
+(:mod:`lit_grpo.engines.vllm_auth`): once the group has formed every rank proves it holds the secret
+(:func:`check_members`), and every push ends with a message authentication code of what it sent,
+keyed by the secret (:class:`PushAuthenticator`), which every worker checks before its server's
+``/update_weights`` answers: a rank that joined without the secret ends the transfer at once, and
+weights that are not the trainer's (injected, replayed) are refused. The weights themselves travel
+unencrypted: the network between trainer and servers must be one no one else is on.
+
 Both register with vLLM's factories through the plugin :mod:`lit_grpo.engines.vllm_plugin` (an
 entry point of lit-grpo, loaded by every vLLM process), so vLLM's own server takes them. Between
 GPUs the same calls use vLLM's ``nccl`` engines; :class:`PolicyWeights` and
@@ -26,10 +38,15 @@ releases they were written for (``SUPPORTED_VLLM``, the bound of ``pyproject.tom
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import queue
+import secrets
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import ClassVar
 
@@ -56,7 +73,6 @@ check_vllm_version(vllm.__version__)
 
 from vllm.distributed.utils import (  # noqa: E402 - after the version check: their layout is what it checks
     stateless_destroy_torch_distributed_process_group,
-    stateless_init_torch_distributed_process_group,
 )
 from vllm.distributed.weight_transfer.base import (  # noqa: E402
     ParamMeta,
@@ -74,7 +90,8 @@ from lit_grpo.engines.vllm_colocated import dropping_log_messages, reprocess_tie
 from lit_grpo.policy_weights import hf_named_weights, hf_weight_shapes  # noqa: E402
 
 __all__ = ["SUPPORTED_VLLM", "ForwardedWeights", "GlooTrainerInitInfo", "GlooTrainerWeightTransferEngine",
-           "GlooWeightTransferEngine", "GlooWeightTransferInitInfo", "PolicyWeights", "check_vllm_version"]
+           "GlooWeightTransferEngine", "GlooWeightTransferInitInfo", "PolicyWeights", "PushAuthenticator", "check_members",
+           "check_vllm_version", "gloo_group", "local_address_toward", "rendezvous_socket"]
 
 
 class PolicyWeights(WeightSource):
@@ -125,12 +142,14 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     timeout_seconds: float = 600.0
+    secret: str = field(default="", repr=False)  # this transfer's, from the trainer (hex): never logged
 
 
 @dataclass
 class GlooTrainerInitInfo(TrainerInitInfo):
     """The trainer's side of :class:`GlooWeightTransferInitInfo` (``rank``: the trainer process's
-    rank in its own run; rank 0 sends)."""
+    rank in its own run; rank 0 sends). ``master_address``: where the trainer serves the group's
+    store (its port: ``master_port``, 0 for any free one)."""
 
     backend: ClassVar[str] = "gloo"
 
@@ -140,10 +159,104 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     timeout_seconds: float = 600.0
 
 
-def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_seconds: float):
-    """A gloo process group of its own (the trainer's default group, if any, is left alone)."""
-    return stateless_init_torch_distributed_process_group(address, port, rank, world_size, "gloo",
-                                                          timeout=timedelta(seconds=timeout_seconds))
+def rendezvous_socket(address: str, port: int = 0) -> socket.socket:
+    """A socket listening on ``address`` only (``port``: 0, any free one), for the group's TCP store:
+    torch's store, given a port, listens on every interface."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listening.bind((address, port))
+        listening.listen()
+    except OSError:
+        listening.close()
+        raise
+    return listening
+
+
+def local_address_toward(address: str) -> str:
+    """This machine's address on the route to ``address`` (``VLLM_HOST_IP`` when set): where its
+    end of the group listens. No packet is sent."""
+    from vllm.envs import VLLM_HOST_IP
+
+    if VLLM_HOST_IP:
+        return VLLM_HOST_IP
+    try:
+        if ipaddress.ip_address(address).is_loopback:
+            return address
+    except ValueError:  # a host name
+        address = socket.getaddrinfo(address, None, proto=socket.IPPROTO_TCP)[0][4][0]
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        return probe.getsockname()[0]
+
+
+def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_seconds: float,
+               listening: socket.socket | None = None):
+    """A gloo process group of its own (the trainer's default group, if any, is left alone), formed
+    over the TCP store at ``address:port``: served from ``listening`` (rank 0's, bound by
+    :func:`rendezvous_socket`), or joined. This rank's gloo listens on its address toward ``address``."""
+    from torch.distributed import PrefixStore, ProcessGroup, ProcessGroupGloo, TCPStore
+
+    timeout = timedelta(seconds=timeout_seconds)
+    if listening is not None:
+        store = TCPStore(address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listening.detach())
+    else:
+        store = TCPStore(address, port, is_master=False, timeout=timeout)
+    store = PrefixStore("lit-grpo-weight-transfer", store)
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_device(hostname=local_address_toward(address))]
+    group = ProcessGroup(store, rank, world_size)
+    backend = ProcessGroupGloo(store, rank, world_size, options)
+    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    backend._set_sequence_number_for_group()
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def proof_of_secret(secret: str, rank: int, world_size: int) -> torch.Tensor:
+    """What rank ``rank`` shows the others: a MAC of its place in the group keyed by the secret. [32] uint8"""
+    digest = hmac.digest(bytes.fromhex(secret), f"lit-grpo weight transfer: rank {rank} of {world_size}".encode(), "sha256")
+    return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+
+
+def check_members(group, secret: str, rank: int, world_size: int, address: str, port: int) -> None:
+    """Every rank shows every other that it holds the transfer's secret; a rank that does not (a
+    third party that reached the store in place of a server) ends the group formation on every rank."""
+    if not secret:
+        raise ConfigError("the trainer sent no secret for the gloo weight transfer: it runs another lit-grpo than "
+                          "this server: install the same on both")
+    shown = [torch.zeros(32, dtype=torch.uint8) for _ in range(world_size)]
+    group.allgather([shown], [proof_of_secret(secret, rank, world_size)]).wait()
+    strangers = [member for member, proof in enumerate(shown)
+                 if not hmac.compare_digest(bytes(proof.tolist()), bytes(proof_of_secret(secret, member, world_size).tolist()))]
+    if strangers:
+        raise ConfigError(
+            f"rank(s) {strangers} of the gloo weight transfer at {address}:{port} do not hold its secret: they are not the "
+            "trainer and servers that started it (someone else reached the rendezvous): keep the network between trainer "
+            "and servers isolated (docs/generation-servers.md)")
+
+
+class PushAuthenticator:
+    """A message authentication code of one push, keyed by the transfer's secret: of the push's
+    number in the group (a replayed push does not pass) and of each tensor's name, dtype, shape and
+    bytes, in order. The sender broadcasts it after the tensors; each worker compares it with its
+    own of what it received."""
+
+    def __init__(self, secret: str, push: int) -> None:
+        self.mac = hashlib.blake2b(key=bytes.fromhex(secret), digest_size=32)
+        self.mac.update(f"push {push}".encode())
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """``tensor``: on the CPU, contiguous."""
+        self.mac.update(f"{name} {tensor.dtype} {list(tensor.shape)}".encode())
+        self.mac.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+
+    def digest(self) -> torch.Tensor:
+        """[32] uint8"""
+        return torch.frombuffer(bytearray(self.mac.digest()), dtype=torch.uint8)
 
 
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):
@@ -155,20 +268,39 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         config = self.parallel_config
         worker_rank = config.data_parallel_index * config.world_size + config.rank  # as vLLM's NCCL engine counts
-        self.model_update_group = gloo_group(init_info.master_address, init_info.master_port,
-                                             init_info.rank_offset + worker_rank, init_info.world_size,
-                                             init_info.timeout_seconds)
+        rank = init_info.rank_offset + worker_rank
+        group = gloo_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                           init_info.timeout_seconds)
+        try:
+            check_members(group, init_info.secret, rank, init_info.world_size, init_info.master_address,
+                          init_info.master_port)
+        except Exception:
+            stateless_destroy_torch_distributed_process_group(group)
+            raise
+        self.model_update_group, self.secret, self.pushes = group, init_info.secret, 0
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # a gloo broadcast has landed when it returns
 
     def receive_weights(self, update_info) -> None:
+        """Each tensor by broadcast from rank 0, loaded as it comes; then the push's MAC, which must
+        be the one of what came (else an error: the server's ``/update_weights`` answers 500, and the
+        trainer finishes no update with these weights)."""
         if self.model_update_group is None:
             raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
+        self.pushes += 1
+        received = PushAuthenticator(self.secret, self.pushes)
         for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
             weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
             self.model_update_group.broadcast(weight, 0).wait()
+            received.add(name, weight)
             self.model.load_weights([(name, weight.to(self.device))])
+        sent = torch.zeros(32, dtype=torch.uint8)
+        self.model_update_group.broadcast(sent, 0).wait()
+        if not hmac.compare_digest(bytes(sent.tolist()), bytes(received.digest().tolist())):
+            raise ConfigError("the weights of this gloo push are not the trainer's (their authentication code is wrong): "
+                              "someone else is on the network between trainer and servers: isolate it "
+                              "(docs/generation-servers.md)")
 
     def finish_weight_update(self) -> None:
         # "X: Failed to load weights": layers with nothing to load (rotary embeddings, a tied head)
@@ -197,14 +329,27 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, packed=False)
         if not engine.is_sender:
             return engine
-        workers = GlooWeightTransferInitInfo(init_info.master_address, init_info.master_port, rank_offset=1,
-                                             world_size=init_info.world_size, timeout_seconds=init_info.timeout_seconds)
+        address = init_info.master_address
+        listening = rendezvous_socket(address, init_info.master_port)  # on that address only; bound before anyone is told
+        port = listening.getsockname()[1]
+        engine.secret, engine.pushes = secrets.token_hex(32), 0  # given to the servers only, in the init call
+        workers = GlooWeightTransferInitInfo(address, port, rank_offset=1, world_size=init_info.world_size,
+                                             timeout_seconds=init_info.timeout_seconds, secret=engine.secret)
+
+        def formed_group():
+            group = gloo_group(address, port, 0, init_info.world_size, init_info.timeout_seconds, listening)
+            try:
+                check_members(group, engine.secret, 0, init_info.world_size, address, port)
+            except Exception:
+                stateless_destroy_torch_distributed_process_group(group)
+                raise
+            return group
+
         # the workers wait in init_weight_transfer_engine for the group: both sides join it together, and a
         # server that refuses the init does not leave the trainer waiting for the group until its timeout
         executor = ThreadPoolExecutor(max_workers=2)
         joined = executor.submit(client.init_weight_transfer_engine, asdict(workers))
-        group = executor.submit(gloo_group, init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                                init_info.timeout_seconds)
+        group = executor.submit(formed_group)
         executor.shutdown(wait=False)
         for done in as_completed([joined, group]):
             done.result()  # the first failure, of either side
@@ -216,8 +361,13 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
             for _ in source:
                 pass
             return
-        for _, tensor in self._checked_iter(source, meta):
-            self.model_update_group.broadcast(tensor.detach().to("cpu").contiguous(), 0).wait()
+        self.pushes += 1
+        sent = PushAuthenticator(self.secret, self.pushes)
+        for name, tensor in self._checked_iter(source, meta):
+            tensor = tensor.detach().to("cpu").contiguous()
+            self.model_update_group.broadcast(tensor, 0).wait()
+            sent.add(name, tensor)
+        self.model_update_group.broadcast(sent.digest(), 0).wait()  # each worker checks it before it answers
 
     def _post_send_sync(self) -> None:
         """Nothing: every broadcast has completed when :meth:`_broadcast` returns."""

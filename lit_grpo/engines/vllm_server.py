@@ -41,6 +41,7 @@ trainer talks to vLLM's own HTTP API, nothing of lit-grpo's:
 from __future__ import annotations
 
 import ipaddress
+import os
 import queue
 import re
 import sys
@@ -55,6 +56,7 @@ import torch
 from transformers import GenerationConfig
 
 from lit_grpo.engines.base import GenerationEngine, agreed_failure, any_rank
+from lit_grpo.engines.vllm_auth import API_KEY_VARIABLE, bearer_header
 from lit_grpo.engines.server_lost import GenerationFailed, GenerationServerLost
 from lit_grpo.engines.vllm_sampling import (
     EngineOutput,
@@ -112,6 +114,8 @@ class VLLMServer:
         self.host = parsed.hostname
         self.timeout = timeout
         self.session = requests.Session()
+        if key := os.environ.get(API_KEY_VARIABLE):  # on every request (lit-grpo serve asks for it on every endpoint)
+            self.session.headers.update(bearer_header(key))
         # one connection per request in flight (requests' default pool keeps 10, and drops the rest),
         # and a few for what goes beside them: the health checks while they run, a weight push's calls
         adapter = HTTPAdapter(pool_maxsize=MAX_CONCURRENT_REQUESTS + 8)
@@ -132,6 +136,10 @@ class VLLMServer:
             raise ServerUnavailable(f"{type(error).__name__}: {_reason(error)}") from error
         if response.status_code >= 500:
             raise ServerUnavailable(f"HTTP {response.status_code}: {response.text[:300]}")
+        if response.status_code == 401:
+            given = "a wrong key" if API_KEY_VARIABLE in os.environ else "no key"
+            raise ConfigError(f"the vLLM server at {self.url} refused {path}: HTTP 401 Unauthorized ({given} in "
+                              f"{API_KEY_VARIABLE}): export {API_KEY_VARIABLE} with the server's key where the trainer runs")
         if response.status_code >= 400:
             raise DataError(f"the vLLM server at {self.url} refused {path}: HTTP {response.status_code} {response.text[:500]}")
         return response.json() if response.content else None
@@ -467,7 +475,7 @@ class VLLMServerEngine(GenerationEngine):
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
         from vllm.utils.network_utils import get_ip, get_open_port
 
-        from lit_grpo.engines.vllm_gloo import GlooTrainerInitInfo, PolicyWeights
+        from lit_grpo.engines.vllm_gloo import GlooTrainerInitInfo, PolicyWeights, local_address_toward
         from lit_grpo.engines.vllm_plugin import register
 
         register()  # vLLM loads plugins in its own processes; this one is the trainer
@@ -477,13 +485,13 @@ class VLLMServerEngine(GenerationEngine):
                 raise self._started_without(server, backend)
         world_sizes = [server.world_size() for server in self.servers]
         self.fleet = ServerFleet(self.servers, world_sizes)
-        loopback = all(_is_loopback(server.host) for server in self.servers)
-        address, port = ("127.0.0.1" if loopback else get_ip()), get_open_port()
+        remote = [server.host for server in self.servers if not _is_loopback(server.host)]
         world_size = 1 + sum(world_sizes)
         if backend == "nccl":
-            init_info = NCCLTrainerInitInfo(address, port, world_size, rank=0)
-        else:
-            init_info = GlooTrainerInitInfo(address, port, world_size, timeout_seconds=self.timeout, rank=0)
+            init_info = NCCLTrainerInitInfo("127.0.0.1" if not remote else get_ip(), get_open_port(), world_size, rank=0)
+        else:  # the group's store listens on this address only (VLLM_HOST_IP, or the route to the servers), any free port
+            address = local_address_toward(remote[0]) if remote else "127.0.0.1"
+            init_info = GlooTrainerInitInfo(address, 0, world_size, timeout_seconds=self.timeout, rank=0)
         try:
             return WeightTransferTrainerFactory.trainer_init(init_info, client=self.fleet,
                                                              source=PolicyWeights(policy, sends=True))
@@ -540,7 +548,7 @@ class VLLMServerEngine(GenerationEngine):
     def _sampling_failure(self, error: Exception) -> GenerationFailed:
         if isinstance(error, GenerationFailed):
             return error
-        if isinstance(error, DataError):  # a request the server refused (4xx): it names the server
+        if isinstance(error, (ConfigError, DataError)):  # a request the server refused (4xx): it names the server
             return GenerationFailed(str(error))
         return GenerationFailed(f"sampling on the vLLM server(s) {self._urls()} failed: {type(error).__name__}: "
                                 f"{_reason(error)}")
