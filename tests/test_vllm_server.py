@@ -714,6 +714,17 @@ def test_the_server_listens_on_loopback_and_refuses_every_endpoint_without_its_k
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
     keyed = requests.get(server.url + "/get_world_size", headers={"Authorization": f"Bearer {SERVER_KEY}"}, timeout=10)
     assert keyed.status_code == 200 and keyed.json()["world_size"] == 1
+    assert SERVER_KEY not in server.log.read_text()  # nor in what it printed
+
+
+def test_serve_on_another_host_without_a_key_is_one_line_saying_how_to_set_it(model_dir):
+    environ = {name: value for name, value in QUIET.items() if name != "VLLM_API_KEY"}
+    refused = subprocess.run([LIT_GRPO, "serve", str(model_dir), "--host", "0.0.0.0"], capture_output=True, text=True,
+                             env=environ, timeout=120)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    said = refused.stderr.strip().splitlines()[-1]
+    assert said.startswith("error: lit-grpo serve --host 0.0.0.0: without an API key anyone who reaches this server can "
+                           "replace its weights and pause it: export VLLM_API_KEY="), said
 
 
 class StandInServer:

