@@ -1,7 +1,8 @@
 """vLLM servers as the generation engine (``lit_grpo.engines.vllm_server``), run for real on the CPU.
 
 Servers are started by the tests (``lit-grpo serve`` on a free loopback port, vLLM's CPU build, one
-thread each) and always stopped (their whole process group). One server serves most tests; a second
+thread each, asking for an API key that the trainers here send) and always stopped (their whole
+process group). One server serves most tests; a second
 one the two-server run and the server killed mid-run. Like tests/test_vllm.py these run in the
 environment of the README's vLLM block and fail, rather than skip, without vLLM there when
 ``LIT_GRPO_REQUIRE_VLLM=1``.
@@ -11,7 +12,9 @@ weights (a colocated engine in a subprocess: one vLLM engine per process); pushe
 merged, reach it, each completion labelled with the weights' version; ``lit-grpo fit`` learns through
 it with one training process and with two (one server, two servers); a server killed mid-run stops
 the run with a checkpoint and one line, and a restarted server and ``--ckpt_path last`` give the run
-an uninterrupted one gives; an address where no server answers is one line naming it.
+an uninterrupted one gives; an address where no server answers is one line naming it. Issue 50: the
+server listens on 127.0.0.1 and refuses every endpoint without its key; the weight transfer's
+rendezvous listens on its address only, and a stranger who reaches it can neither join nor push.
 """
 
 from __future__ import annotations
@@ -715,6 +718,20 @@ def test_the_server_listens_on_loopback_and_refuses_every_endpoint_without_its_k
     keyed = requests.get(server.url + "/get_world_size", headers={"Authorization": f"Bearer {SERVER_KEY}"}, timeout=10)
     assert keyed.status_code == 200 and keyed.json()["world_size"] == 1
     assert SERVER_KEY not in server.log.read_text()  # nor in what it printed
+
+
+def test_serve_echoes_its_command_without_the_key_it_hands_the_server(monkeypatch, capsys):
+    """Issue 50.4: what ``lit-grpo serve`` prints of the command it runs holds no secret (--api-key goes to
+    the server in VLLM_API_KEY, off its command line; another secret option is shown as ***)."""
+    from lit_grpo.engines import vllm_serve
+
+    run = {}
+    monkeypatch.setattr(vllm_serve.os, "execve", lambda path, command, environ: run.update(command=command, environ=environ))
+    monkeypatch.delenv("VLLM_API_KEY")
+    vllm_serve.serve_main(["MODEL", "--api-key", "key-0123", "--hf-token", "hf_0123", "--host", "10.0.0.7"])
+    echoed = capsys.readouterr().err
+    assert echoed.startswith("lit-grpo serve: -m vllm.entrypoints") and "--hf-token ***" in echoed
+    assert "0123" not in echoed and "key-0123" not in run["command"] and run["environ"]["VLLM_API_KEY"] == "key-0123"
 
 
 def test_serve_on_another_host_without_a_key_is_one_line_saying_how_to_set_it(model_dir):

@@ -71,10 +71,7 @@ def check_vllm_version(installed: str) -> None:
 
 check_vllm_version(vllm.__version__)
 
-from vllm.distributed.utils import (  # noqa: E402 - after the version check: their layout is what it checks
-    stateless_destroy_torch_distributed_process_group,
-)
-from vllm.distributed.weight_transfer.base import (  # noqa: E402
+from vllm.distributed.weight_transfer.base import (  # noqa: E402 - after the version check: their layout is what it checks
     ParamMeta,
     TrainerInitInfo,
     VLLMWeightSyncClient,
@@ -193,10 +190,11 @@ def local_address_toward(address: str) -> str:
 
 def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_seconds: float,
                listening: socket.socket | None = None):
-    """A gloo process group of its own (the trainer's default group, if any, is left alone), formed
-    over the TCP store at ``address:port``: served from ``listening`` (rank 0's, bound by
-    :func:`rendezvous_socket`), or joined. This rank's gloo listens on its address toward ``address``."""
-    from torch.distributed import PrefixStore, ProcessGroup, ProcessGroupGloo, TCPStore
+    """A gloo group of its own (torch's gloo backend, not registered: the trainer's default group, if
+    any, is left alone; ``.shutdown()`` ends it), formed over the TCP store at ``address:port``: served
+    from ``listening`` (rank 0's, bound by :func:`rendezvous_socket`), or joined. This rank's gloo
+    listens on its address toward ``address``."""
+    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
     timeout = timedelta(seconds=timeout_seconds)
     if listening is not None:
@@ -208,12 +206,7 @@ def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_seco
     options = ProcessGroupGloo._Options()
     options._timeout = timeout
     options._devices = [ProcessGroupGloo.create_device(hostname=local_address_toward(address))]
-    group = ProcessGroup(store, rank, world_size)
-    backend = ProcessGroupGloo(store, rank, world_size, options)
-    group._set_default_backend(ProcessGroup.BackendType.GLOO)
-    backend._set_sequence_number_for_group()
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
-    return group
+    return ProcessGroupGloo(store, rank, world_size, options)
 
 
 def proof_of_secret(secret: str, rank: int, world_size: int) -> torch.Tensor:
@@ -275,7 +268,7 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
             check_members(group, init_info.secret, rank, init_info.world_size, init_info.master_address,
                           init_info.master_port)
         except Exception:
-            stateless_destroy_torch_distributed_process_group(group)
+            group.shutdown()
             raise
         self.model_update_group, self.secret, self.pushes = group, init_info.secret, 0
 
@@ -311,7 +304,7 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
 
     def shutdown(self) -> None:
         if self.model_update_group is not None:
-            stateless_destroy_torch_distributed_process_group(self.model_update_group)
+            self.model_update_group.shutdown()
             self.model_update_group = None
 
 
@@ -341,7 +334,7 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
             try:
                 check_members(group, engine.secret, 0, init_info.world_size, address, port)
             except Exception:
-                stateless_destroy_torch_distributed_process_group(group)
+                group.shutdown()
                 raise
             return group
 
@@ -375,5 +368,5 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
 
     def shutdown(self) -> None:
         if self.model_update_group is not None:
-            stateless_destroy_torch_distributed_process_group(self.model_update_group)
+            self.model_update_group.shutdown()
             self.model_update_group = None
