@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 _PYTHON_LANGS = {"", "python", "py", "python3", "py3"}
 # The two kinds of fence line, each matched within one line and anchored at its start: an opening
 # fence (its language tag is the first group; anything may follow on the line) and a closing fence
-# (three backquotes alone, with spaces or tabs around). Neither can backtrack beyond its own line.
+# (three backquotes alone, with spaces or tabs around, and the \r of a \r\n line ending). Neither
+# can backtrack beyond its own line.
 _OPENING_FENCE = re.compile(r"[ \t]*```[ \t]*([A-Za-z0-9_+.#-]*)")
-_CLOSING_FENCE = re.compile(r"[ \t]*```[ \t]*")
+_CLOSING_FENCE = re.compile(r"[ \t]*```[ \t]*\r?")
 
 
 def extract_code(text: str) -> str:
@@ -38,7 +39,8 @@ def extract_code(text: str) -> str:
     An opening fence is a line starting with three backquotes (after spaces or tabs), its language
     tag right after; the block runs up to the next line that is only a closing fence or, for a
     completion cut off by the length limit, to the end of the text. Blocks tagged with another
-    language (```bash, ```text) are skipped.
+    language (```bash, ```text) are skipped. Lines may end in ``\n`` or ``\r\n``; the program is
+    returned with ``\n`` line endings.
 
     It runs on model text in the training process, so it reads the text line by line, each line at
     most twice: linear in the length of the completion, whatever the completion holds.
@@ -68,7 +70,7 @@ def extract_code(text: str) -> str:
             blocks.append(text[body_start:body_end])
     if not blocks:
         return text
-    return textwrap.dedent(blocks[-1])
+    return textwrap.dedent(blocks[-1].replace("\r\n", "\n"))  # (dedent sees "\r" as indented text)
 
 
 def _as_text(value: Any) -> str:

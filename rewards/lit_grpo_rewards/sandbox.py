@@ -169,6 +169,11 @@ LAYERS = {
                "at a path, SysV shared memory, memfd, the kernel keyring, user namespaces, ptrace, ...)",
     "cgroup": "the sandbox's cgroup: memory is bounded per process only (memory_mb for each of up to "
               "max_processes processes), not for the sandbox as a whole",
+    "disk_read_limit": "the cgroup's limit on disk reads: a program that reads more of the machine's files "
+                       "than its memory holds reads them from the disk on every pass, at the disk's full "
+                       "speed, ahead of the trainer's checkpoints and data",
+    "oom_first": "the out-of-memory killer's preference for the sandbox: when the machine runs out of memory "
+                 "the kernel kills the largest process, the trainer, before a sandbox",
     "network_namespace": "the network namespace: only the system-call filter keeps the program off the network",
     "pid_namespace": "the PID namespace: the program sees the machine's processes and may outlive its "
                      "runner until the final sweep",
@@ -369,6 +374,24 @@ def _wait(proc: subprocess.Popen, timeout: float) -> bool:
         os.close(pidfd)
 
 
+#: oom_score_adj of every sandbox process: the most, so that the kernel's out-of-memory killer takes a
+#: sandbox before anything else on the machine. By size alone (its ranking) the largest process dies
+#: first: the trainer (gigabytes), not a sandbox holding up to memory_mb in each of max_processes
+#: processes, where no cgroup bounds the whole, or many sandboxes at once.
+OOM_SCORE_ADJ = 1000
+
+
+def _kill_first_when_out_of_memory(pid: int) -> bool:
+    """Make process ``pid`` (and what it starts) the out-of-memory killer's first choice; False if the
+    kernel refused. Raising it needs no privilege."""
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write(str(OOM_SCORE_ADJ))
+        return True
+    except OSError:
+        return False
+
+
 def _read_tail(f, limit: int) -> bytes:
     try:
         f.seek(0, os.SEEK_END)
@@ -387,11 +410,24 @@ def _read_head(f, limit: int) -> bytes:
         return b""
 
 
+def _memory_file(name: str):
+    """An anonymous file in memory (``memfd``; else an unlinked file on ``/dev/shm``), open for reading
+    and writing: the sandbox's stdin, stdout, stderr and result files. Never a file of the scoring
+    process's disk: the program could make that disk work for it (``fdatasync`` on its stdout, a
+    reopening with ``O_SYNC``), and its pages are dirty page cache the disk must absorb. The size is
+    bounded by RLIMIT_FSIZE (``max_output_bytes``) like any file the sandbox writes; its pages are
+    charged to the sandbox's cgroup, which writes them."""
+    try:
+        fd = os.memfd_create(f"lit-grpo-sandbox-{name}", os.MFD_CLOEXEC)  # no MFD_ALLOW_SEALING: no seals
+    except (AttributeError, OSError):
+        return tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    return open(fd, "w+b")
+
+
 def _read_only_file(data: bytes):
-    """``data`` in an anonymous file, open for reading only, and readable only (mode 0400): the program's
-    stdin. Neither that descriptor nor a reopening of it (``/proc/self/fd/0``) can write to the
-    scoring process's disk."""
-    with tempfile.TemporaryFile() as f:
+    """``data`` in an anonymous memory file, open for reading only, and readable only (mode 0400): the
+    program's stdin. Neither that descriptor nor a reopening of it (``/proc/self/fd/0``) can write."""
+    with _memory_file("stdin") as f:
         f.write(data)
         f.flush()
         os.fchmod(f.fileno(), 0o400)
@@ -437,7 +473,7 @@ def _warn_missing(layers: dict, without: frozenset[str], cgroup_reason: str) -> 
     if not layers:
         return
     for name, loss in LAYERS.items():
-        if name in without or name == "final_sweep":
+        if name in without or name == "final_sweep" or (name == "disk_read_limit" and not layers.get("cgroup")):
             continue
         present = layers.get(name)
         if name == "seccomp":
@@ -517,7 +553,8 @@ def run_in_sandbox(
         if "cgroup" not in without:
             try:
                 box.cgroup = _sandbox_cgroup.create(
-                    nonce, (int(memory_mb) + SANDBOX_OVERHEAD_MB) * 1024 * 1024, int(max_processes) + 1)
+                    nonce, (int(memory_mb) + SANDBOX_OVERHEAD_MB) * 1024 * 1024, int(max_processes) + 1,
+                    limit_disk_reads="disk_read_limit" not in without)
             except OSError as exc:
                 cgroup_reason = str(exc)
         job_path = os.path.join(workdir, f".job-{nonce}.json")
@@ -538,8 +575,8 @@ def run_in_sandbox(
         with os.fdopen(fd, "wb") as f:
             f.write(marshal.dumps(job, 4))  # format 4: read by any Python >= 3.4
 
-        def tmpfile():
-            f = tempfile.TemporaryFile()
+        def memory_file(name):
+            f = _memory_file(name)
             files.append(f)
             return f
 
@@ -547,17 +584,17 @@ def run_in_sandbox(
         if tests is None:
             stdin_f = _read_only_file(stdin.encode() if isinstance(stdin, str) else (stdin or b""))
             files.append(stdin_f)
-            stdout_f = tmpfile()
+            stdout_f = memory_file("stdout")
         else:
             stdin_f = subprocess.DEVNULL
             stdout_f = subprocess.DEVNULL
-            tests_f = tmpfile()  # read by the judge only, after the program process exists
+            tests_f = memory_file("tests")  # read by the judge only, after the program process exists
             tests_f.write(marshal.dumps([str(t) for t in tests], 4))
             tests_f.flush()
             tests_f.seek(0)
             tests_fd = tests_f.fileno()
-        stderr_f = tmpfile()
-        result_f = tmpfile()
+        stderr_f = memory_file("stderr")
+        result_f = memory_file("result")
         go_read, go_write = os.pipe()
         pipe_ends = [go_read, go_write]
         env = {
@@ -575,8 +612,10 @@ def run_in_sandbox(
         )
         os.close(go_read)
         pipe_ends.remove(go_read)
-        # Into the cgroup while the runner starts its interpreter; it waits for the answer before it
-        # does anything else. (cgroup v1 migration waits out an RCU grace period: ~10 ms of latency.)
+        # First to die when the machine runs out of memory (every process of the sandbox inherits it),
+        # and into the cgroup, while the runner starts its interpreter; it waits for the answer before
+        # it does anything else. (cgroup v1 migration waits out an RCU grace period: ~10 ms.)
+        oom_first = "oom_first" not in without and _kill_first_when_out_of_memory(box.proc.pid)
         joined = box.cgroup is not None and box.cgroup.add(box.proc.pid)
         try:
             os.write(go_write, b"1" if joined else b"0")
@@ -594,6 +633,9 @@ def run_in_sandbox(
             pass
         n = len(tests) if tests is not None else 0
         results, done, layers = _parse_results(_read_head(result_f, 1 << 20), nonce, n)
+        if layers:  # the scoring process's own layers, beside the sandbox's report
+            layers["oom_first"] = oom_first
+            layers["disk_read_limit"] = box.cgroup is not None and box.cgroup.disk_reads_limited
         _warn_missing(layers, without, cgroup_reason or _sandbox_cgroup.support().reason)
         return SandboxResult(
             returncode=box.proc.returncode,

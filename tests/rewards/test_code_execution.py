@@ -101,6 +101,15 @@ def test_fenced_block_extraction(sandbox_tmp):
     assert code_execution([text], test_cases=[ADD_TESTS]) == [1.0]
 
 
+def test_completions_with_windows_line_endings(sandbox_tmp):
+    """A completion whose lines end in \r\n (issue 50.11: the closing fence ```\r was not seen, the
+    block ran to the end of the text and a correct program scored 0)."""
+    text = "Here:\r\n```python\r\ndef add(a, b):\r\n\r\n    return a + b\r\n```\r\nDone, see above.\r\n"
+    assert extract_code(text) == "def add(a, b):\n\n    return a + b\n"
+    assert extract_code("  ```py\r\n  y = 2\r\n\r\n  z = 3\r\n  ```\r\n") == "y = 2\n\nz = 3\n"
+    assert code_execution([text], test_cases=[ADD_TESTS]) == [1.0]
+
+
 _OLD_FENCE_RE = re.compile(  # extract_code's regular expression before issue 46 (quadratic on "```---...")
     r"^[ \t]*```[ \t]*([A-Za-z0-9_+.#-]*)[^\n]*\n(.*?)(?:^[ \t]*```[ \t]*$|\Z)", re.MULTILINE | re.DOTALL
 )
@@ -108,11 +117,14 @@ _OLD_FENCE_RE = re.compile(  # extract_code's regular expression before issue 46
 
 def test_fenced_block_extraction_reads_what_the_regular_expression_read():
     """The line scanner against the regular expression it replaced, on random short texts made of
-    fences, tags, indentation and line breaks (where the regular expression is quick)."""
+    fences, tags, indentation and line breaks (where the regular expression is quick); since issue
+    50.11 a closing fence may end in the \r of a \r\n line ending, and a block's \r\n become \n."""
+    crlf_fence_re = re.compile(_OLD_FENCE_RE.pattern.replace("```[ \\t]*$", "```[ \\t]*\\r?$"), _OLD_FENCE_RE.flags)
+
     def old_extract_code(text):
         python = {"", "python", "py", "python3", "py3"}
-        blocks = [body for lang, body in _OLD_FENCE_RE.findall(text) if lang.lower() in python]
-        return textwrap.dedent(blocks[-1]) if blocks else text
+        blocks = [body for lang, body in crlf_fence_re.findall(text) if lang.lower() in python]
+        return textwrap.dedent(blocks[-1].replace("\r\n", "\n")) if blocks else text
 
     pieces = ["```", "```python", "```bash", "```Py3 x", "\n", "\n", "\n", " ", "\t", "x = 1", "````", "`", "-", "\r"]
     rng = random.Random(46)

@@ -84,7 +84,8 @@ def test_every_other_syscall_number_is_refused(arch):
     """Deny by default, exhaustively: every number up to 1023 that is not listed is refused."""
     _, audit_arch, numbers, program = arch
     listed = {numbers[n] for n in _sandbox_seccomp.ALLOWED if n in numbers}
-    checked = {numbers[n] for n in list(_sandbox_seccomp.ARG_RULES) + list(_sandbox_seccomp.REFUSED_WITH)}
+    checked = {numbers[n] for n in list(_sandbox_seccomp.ARG_RULES) + list(_sandbox_seccomp.REFUSED_WITH)
+               if n in numbers}  # (``open`` is x86_64's alone)
     for nr in range(1024):
         if nr not in listed | checked:
             assert run_filter(program, audit_arch, nr) == errno.EPERM, nr
