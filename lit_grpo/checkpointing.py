@@ -18,6 +18,10 @@ weights and the optimizer are not enough to continue a run exactly. A lit-grpo c
 
 Checkpoints are written by :class:`AtomicCheckpointIO`, so a crash while writing leaves the previous
 checkpoint intact, and a write that fails (a full disk) ends the run with one line naming the file.
+Checkpoints are read only from local files and with ``weights_only=True`` (:func:`load_checkpoint_file`;
+``AtomicCheckpointIO.load_checkpoint`` for a resume): a checkpoint is a pickle, and one that holds
+anything but tensors and plain values (which is all a lit-grpo checkpoint holds) could run code as it
+loads, so it is refused, in one line naming the file.
 :func:`configure_checkpointing` gives the ``lit-grpo`` command these by default, together with a
 ``ModelCheckpoint`` that keeps a rolling ``last.ckpt`` in the run's directory, which ``lit-grpo fit
 --config ... --ckpt_path last`` resumes in (:mod:`lit_grpo.runs`), and the checkpoints between its
@@ -29,9 +33,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 import random
+import re
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +53,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lit_grpo.errors import ConfigError, WriteError, os_error_in
+from lit_grpo.errors import ConfigError, ModelLoadError, WriteError, os_error_in
 from lit_grpo.preemption import (
     DEFAULT_CHECKPOINT_EVERY_N_MINUTES,
     DEFAULT_STOP_SIGNALS,
@@ -58,12 +66,15 @@ __all__ = [
     "AtomicCheckpointIO",
     "RNGStateCheckpoint",
     "ResumableDataLoader",
+    "UnsafeCheckpointError",
     "capture_rng_states",
+    "check_local_checkpoint",
     "check_no_weight_left_behind",
     "check_resumed_partition",
     "check_same_partition",
     "configure_checkpointing",
     "is_class_config",
+    "load_checkpoint_file",
     "restore_rng_states",
 ]
 
@@ -295,6 +306,75 @@ class ResumableDataLoader(DataLoader):
 
 
 # ----------------------------------------------------------------------------------------------
+# Reading checkpoints safely
+# ----------------------------------------------------------------------------------------------
+
+
+def check_local_checkpoint(path, what: str = "--ckpt_path") -> None:
+    """Refuse a checkpoint named by a URL or a remote file system path (``https://``, ``s3://``): checkpoints
+    are read from local files only, before anything is downloaded or loaded."""
+    if "://" in str(path):
+        raise ConfigError(
+            f"{what} {path}: lit-grpo reads checkpoints from local files only (a checkpoint is a pickle, and one "
+            "fetched from elsewhere as it loads is not one to trust); download it, check where it comes from, and "
+            "give the local file"
+        )
+
+
+def load_checkpoint_file(path, map_location: Any = "cpu") -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)``: tensors and plain Python values, all that a lit-grpo
+    checkpoint holds. A file holding other objects (which unpickling could run as code) is refused with
+    an :class:`UnsafeCheckpointError` naming the file and the object."""
+    with refusing_unsafe_checkpoints(path):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
+class UnsafeCheckpointError(ModelLoadError):
+    """A checkpoint that holds Python objects other than tensors and plain values."""
+
+
+@contextmanager
+def refusing_unsafe_checkpoints(path) -> Iterator[None]:
+    """Turn the ``pickle.UnpicklingError`` of a ``weights_only`` load into an :class:`UnsafeCheckpointError`:
+    one line naming the checkpoint and the object it would have built."""
+    try:
+        yield
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL (\S+)", str(error))
+        what = f"a Python object ({found.group(1)})" if found else "Python objects"
+        raise UnsafeCheckpointError(
+            f"{path} holds {what} that loading would run as code, not only tensors and plain values as lit-grpo's "
+            "checkpoints do; refused (it was not loaded). Use a checkpoint written by lit-grpo fit"
+        ) from None
+
+
+class ShardMetadataUnpickler(pickle.Unpickler):
+    """Reads the ``.metadata`` of a sharded checkpoint (``torch.distributed.checkpoint``) building only the
+    objects it holds: DCP's metadata records, torch dtypes and sizes, paths."""
+
+    MODULES = frozenset({"torch.distributed.checkpoint.metadata"})  # DCP's records (dataclasses)
+    GLOBALS = frozenset({("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                         ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
+                         ("torch.distributed.checkpoint.filesystem", "_StorageInfo")})
+
+    def find_class(self, module: str, name: str) -> Any:
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module in self.MODULES or (module, name) in self.GLOBALS or is_dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"Unsupported GLOBAL {module}.{name}")
+
+
+def check_shard_metadata(directory: Path) -> None:
+    """``torch.distributed.checkpoint`` reads a sharded checkpoint's ``.metadata`` with a plain ``pickle.load``,
+    which runs whatever code a crafted file names: read it first with :class:`ShardMetadataUnpickler`, so
+    that such a file is refused (:class:`UnsafeCheckpointError`) before it is loaded."""
+    metadata = Path(directory) / ".metadata"
+    if metadata.is_file():
+        with refusing_unsafe_checkpoints(metadata), metadata.open("rb") as file:
+            ShardMetadataUnpickler(file).load()
+
+
+# ----------------------------------------------------------------------------------------------
 # Writing checkpoints atomically
 # ----------------------------------------------------------------------------------------------
 
@@ -317,7 +397,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     A temporary file left behind by a crash (``.NAME.*.tmp``) is removed by the next save of ``NAME``.
     A write that fails (a full disk, a quota, a lost mount) removes its temporary file and raises a
     :class:`~lit_grpo.errors.WriteError` naming the checkpoint: one line from ``lit-grpo``.
+
+    A resume reads a local file only, with ``weights_only=True`` whatever the caller asked for
+    (``None``, the default, would follow ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``); ``weights_only=False``
+    is refused (:func:`load_checkpoint_file`).
     """
+
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if weights_only is False:
+            raise ConfigError(
+                f"weights_only=False would let the checkpoint {path} run code as it loads; lit-grpo's checkpoints "
+                "load with weights_only=True (leave it unset)"
+            )
+        check_local_checkpoint(path)
+        with refusing_unsafe_checkpoints(path):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=True)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if not isinstance(get_filesystem(path), LocalFileSystem):

@@ -28,18 +28,25 @@ import shlex
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple
+from lightning.pytorch.cli import LightningCLI, LRSchedulerTypeTuple, SaveConfigCallback
 
 from lit_grpo import plugins
-from lit_grpo.checkpointing import configure_checkpointing, is_class_config
+from lit_grpo.checkpointing import (
+    check_local_checkpoint,
+    configure_checkpointing,
+    is_class_config,
+    load_checkpoint_file,
+)
 from lit_grpo.config_files import config_files, find_key, find_syntax_error
 from lit_grpo.errors import ConfigError, UserError
 from lit_grpo.plugins import RewardInfo
 from lit_grpo.preemption import StoppedBySignal
+from lit_grpo.redaction import REDACTED, is_secret_name, redact_secrets, restore_redacted
 from lit_grpo.runs import place_run, resume_config_name
 from lit_grpo.trl_names import trl_hint
 
@@ -58,6 +65,27 @@ def default_logger(default_root_dir: str | None) -> Namespace:
     )
 
 
+def redacted_config(value: Any, secret: bool = False) -> Any:
+    """A copy of a parsed configuration (jsonargparse ``Namespace``s, lists, dicts, values) with its secrets
+    redacted (:func:`lit_grpo.redaction.redact_secrets`; ``secret``: ``value`` is under a secret name)."""
+    if isinstance(value, Namespace):
+        copy = value.clone()
+        for name, item in vars(value).items():
+            setattr(copy, name, redacted_config(item, secret or is_secret_name(name)))
+        return copy
+    if isinstance(value, list):
+        return [redacted_config(item, secret) for item in value]
+    return redact_secrets(value, secret)
+
+
+class SaveRedactedConfig(SaveConfigCallback):
+    """Lightning's ``SaveConfigCallback`` (the run's ``config.yaml``), writing the configuration with its
+    secrets redacted (:mod:`lit_grpo.redaction`); the run itself keeps the real values."""
+
+    def __init__(self, parser, config: Namespace, *args, **kwargs) -> None:
+        super().__init__(parser, redacted_config(config), *args, **kwargs)
+
+
 class GRPOCLI(LightningCLI):
     """LightningCLI with two adaptations for GRPO.
 
@@ -73,6 +101,10 @@ class GRPOCLI(LightningCLI):
     and the ``RNGStateCheckpoint`` callback that ``GRPOModule.configure_callbacks`` always adds).
     Lightning's ``ModelParallelStrategy`` runs as ``lit_grpo.distributed.ModelParallelStrategy``,
     whose sharded checkpoints are replaced atomically too.
+
+    What a run writes holds no secret (:mod:`lit_grpo.redaction`): ``config.yaml`` is saved redacted
+    (:class:`SaveRedactedConfig`), as are the module's hyperparameters in checkpoints and logs. A checkpoint
+    is read from a local file with ``weights_only=True`` only (:func:`lit_grpo.checkpointing.load_checkpoint_file`).
     """
 
     def __init__(self, *args, parser_kwargs: dict | None = None, **kwargs) -> None:
@@ -92,6 +124,33 @@ class GRPOCLI(LightningCLI):
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as error:
             raise ConfigError(explain_parse_error(str(error), parser, args)) from error
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's: a checkpoint file's hyperparameters over the parsed ``model:`` configuration; except
+        that the file is read as every checkpoint is (local, ``weights_only``: one line for any other) and
+        that a value redacted when it was written (a secret) is the one the configuration gives now."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path is None:
+            return
+        check_local_checkpoint(ckpt_path)
+        if not Path(ckpt_path).is_file():  # "last", or a sharded checkpoint's directory: as Lightning
+            return
+        hparams = load_checkpoint_file(ckpt_path).get("hyper_parameters", {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        given = self.config[subcommand].model.as_dict()
+        try:
+            hparams = restore_redacted(hparams, given)
+        except LookupError as missing:
+            raise ConfigError(
+                f"--ckpt_path {ckpt_path}: the checkpoint's model.{missing} was written {REDACTED} (a secret is never "
+                "written); give it in the configuration, as when the run started"
+            ) from None
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
 
     def add_arguments_to_parser(self, parser) -> None:
         # The top-level optimizer:/lr_scheduler: blocks are handed to the module as factories, so
@@ -115,6 +174,7 @@ class GRPOCLI(LightningCLI):
         if self.subcommand in (None, "fit"):
             configure_checkpointing(config.trainer)
             use_step_progress_bar(config.trainer)
+        load_weights_only(config)
         resumed_run = place_run(config, self.subcommand)  # the run's directory; --ckpt_path last
         if resumed_run is not None:  # config.yaml keeps how the run started
             self.save_config_kwargs["config_filename"] = resume_config_name(resumed_run)
@@ -131,6 +191,18 @@ class GRPOCLI(LightningCLI):
         config.model.max_grad_norm = float(clip_value)
         config.trainer.gradient_clip_val = None
         config.trainer.gradient_clip_algorithm = None
+
+
+def load_weights_only(config) -> None:
+    """``weights_only: true`` for the checkpoint a ``fit``/``validate`` resumes from (Lightning's default, None,
+    follows ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``): tensors and plain values, as lit-grpo writes them, and
+    no code run by loading; ``false`` is refused."""
+    if "weights_only" not in config:
+        return
+    if config.weights_only is False:
+        raise ConfigError("--weights_only false would let a checkpoint run code as it loads; lit-grpo's checkpoints "
+                          "load with weights_only: true (leave it unset)")
+    config.weights_only = True
 
 
 def reward_file_beside_config(name: str, config_dirs: list[Path]) -> str:
@@ -252,7 +324,8 @@ def run_cli(args: list[str] | None = None, run: bool = True) -> GRPOCLI:
     from lit_grpo.data import GRPODataModule
     from lit_grpo.module import GRPOModule
 
-    return GRPOCLI(GRPOModule, GRPODataModule, save_config_kwargs={"overwrite": True}, args=args, run=run)
+    return GRPOCLI(GRPOModule, GRPODataModule, save_config_callback=SaveRedactedConfig,
+                   save_config_kwargs={"overwrite": True}, args=args, run=run)
 
 
 class CommandParser(argparse.ArgumentParser):

@@ -32,7 +32,7 @@ from lightning.pytorch.strategies import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from lit_grpo.checkpointing import fsync_directory
+from lit_grpo.checkpointing import check_shard_metadata, fsync_directory
 from lit_grpo.errors import ConfigError
 
 __all__ = [
@@ -289,4 +289,5 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         if self.is_global_zero:
             recover_interrupted_replace(path)
         self.barrier()
-        return super().load_checkpoint(path, weights_only=weights_only)
+        check_shard_metadata(path)  # torch.distributed.checkpoint unpickles it as it is: a crafted one refused first
+        return super().load_checkpoint(path, weights_only=True)  # meta.pt: tensors and plain values only

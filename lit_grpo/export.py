@@ -7,6 +7,8 @@ Two ways in, one way out:
   adapter directory into its base model, :func:`merge_adapter_directory`);
 - the :class:`ExportOnFitEnd` callback exports the policy in memory when ``trainer.fit`` ends.
 
+A checkpoint is read from a local file with ``weights_only=True``
+(:func:`lit_grpo.checkpointing.load_checkpoint_file`): one holding other Python objects is refused.
 Both rebuild the policy from the module's hyperparameters exactly as training built it
 (:func:`lit_grpo.models.build_policy`: ``model_name_or_path``, ``model_init_kwargs``, ``lora``),
 load the trained weights into it, and write it (:func:`export_policy`). A LoRA policy is written
@@ -35,7 +37,14 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import AutoTokenizer
 
 from lit_grpo import models
+from lit_grpo.checkpointing import (
+    UnsafeCheckpointError,
+    check_local_checkpoint,
+    check_shard_metadata,
+    load_checkpoint_file,
+)
 from lit_grpo.errors import ConfigError, FileInTheWayError, MissingFileError, ModelLoadError
+from lit_grpo.redaction import without_redacted
 
 __all__ = ["ExportOnFitEnd", "export_checkpoint", "export_policy", "rebuild_policy"]
 
@@ -54,6 +63,7 @@ def export_checkpoint(
         ValueError: the file or directory is not a GRPOModule checkpoint, or ``merge_lora=False``
             without LoRA.
     """
+    check_local_checkpoint(checkpoint_path, what="checkpoint")
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.exists():
         raise MissingFileError(f"checkpoint {str(checkpoint_path)!r} does not exist")
@@ -65,11 +75,11 @@ def export_checkpoint(
     if checkpoint_path.is_dir():
         checkpoint = load_sharded_policy_checkpoint(checkpoint_path)
     else:
-        try:
-            # weights_only=False: the hyperparameters hold plain Python objects (reward specs); a checkpoint
-            # is trusted input, like the Lightning checkpoints `trainer.fit(ckpt_path=...)` resumes from.
-            checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-        except Exception as exc:  # pickle, zip and EOF errors alike: not a torch checkpoint
+        try:  # weights_only: a file holding other objects than tensors and plain values is refused, not run
+            checkpoint = load_checkpoint_file(checkpoint_path)
+        except UnsafeCheckpointError:
+            raise
+        except Exception as exc:  # zip and EOF errors alike: not a torch checkpoint
             raise ModelLoadError(
                 f"{str(checkpoint_path)!r} is not a checkpoint: torch.load failed ({type(exc).__name__}: "
                 f"{' '.join(str(exc).split())[:120]}); export takes a .ckpt file written by lit-grpo fit, its "
@@ -86,7 +96,9 @@ def export_checkpoint(
         for key, value in checkpoint["state_dict"].items()
         if key.startswith(POLICY_PREFIX)
     }
-    return export_policy(hparams, policy_state, output_dir, merge_lora=merge_lora, overwrite=overwrite)
+    # a secret was redacted when the checkpoint was written (lit_grpo.redaction): left out here, so that the
+    # library finds it itself (a gated model's token: huggingface_hub reads HF_TOKEN or the login's)
+    return export_policy(without_redacted(hparams), policy_state, output_dir, merge_lora=merge_lora, overwrite=overwrite)
 
 
 def merge_adapter_directory(adapter_dir: Path, output_dir: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -115,6 +127,7 @@ def load_sharded_policy_checkpoint(path: Path) -> dict[str, Any]:
             f"checkpoint {str(path)!r} is a directory but not a sharded Lightning checkpoint "
             "(it needs the shards' .metadata and Lightning's meta.pt)"
         )
+    check_shard_metadata(path)  # DCP unpickles it as it is: refused first if it holds other objects
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata  # flattened keys
     prefix = "state_dict." + POLICY_PREFIX
     policy_state = {
@@ -124,7 +137,7 @@ def load_sharded_policy_checkpoint(path: Path) -> dict[str, Any]:
     }
     shards = {"state_dict": policy_state}
     load_shards(shards, checkpoint_id=str(path), no_dist=True)  # fills the tensors in place
-    checkpoint = torch.load(meta_file, map_location="cpu", weights_only=False)  # trusted, as above
+    checkpoint = load_checkpoint_file(meta_file)  # weights_only, as above
     checkpoint["state_dict"] = shards["state_dict"]
     return checkpoint
 

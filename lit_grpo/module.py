@@ -70,7 +70,7 @@ from lit_grpo.rollout import (
     rollout_statistics,
     score_groups,
 )
-from lit_grpo.python_objects import save_settings
+from lit_grpo.python_objects import RedactedSettings, save_settings
 from lit_grpo.runs import run_directory
 from lit_grpo.sampling_correction import correction_settings
 from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
@@ -81,7 +81,7 @@ __all__ = ["GRPOModule"]
 ignore_expected_lightning_warnings()
 
 
-class GRPOModule(pl.LightningModule):
+class GRPOModule(RedactedSettings, pl.LightningModule):
     """Group Relative Policy Optimization (Shao et al. 2024, arXiv:2402.03300) for a causal LM.
 
     Every argument is a ``model:`` key of the config (docs/configuration.md).
@@ -367,6 +367,7 @@ class GRPOModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the weights' keys beside them, and the rewards' sources (see :meth:`on_load_checkpoint`)."""
+        super().on_save_checkpoint(checkpoint)  # the hyperparameters without their secrets (RedactedSettings)
         checkpoint["state_dict_keys"] = sorted(checkpoint["state_dict"])
         checkpoint["policy_version"] = self.policy_version
         checkpoint["reward_packages"] = {spec.name: info.package for spec, info in zip(self.scorer.specs, self.scorer.infos)}

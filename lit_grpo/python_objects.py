@@ -2,8 +2,8 @@
 
 ``GRPOModule`` takes functions, classes and a model object beside the names YAML gives. What a run
 saves (its checkpoints' hyperparameters, ``hparams.yaml``) holds names, never such objects: a lambda
-cannot be pickled, and a model does not belong in a YAML file. No heavy import here: plugins load
-this module.
+cannot be pickled, and a model does not belong in a YAML file. Nor secrets: :class:`RedactedSettings`.
+No heavy import here: plugins load this module.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import functools
 import inspect
 from typing import Any
 
-__all__ = ["object_name", "save_settings", "storable"]
+from lit_grpo.redaction import redact_secrets
+
+__all__ = ["RedactedSettings", "object_name", "save_settings", "storable"]
 
 
 def object_name(obj: Any) -> str:
@@ -50,3 +52,21 @@ def save_settings(module: Any, settings: dict[str, Any], ignore: list[str]) -> N
     module.save_hyperparameters(ignore=[*ignore, *objects], frame=inspect.currentframe().f_back)
     if objects:
         module.save_hyperparameters({name: storable(settings[name]) for name in objects})
+
+
+class RedactedSettings:
+    """Mixin of a ``LightningModule`` whose settings are written with their secrets redacted
+    (:mod:`lit_grpo.redaction`): the hyperparameters Lightning hands the loggers (``hparams.yaml``,
+    TensorBoard, W&B: ``hparams_initial``) and those of every checkpoint. The module itself keeps the
+    real values in ``hparams``."""
+
+    @property
+    def hparams_initial(self):
+        hparams = super().hparams_initial  # a copy, Lightning's AttributeDict
+        hparams.update(redact_secrets(dict(hparams)))
+        return hparams
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "hyper_parameters" in checkpoint:  # a shallow copy of hparams: replaced, not changed in place
+            checkpoint["hyper_parameters"] = redact_secrets(checkpoint["hyper_parameters"])
+        super().on_save_checkpoint(checkpoint)

@@ -29,7 +29,9 @@ multi-process run resolves the same one from the same files, before any of them 
   it comes from are kept;
 - a checkpoint directory that does not change from run to run (no logger, a ``ModelCheckpoint``
   with its own ``dirpath``, a logger version set in the config) is written only by the run that
-  resumes its ``last.ckpt``: another run there is refused, naming the checkpoints it would mix with.
+  resumes its ``last.ckpt``: another run there is refused, naming the checkpoints it would mix with;
+- a ``--ckpt_path`` naming a URL or remote storage (``https://``, ``s3://``) is refused, before anything is
+  fetched: checkpoints are read from local files only (:func:`lit_grpo.checkpointing.check_local_checkpoint`).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
-from lit_grpo.checkpointing import is_class_config
+from lit_grpo.checkpointing import check_local_checkpoint, is_class_config
 from lit_grpo.errors import ConfigError, FileInTheWayError, MissingFileError, WriteError, writing
 
 __all__ = ["CSVLogger", "Runs", "TensorBoardLogger", "find_last_checkpoint", "place_run", "resume_config_name", "run_directory"]
@@ -193,9 +195,11 @@ def place_run(config: Any, subcommand: str | None) -> Path | None:
             each_logger.class_path = f"{__name__}.TensorBoardLogger"
     logger = first_logger(trainer.get("logger"))
     ckpt_path = config.get("ckpt_path")
+    if ckpt_path is not None:
+        check_local_checkpoint(ckpt_path)  # a URL is refused before anything is fetched or loaded
     if ckpt_path == "last":
         ckpt_path = config.ckpt_path = str(find_last_checkpoint(trainer, subcommand))
-    elif ckpt_path not in (None, *LIGHTNING_CKPT_NAMES) and "://" not in ckpt_path and not Path(ckpt_path).exists():
+    elif ckpt_path not in (None, *LIGHTNING_CKPT_NAMES) and not Path(ckpt_path).exists():
         raise MissingFileError(f"--ckpt_path {ckpt_path} does not exist")
     if subcommand == "validate":  # a validation logs to a directory of its own
         return None
