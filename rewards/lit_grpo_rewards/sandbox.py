@@ -23,15 +23,18 @@ a missing one is logged once per process as a warning naming the protection that
    its uid) has no process left and sweeps again if it has (at the deadline: ``kill -1`` run as
    that uid, ``cgroup.kill``, the process group), reaps the runner and removes the directory and
    the cgroup. Without root (no uid of its own) the leftovers are found by a per-run mark in their
-   environment. Every process of the sandbox also gets a parent-death signal. Output goes to
-   anonymous temporary files, never to pipes (bounded by layer 5; ``fallocate`` is refused by
-   layer 7); stdin is an anonymous file open for reading only, mode 0400 (it cannot be reopened
-   for writing through ``/proc/self/fd/0``).
+   environment. Every process of the sandbox also gets a parent-death signal, is the
+   out-of-memory killer's first choice (``oom_score_adj`` 1000) and runs at an ordinary scheduling
+   priority whatever the scoring thread runs at. Output goes to anonymous memory files (``memfd``),
+   never to pipes (bounded by layer 5; ``fallocate`` is refused by layer 7) nor to the scoring
+   process's disk; stdin is an anonymous memory file open for reading only, mode 0400 (it cannot be
+   reopened for writing through ``/proc/self/fd/0``).
 2. **Cgroup (where the machine lets this process create one: root, or a delegated cgroup v2; see**
    ``_sandbox_cgroup`` **).**
    Memory of the whole sandbox (``memory_mb`` plus ``SANDBOX_OVERHEAD_MB`` for its two
    interpreters; shared memory and the scratch tmpfs count) and its number of processes and
-   threads, whatever the program forks. Without it, memory is bounded per process only.
+   threads, whatever the program forks; and its disk reads (where ``io``/``blkio`` can be used:
+   ``_sandbox_cgroup.DISK_READ_BYTES_PER_S``). Without it, memory is bounded per process only.
 3. **Namespaces.** Network: only a loopback interface, down. IPC. PID: the program is process 1
    of its own namespace, in a session and process group of its own (a signal to the caller's group,
    ``kill(0, ...)``, crosses PID namespaces), sees only its own processes in a fresh ``/proc``,
@@ -64,7 +67,9 @@ a missing one is logged once per process as a warning naming the protection that
    perf, io_uring or userfaultfd, no ``execve``, no ``fallocate`` (it allocates past the end of a
    file, beyond RLIMIT_FSIZE); nothing that watches or marks the machine's files for others to see:
    file locks succeed and lock nothing, no leases or ``F_NOTIFY``, no page-cache eviction
-   (``POSIX_FADV_DONTNEED`` is ignored) or ``RWF_NOWAIT`` probe.
+   (``POSIX_FADV_DONTNEED`` is ignored) or ``RWF_NOWAIT`` probe; nothing that makes the machine's
+   disk work for it: the sync calls succeed and do nothing, ``O_DIRECT`` and ``RWF_DONTCACHE`` are
+   refused.
 8. **The judge (assertion tests).** The tests run in the judge process, which receives what the
    program hands over as plain data and compares it with its own types (see ``_sandbox_judge``):
    a lying ``__eq__``, a patched ``AssertionError`` or ``exec``, ``os._exit(0)`` before the tests,
@@ -174,6 +179,9 @@ LAYERS = {
                        "speed, ahead of the trainer's checkpoints and data",
     "oom_first": "the out-of-memory killer's preference for the sandbox: when the machine runs out of memory "
                  "the kernel kills the largest process, the trainer, before a sandbox",
+    "normal_priority": "the sandbox's ordinary scheduling: started from a thread with a real-time policy or a "
+                       "negative nice value, the program inherits it, and its busy loops take the machine's CPUs "
+                       "from every ordinary process (the trainer's other threads, servers, the shell)",
     "network_namespace": "the network namespace: only the system-call filter keeps the program off the network",
     "pid_namespace": "the PID namespace: the program sees the machine's processes and may outlive its "
                      "runner until the final sweep",
@@ -389,6 +397,23 @@ def _kill_first_when_out_of_memory(pid: int) -> bool:
             f.write(str(OOM_SCORE_ADJ))
         return True
     except OSError:
+        return False
+
+
+_ORDINARY_POLICIES = {getattr(os, name) for name in ("SCHED_OTHER", "SCHED_BATCH", "SCHED_IDLE") if hasattr(os, name)}
+
+
+def _run_at_normal_priority(pid: int) -> bool:
+    """Make process ``pid`` (and what it starts) schedule like any ordinary process: never above the
+    machine's others, whatever the scoring thread runs at (a child inherits its thread's real-time
+    policy and nice value). False if the kernel refused. Lowering one's own priority needs no privilege."""
+    try:
+        if os.sched_getscheduler(pid) & ~getattr(os, "SCHED_RESET_ON_FORK", 0) not in _ORDINARY_POLICIES:
+            os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+        if os.getpriority(os.PRIO_PROCESS, pid) < 0:
+            os.setpriority(os.PRIO_PROCESS, pid, 0)
+        return True
+    except (AttributeError, OSError):
         return False
 
 
@@ -612,10 +637,12 @@ def run_in_sandbox(
         )
         os.close(go_read)
         pipe_ends.remove(go_read)
-        # First to die when the machine runs out of memory (every process of the sandbox inherits it),
-        # and into the cgroup, while the runner starts its interpreter; it waits for the answer before
-        # it does anything else. (cgroup v1 migration waits out an RCU grace period: ~10 ms.)
+        # First to die when the machine runs out of memory, at an ordinary priority (every process of
+        # the sandbox inherits both), and into the cgroup, while the runner starts its interpreter; it
+        # waits for the answer before it does anything else. (cgroup v1 migration waits out an RCU
+        # grace period: ~10 ms.)
         oom_first = "oom_first" not in without and _kill_first_when_out_of_memory(box.proc.pid)
+        normal_priority = "normal_priority" not in without and _run_at_normal_priority(box.proc.pid)
         joined = box.cgroup is not None and box.cgroup.add(box.proc.pid)
         try:
             os.write(go_write, b"1" if joined else b"0")
@@ -635,6 +662,7 @@ def run_in_sandbox(
         results, done, layers = _parse_results(_read_head(result_f, 1 << 20), nonce, n)
         if layers:  # the scoring process's own layers, beside the sandbox's report
             layers["oom_first"] = oom_first
+            layers["normal_priority"] = normal_priority
             layers["disk_read_limit"] = box.cgroup is not None and box.cgroup.disk_reads_limited
         _warn_missing(layers, without, cgroup_reason or _sandbox_cgroup.support().reason)
         return SandboxResult(

@@ -235,3 +235,56 @@ def test_the_out_of_memory_killer_takes_the_sandbox_before_the_trainer(without):
         assert result.layers.get("oom_first") is True
     else:
         assert seen["oom_score"] <= trainer_score
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. (new) The trainer's scheduling privileges: a process inherits its parent thread's scheduling
+#    policy and nice value, so a sandbox started from a scoring thread that runs at a real-time
+#    policy (chrt) or a negative nice value ran the program at that priority: its busy loops (up to
+#    max_processes of them) would take the machine's CPUs from every ordinary process, the trainer's
+#    other threads and servers included, until the deadline. Now a sandbox starts at the ordinary
+#    policy and a nice value of at least 0.
+# --------------------------------------------------------------------------------------------------
+
+REPORT_PRIORITY = """
+import json, os
+print(json.dumps({"policy": os.sched_getscheduler(0), "nice": os.getpriority(os.PRIO_PROCESS, 0)}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a real-time policy and a negative nice need root")
+@pytest.mark.parametrize("without", [(), ("normal_priority",)], ids=["all-layers", "without-normal_priority"])
+def test_the_program_does_not_inherit_the_trainers_real_time_priority(without):
+    os.setpriority(os.PRIO_PROCESS, 0, -5)  # this thread: the scoring thread of a boosted trainer
+    try:
+        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
+    except OSError:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+        pytest.skip("this machine refuses a real-time policy (a cgroup without real-time runtime)")
+    try:
+        seen, result = run(REPORT_PRIORITY, without)
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    if not without:
+        assert seen == {"policy": os.SCHED_OTHER, "nice": 0}, \
+            f"the program ran at the trainer's priority {seen}: it could take the machine's CPUs from everyone"
+        assert result.layers.get("normal_priority") is True
+    else:
+        assert seen == {"policy": os.SCHED_RR, "nice": -5}
+
+
+# --------------------------------------------------------------------------------------------------
+# Checked, and holding already: the trainer's environment (tokens, keys) never reaches the program,
+# which gets a fixed, minimal one.
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_trainers_secrets_in_its_environment_stay_out(monkeypatch):
+    secret = "hf_" + os.urandom(12).hex()
+    for name in ("HF_TOKEN", "OPENAI_API_KEY", "WANDB_API_KEY"):
+        monkeypatch.setenv(name, secret)
+    code = "import json, os\nprint(json.dumps({'environ': dict(os.environ)}))\n"
+    seen, _ = run(code)
+    assert secret not in json.dumps(seen), "the trainer's secret reached the program's environment"
+    assert not {"HF_TOKEN", "OPENAI_API_KEY", "WANDB_API_KEY"} & set(seen["environ"])
