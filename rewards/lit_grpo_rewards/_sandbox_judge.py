@@ -16,9 +16,12 @@ last read (a test that calls ``push(1)`` and then reads the program's global ``s
   ``Fraction``, ``Decimal``, ``Counter``, ``OrderedDict``, ``defaultdict``, ``deque``, named tuples,
   ``date``/``datetime``/``time``/``timedelta``): a copy. Subclasses of these become the base type
   (an ``int`` subclass whose ``__eq__`` lies arrives as the plain ``int`` it holds);
-- a module: the judge's own import of the module of that name (standard library only, unless
-  the sandbox allows site-packages), never the program's module object; a name the judge cannot
-  import fails the test that reads the module (``types.ModuleType("math.forged")``);
+- a module: the judge's own import of the module of that name, never the program's module
+  object, and only from a short list (:data:`JUDGE_IMPORTS`; with site-packages also
+  :data:`SITE_PACKAGES_IMPORTS`), imported with a neutral argv, working directory and HOME and
+  ``sys.path`` restored after (:func:`import_for_the_tests`): never a command-line tool's
+  ``__main__``. Another standard-library name, or one the judge cannot import, fails the test that
+  reads the module (``types.ModuleType("math.forged")``, ``types.ModuleType("unittest.__main__")``);
 - anything else (functions, classes, instances of the program's classes, generators): a
   :class:`Remote` reference. Calling it, reading its attributes, iterating it, ``len``, indexing,
   ``str`` and ``repr`` are done by the program and answered, again, as plain data or as
@@ -34,6 +37,20 @@ judge's own module, whatever the program bound to that name: a module, a named t
 ``isclose`` is the program's function, any object. (A name through which tests read only attributes
 the module lacks is the program's: ``queue.append`` on its list ``queue``.)
 
+A task handed over by name, HumanEval's ``check(sum)`` (a top-level call of a function the tests
+define, with a bare name), is the program's global of that name even where the name is a builtin's
+or a module's: an empty program fails ``check(sum)`` instead of passing with the judge's ``sum``.
+
+What the program prints while it serves the tests (``print``, ``sys.stdout.write``) is printed again
+in the judge, with the judge's ``builtins.print`` and to its ``sys.stdout`` as the test has them: a
+test that redirects ``sys.stdout`` or patches ``builtins.print`` sees what the program printed.
+
+A test that may run the program's text as code in the judge (it names ``eval``, ``exec``,
+``pickle``, ``getattr``...: :func:`may_run_the_programs_text`) runs in a child of the judge forked
+for it, which reports its verdict to the judge and holds no result descriptor: the program's code,
+once it runs there, decides that test only. (The last test runs in the judge itself: every other
+verdict is written by then.)
+
 What the judge hands to the program (the arguments a test passes, the values its callbacks return)
 leads nowhere into the judge's interpreter (:func:`leads_into_the_interpreter`): plain data goes
 as copies, modules by name only (the program's side imports its own), and the judge refuses to hand
@@ -42,8 +59,10 @@ is called), the globals of a module or of the tests, the builtins that reach att
 namespaces or code by a name or text (``getattr``, ``vars``, ``eval``, ``str.format``, ...) and the
 functions of the modules that reach frames, objects or descriptors (``sys``, ``gc``, ``inspect``,
 ``os``, ``io``, ``pickle``, ...). Any other object of a test (a function, a generator, an instance
-of a test's class) goes as a reference the program may call, iterate and read and write the
-attributes of, dunders apart.
+of a test's class) goes as a reference the program may call, iterate and read, never write
+(call-only: a checker's verdict or a log's method stays the test's), except the data attributes
+of a plain record, an instance of a test's class with no methods of its own and no ``__call__``
+(a linked list's node, which a program relinks).
 
 What remains in the program's hands, by construction: whatever a test asks the program itself. A
 test that calls a second function of the program (HumanEval's ``poly`` in ``find_zero``'s test,
@@ -60,7 +79,9 @@ name]``, ``["setattr", h, name, value]``, ``["iter", h]``, ``["next", h, n]``, `
 ``["getitem", h, key]``, ``["setitem", h, key, value]``, ``["delitem", h, key]``, ``["str", h]``,
 ``["repr", h]``, and from the judge only ``["global", name]`` (the program global's current value);
 answers ``["ok", value]``, ``["raise", type_name, args, message]`` or, for ``next``, ``["items",
-[values], end]``. A module is ``["M", name, h]``, ``h`` being -1 from the judge (no reference).
+[values], end]``; and from the program, unanswered, what it printed: ``["print", args, kwargs]``
+(``sep``/``end`` only) and ``["write", text]``. A module is ``["M", name, h]``, ``h`` being -1 from
+the judge (no reference).
 Both sides may send requests (a test may pass a function of its own to the program); a side
 waiting for an answer serves the other's requests meanwhile.
 
@@ -242,13 +263,15 @@ class Endpoint:
     answers the judge's requests for the current value of a global of ``namespace``.
     """
 
-    def __init__(self, read_fd, write_fd, max_frame_bytes, modules_allowed, side="judge"):
+    def __init__(self, read_fd, write_fd, max_frame_bytes, modules_allowed, side="judge", imports_allowed=None):
         if side not in ("judge", "program"):
             raise ValueError("side must be 'judge' or 'program', got %r" % (side,))
         self.read_fd = read_fd
         self.write_fd = write_fd
         self.max_frame = max_frame_bytes
-        self.modules_allowed = modules_allowed  # name -> bool: may a ["M", name] become our import
+        self.modules_allowed = modules_allowed  # name -> bool: is a ["M", name] ours to import (never theirs)
+        # name -> bool: of those, which the judge does import (the others fail the test that reads them)
+        self.imports_allowed = modules_allowed if imports_allowed is None else imports_allowed
         self.side = side
         self.exports = []  # our objects the other side holds a number for
         self.export_numbers = {}  # id(obj) -> number
@@ -258,10 +281,29 @@ class Endpoint:
         self.namedtuples = {}
         self.program_ran = 0  # requests sent so far (the judge's side: each may run the program's code)
         self.namespace = None  # the program's side: the globals the judge may ask for
+        self.output = []  # the program's side: what it printed since its last message, for the tests
+        self.output_size = 0
 
     # ---- framing ----------------------------------------------------------------------------
 
     def send(self, message):
+        if self.output:  # the program's side: what it printed goes first, in order
+            pending, self.output, self.output_size = self.output, [], 0
+            for printed in pending:
+                self._send_frame(printed)
+        self._send_frame(message)
+
+    def queue_output(self, message):
+        """The program's side: a ``["print", args, kwargs]`` or ``["write", text]`` for the judge, sent
+        with the program's next message (at once past 64 KiB)."""
+        self.output.append(message)
+        self.output_size += len(dumps(message))
+        if self.output_size > 1 << 16:
+            pending, self.output, self.output_size = self.output, [], 0
+            for printed in pending:
+                self._send_frame(printed)
+
+    def _send_frame(self, message):
         if self.dead:
             raise ProgramGone("the channel is closed")
         data = dumps(message).encode("ascii")
@@ -342,9 +384,33 @@ class Endpoint:
                     raise self._decode_exception(reply)
                 if kind in ("ok", "items", "raise"):
                     self._protocol_error("a malformed answer")
+                if kind in ("print", "write") and self.side == "judge":
+                    self._show_output(reply)
+                    continue
                 self.answer(reply)  # the other side's request, made while we wait
         finally:
             self.depth -= 1
+
+    def _show_output(self, message):
+        """What the program printed, printed again by the judge: with its ``print`` and to its
+        ``sys.stdout`` as they are now, so that a test that patched ``builtins.print`` or redirected
+        ``sys.stdout`` sees what the program printed."""
+        if message[0] == "write" and len(message) == 2 and type(message[1]) is str:
+            show = lambda: sys.stdout.write(message[1])  # noqa: E731
+        elif message[0] == "print" and len(message) == 3:
+            args, kwargs = self.decode(message[1]), self.decode(message[2])
+            if type(args) is not tuple or type(kwargs) is not dict or not all(
+                    k in ("sep", "end") and (v is None or type(v) is str) for k, v in kwargs.items()):
+                self._protocol_error("a malformed print")
+            show = lambda: builtins.print(*args, **kwargs)  # noqa: E731
+        else:
+            self._protocol_error("a malformed output")
+        try:
+            show()
+        except ProgramGone:
+            raise
+        except Exception:  # noqa: BLE001 - a test's print that raises does not break the exchange
+            pass
 
     def _protocol_error(self, what):
         self.dead = True
@@ -367,6 +433,8 @@ class Endpoint:
             if len(request) < 2 or type(request[1]) is not int or not 0 <= request[1] < len(self.exports):
                 raise TypeError("no such object")
             target = self.exports[request[1]]
+            if target is None:  # a number of an object a test's own process handed over (gone with it)
+                raise TypeError("no such object")
             if kind == "call" and len(request) == 4:
                 args, kwargs = self.decode(request[2]), self.decode(request[3])
                 if type(args) is not tuple or type(kwargs) is not dict or not all(type(k) is str for k in kwargs):
@@ -379,6 +447,9 @@ class Endpoint:
                 if kind == "getattr" and len(request) == 3:
                     result = getattr(target, name)
                 elif kind == "setattr" and len(request) == 4:
+                    if self.side == "judge" and not _a_record(target):
+                        raise AttributeError("the tests' %s is handed to the program call-only: it cannot set %r"
+                                             % (type(target).__name__, name))
                     setattr(target, name, self.decode(request[3]))
                     result = None
                 else:
@@ -607,6 +678,8 @@ class Endpoint:
                 raise TypeError("module")
             if number >= 0 and (not name or not self.modules_allowed(name)):
                 return self._decode(["R", number])  # a module we may not import: theirs, by reference
+            if self.side == "judge" and not self.imports_allowed(name):
+                return _ModuleNotImported(name)
             return sys.modules.get(name) or _ModuleOnFirstUse(name)
         if tag == "nt":
             return self._namedtuple(rest)
@@ -635,6 +708,72 @@ class Endpoint:
         return cls(*[self._decode(v) for v in values])
 
 
+#: The standard-library modules the judge imports on a program's behalf: a module the program hands
+#: over (a value it returns, whatever its ``__name__``) or a program global named like one through
+#: which a test reads an attribute. Modules a test plausibly uses; never a command-line tool, a
+#: ``__main__``, a package's ``__init__`` that starts something, or anything found on a path the
+#: program can write.
+JUDGE_IMPORTS = frozenset({
+    "abc", "array", "base64", "binascii", "bisect", "calendar", "cmath", "collections", "collections.abc",
+    "colorsys", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "enum", "errno",
+    "fnmatch", "fractions", "functools", "graphlib", "hashlib", "heapq", "hmac", "html", "io", "ipaddress",
+    "itertools", "json", "keyword", "math", "numbers", "operator", "os", "os.path", "pprint", "queue",
+    "random", "re", "reprlib", "secrets", "statistics", "string", "struct", "sys", "textwrap", "time",
+    "types", "typing", "unicodedata", "uuid", "weakref", "zlib",
+})
+#: With ``site_packages``, these packages and their submodules (dunder-named parts, ``__main__``
+#: among them, excepted).
+SITE_PACKAGES_IMPORTS = frozenset({
+    "numpy", "scipy", "pandas", "sympy", "networkx", "sortedcontainers", "mpmath", "more_itertools", "regex",
+    "torch", "sklearn",
+})
+
+
+def may_import(name, site_packages=False):
+    """Whether the judge imports module ``name`` for the tests (see ``JUDGE_IMPORTS``)."""
+    if type(name) is not str:
+        return False
+    if name in JUDGE_IMPORTS:
+        return True
+    parts = name.split(".")
+    return bool(site_packages) and parts[0] in SITE_PACKAGES_IMPORTS and all(
+        part.isidentifier() and not part.startswith("__") for part in parts)
+
+
+def import_for_the_tests(name):
+    """The judge's own import of module ``name`` (already checked by :func:`may_import`), made with a
+    neutral argv, working directory and HOME, and ``sys.path`` as it was afterwards: a module that
+    reads its command line, the working directory or the home directory at import time reads
+    nothing of the program's."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    path, saved_path, saved_argv = sys.path, list(sys.path), sys.argv
+    saved_home = os.environ.get("HOME")
+    try:
+        cwd = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        cwd = None
+    try:
+        sys.argv = [""]
+        os.environ["HOME"] = "/"
+        os.chdir("/")
+        __import__(name)
+        return sys.modules[name]
+    finally:
+        path[:] = saved_path
+        sys.path, sys.argv = path, saved_argv
+        if saved_home is None:
+            os.environ.pop("HOME", None)
+        else:
+            os.environ["HOME"] = saved_home
+        if cwd is not None:
+            try:
+                os.fchdir(cwd)
+            finally:
+                os.close(cwd)
+
+
 class _ModuleOnFirstUse(type(sys)):
     """This side's own import of a module the other side holds, made when a test first reads one of
     its attributes (most programs' ``import re`` is never used by their tests, and importing costs
@@ -644,13 +783,21 @@ class _ModuleOnFirstUse(type(sys)):
 
     def __getattr__(self, attr):
         try:
-            __import__(self.__name__)
-            real = sys.modules[self.__name__]
+            real = import_for_the_tests(self.__name__)
         except Exception as exc:  # noqa: BLE001
             raise AttributeError("module %r cannot be imported by the judge (%s), so it has no attribute %r"
                                  % (self.__name__, exc, attr))
         self.__dict__.update(real.__dict__)
         return getattr(real, attr)
+
+
+class _ModuleNotImported(type(sys)):
+    """A module the program names that the judge does not import for the tests (not on its list):
+    never the program's object in its place either; reading an attribute fails."""
+
+    def __getattr__(self, attr):
+        raise AttributeError("module %r is not one the judge imports for the tests, so it has no attribute %r"
+                             % (self.__name__, attr))
 
 
 def _one_str(rest):
@@ -879,6 +1026,27 @@ def leads_into_the_interpreter(obj):
         module in ("operator", "_operator") and name in _PLAIN_OPERATIONS)
 
 
+_SLOT = type(type("Slotted", (), {"__slots__": ("field",)}).field)  # a __slots__ field's descriptor
+
+
+def _a_record(obj):
+    """Whether ``obj`` (an object of the tests) is a plain record whose attributes the program may
+    write: an instance of a class of the tests that defines no methods or descriptors besides
+    dunders and is not callable (a linked list's ``Node``, a tree's ``TreeNode``). Everything else
+    the tests hand over (functions, generators, classes, a checker with methods or ``__call__``)
+    is call-only: the program may call it, iterate it and read it, never rewrite it."""
+    cls = type(obj)
+    if isinstance(obj, type) or callable(obj) or getattr(cls, "__module__", "builtins") == "builtins":
+        return False
+    for klass in cls.__mro__[:-1]:  # without object
+        for attr, value in vars(klass).items():
+            if attr.startswith("__") and attr.endswith("__"):
+                continue
+            if callable(value) or (hasattr(value, "__get__") and type(value) is not _SLOT):
+                return False
+    return True
+
+
 def _is_a_namespace(mapping):
     """Whether ``mapping`` (a dict of the judge's) is a module's globals or a test's namespace."""
     if dict.__contains__(mapping, "__builtins__"):
@@ -906,12 +1074,66 @@ def serve_program(endpoint, namespace):
         if type(name) is not str or (name.startswith("__") and name.endswith("__")):
             continue
         names.append([name, _global_value(endpoint, value)])
+    _print_to_the_judge(endpoint)
     try:
         endpoint.send(["ready", names])
         while True:
             endpoint.answer(endpoint.receive())
     except ProgramGone:
         return
+
+
+class _StdoutToTheJudge:
+    """The program's ``sys.stdout`` while it serves the tests: what it writes goes to the judge's."""
+
+    def __init__(self, endpoint, real):
+        self._endpoint, self._real = endpoint, real
+
+    def write(self, text):
+        if type(text) is not str:
+            raise TypeError("write() argument must be str, not %s" % type(text).__name__)
+        self._endpoint.queue_output(["write", text])
+        return len(text)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+    def writable(self):
+        return True
+
+    def __getattr__(self, name):  # encoding, fileno, buffer...: the real stream's
+        return getattr(self._real, name)
+
+
+def _print_to_the_judge(endpoint):
+    """Program side: while the program serves the tests, its ``print`` and ``sys.stdout`` send what
+    it prints to the judge (see ``Endpoint._show_output``); a print to another file is its own."""
+    real_print, stdout = builtins.print, _StdoutToTheJudge(endpoint, sys.stdout)
+
+    def print(*args, **kwargs):  # noqa: A001 - the program's print
+        file = kwargs.pop("file", None)
+        kwargs.pop("flush", None)
+        if file is None:
+            file = sys.stdout
+        if file is not stdout:
+            return real_print(*args, file=file, **kwargs)
+        unknown = set(kwargs) - {"sep", "end"}
+        if unknown:
+            raise TypeError("%r is an invalid keyword argument for print()" % unknown.pop())
+        for key, value in kwargs.items():
+            if value is not None and not isinstance(value, str):
+                raise TypeError("%s must be None or a string, not %s" % (key, type(value).__name__))
+        endpoint.queue_output(["print", endpoint.encode(args),
+                               endpoint.encode({k: None if v is None else str.__str__(v) for k, v in kwargs.items()})])
+
+    builtins.print, sys.stdout = print, stdout
 
 
 class TestNamespace(dict):
@@ -970,21 +1192,27 @@ def _attributes_read(name, tests):
     return found
 
 
-def _standard_module_for(name, value, tests, modules_allowed):
+_PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset)
+
+
+def _standard_module_for(name, value, tests, modules_allowed, imports_allowed):
     """The judge's own module for a program global named like an importable module (the standard
     library's, or with site-packages any) when a test reads one of that module's attributes through
     it (``math.isclose``, relying on the program's ``import math``), whatever the program bound to
     the name: a module, a named tuple, a ``types.ModuleType("math.forged")``. A module the judge
-    cannot import fails the test that reads it. None when the name is the program's own (the test
-    reads attributes the module does not have: ``queue.append`` on the program's list ``queue``)."""
+    cannot import, or does not import for the tests (not on its list), fails the test that reads it.
+    None when the name is the program's own (the test reads attributes the module does not have:
+    ``queue.append`` on the program's list ``queue``; or, for a module off the list, the program
+    bound plain data to the name)."""
     if not modules_allowed(name):
         return None
     read = _attributes_read(name, tests)
     if not read:
         return None
+    if not imports_allowed(name):  # not imported for the tests; a plain value of the program's stays its own
+        return None if type(value) in _PLAIN_TYPES else _ModuleNotImported(name)
     try:
-        __import__(name)
-        module = sys.modules[name]
+        module = import_for_the_tests(name)
     except Exception:  # noqa: BLE001 - not importable here: no stand-in either
         return _ModuleOnFirstUse(name)
     if isinstance(value, type(sys)) or any(hasattr(module, attr) for attr in read):
@@ -992,41 +1220,191 @@ def _standard_module_for(name, value, tests, modules_allowed):
     return None
 
 
-def judge_tests(endpoint, tests, report, when_ready=None):
+def _functions_defined(tests):
+    """Names the tests define as top-level functions (``def check(candidate):``)."""
+    names = set()
+    for test in tests:
+        for line in test.split("\n"):
+            if line.startswith("def "):
+                name = line[4:].partition("(")[0].strip()
+                if name.isidentifier():
+                    names.add(name)
+    return names
+
+
+def _answered_by_the_judge(name):
+    """Whether the judge would answer ``name`` with an object of its own: a builtin, or a module."""
+    stdlib = getattr(sys, "stdlib_module_names", JUDGE_IMPORTS)
+    return hasattr(builtins, name) or name in stdlib or name in sys.builtin_module_names
+
+
+def handing_over_the_programs_task(test, functions):
+    """``test`` with each top-level ``check(name)`` (a function the tests define, called with a bare
+    name: HumanEval's way of handing the task's function over) reading ``name`` from the program
+    (``check(__program_global__('sum'))``) where the judge would otherwise answer with its own
+    object: a task named like a builtin or a module is the program's or missing, never the judge's
+    ``sum`` (with which an empty program would pass). Other lines are unchanged."""
+    lines = test.split("\n")
+    changed = False
+    for i, line in enumerate(lines):
+        call = line.rstrip()
+        if not call.endswith(")") or call[:1].isspace():
+            continue
+        function, paren, argument = call[:-1].partition("(")
+        function, argument = function.strip(), argument.strip()
+        if (paren and function in functions and argument.isidentifier() and argument not in functions
+                and _answered_by_the_judge(argument)):
+            lines[i] = "%s(__program_global__(%r))" % (function, argument)
+            changed = True
+    return "\n".join(lines) if changed else test
+
+
+#: What a test names when it may run text or bytes of the program's as code in the judge: evaluating
+#: or compiling it, unpickling it, importing or looking up a name it chose, running it as a doctest,
+#: a timing statement or a shell command. Matched as plain substrings (``re.compile`` counts too:
+#: a test judged apart costs ~2 ms, a test let through could forge every other test).
+TRUSTING_WORDS = (
+    "eval", "exec", "compile", "__import__", "import_module", "load", "pickle", "marshal", "shelve", "dill",
+    "getattr", "setattr", "__dict__", "doctest", "timeit", "runpy", "system", "popen", "spawn", "subprocess",
+    "breakpoint", "pdb", "ctypes", "FunctionType", "CodeType", "interact",
+)
+
+
+def may_run_the_programs_text(test):
+    """Whether ``test`` names an operation through which the program's text could run in the judge
+    (see ``TRUSTING_WORDS``): such a test is judged in a process of its own."""
+    return any(word in test for word in TRUSTING_WORDS)
+
+
+def _run_one(test, i, namespace, endpoint):
+    """Run one test in ``namespace``: whether it passed (ran to its end, the program still answering)."""
+    try:
+        exec(compile(test, "<test %d>" % i, "exec"), namespace)
+        passed = True
+    except BaseException:  # noqa: BLE001 - any failure, ProgramGone included, fails the test
+        passed = False
+    return passed and not endpoint.dead
+
+
+def _flush_standard_streams():
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+
+
+def _run_one_in_a_child(test, i, namespace, endpoint, close_in_child):
+    """Run one test in a child of the judge (forked after the setup: the namespace is copied), which
+    tells the judge its verdict through a pipe of its own and holds no descriptor the judge writes
+    results to (``close_in_child``): a test that runs the program's code (``eval`` of its text,
+    ``pickle.loads`` of its bytes) can make its own verdict, and that of no other test. Returns
+    (passed, channel still up)."""
+    verdict_read, verdict_write = os.pipe()
+    try:
+        child = os.fork()
+    except OSError:
+        os.close(verdict_read)
+        os.close(verdict_write)
+        return False, True
+    if child == 0:  # the test's own process
+        try:
+            os.close(verdict_read)
+            for fd in close_in_child:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            passed = _run_one(test, i, namespace, endpoint)
+            _flush_standard_streams()
+            verdict = b"x" if endpoint.dead else b"1" if passed else b"0"
+            os.write(verdict_write, verdict + b"%d" % len(endpoint.exports))
+        finally:
+            os._exit(0)
+    os.close(verdict_write)
+    try:  # one write: what the test's process leaves running cannot stall this
+        verdict, exported = os.read(verdict_read, 32), b""
+        verdict, exported = verdict[:1], verdict[1:]
+    except OSError:
+        verdict = b""
+    finally:
+        os.close(verdict_read)
+    # The numbers of the objects the child handed over are never used again (the program keeps the
+    # references it holds, and their state: an iterator it ran to its end stays ended).
+    if exported.isdigit() and len(endpoint.exports) < int(exported) <= 1 << 24:
+        endpoint.exports.extend([None] * (int(exported) - len(endpoint.exports)))
+    try:
+        os.kill(child, 9)  # SIGKILL: nothing of the test's process outlives its verdict
+    except OSError:
+        pass
+    while True:
+        try:
+            os.waitpid(child, 0)
+            break
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            break
+    endpoint.program_ran += 1  # the program ran for the child: the judge reads its globals again
+    return verdict == b"1", verdict in (b"0", b"1")
+
+
+def judge_tests(endpoint, tests, report, when_ready=None, trusting_tests_apart=False, close_in_child=()):
     """Judge side: build the tests' namespace from the program's globals, run each test, report it.
 
     ``report(i, passed)`` is called once per test that ran. A test passes when it runs to the end
     without raising and the program is still answering. ``when_ready()`` is called once the program
-    has run (its sandbox is set up). Returns whether every test ran.
+    has run (its sandbox is set up). With ``trusting_tests_apart``, a test that may run the
+    program's text as code (:func:`may_run_the_programs_text`: ``eval``, ``pickle.loads``, ...) runs
+    in a child of the judge forked for it (:func:`_run_one_in_a_child`), unless it is the last (it
+    runs after every other verdict is written: it can forge nothing but its own either): whatever
+    the program's code does there, it decides that test only. Such a test starts from the namespace
+    as the tests before it left it, and what it defines is not seen by the tests after it; the other
+    tests share one namespace, in order. Returns whether every test ran.
     """
     try:
         ready = endpoint.receive()
         if ready[0] != "ready" or len(ready) != 2 or type(ready[1]) is not list:
             endpoint._protocol_error("expected the program's globals")
         namespace = TestNamespace(endpoint)
+        announced = set()
         for entry in ready[1]:
             if type(entry) is not list or len(entry) != 2 or type(entry[0]) is not str:
                 endpoint._protocol_error("a malformed global")
             name = entry[0]
+            announced.add(name)
             if (name.startswith("__") and name.endswith("__")) or hasattr(builtins, name):
                 continue  # dunders and builtins stay the judge's own
             value = endpoint.decode(entry[1])
-            module = _standard_module_for(name, value, tests, endpoint.modules_allowed)
+            module = _standard_module_for(name, value, tests, endpoint.modules_allowed, endpoint.imports_allowed)
             if module is not None:
                 namespace[name] = module  # fixed: never read from the program again
             else:
                 namespace.add_program_global(name, value)
     except ProgramGone:
         return False
+    def program_global(name):
+        """The program's own global ``name``, whatever the judge has under that name."""
+        if type(name) is not str or name not in announced:
+            raise NameError("the program defines no %r" % (name,))
+        return endpoint.request(["global", name])
+
+    namespace["__program_global__"] = program_global
+    functions = _functions_defined(tests)
+    tests = [handing_over_the_programs_task(test, functions) for test in tests]
     if when_ready is not None:
         when_ready()
     for i, test in enumerate(tests):
         if endpoint.dead:
             return False
-        try:
-            exec(compile(test, "<test %d>" % i, "exec"), namespace)
-            passed = True
-        except BaseException:  # noqa: BLE001 - any failure, ProgramGone included, fails the test
-            passed = False
+        if not announced:  # an empty program passes no test, whatever the tests answer by themselves
+            report(i, False)
+            continue
+        if trusting_tests_apart and i < len(tests) - 1 and may_run_the_programs_text(test):
+            passed, channel_up = _run_one_in_a_child(test, i, namespace, endpoint, close_in_child)
+            if not channel_up:
+                endpoint.dead = True
+        else:
+            passed = _run_one(test, i, namespace, endpoint)
         report(i, passed and not endpoint.dead)
     return not endpoint.dead

@@ -243,6 +243,9 @@ ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/l
              "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/hosts", "/etc/mime.types", "/etc/ssl",
              "/etc/alternatives")
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # syscall numbers (glibc has no wrapper)
+#: Where the judge makes its own working directory (see ``_judge_directory``): a tmpfs of root's,
+#: mode 1733, in the minimal root: the sandbox's uid may make a directory in it but not list it.
+JUDGE_DIRECTORY = "/.judge"
 MNT_DETACH = 2
 
 
@@ -298,7 +301,7 @@ def _minimal_root(workdir, layers, without, pidns):
         if not os.path.lexists(new + link):
             os.makedirs(os.path.dirname(new + link), 0o755, exist_ok=True)
             os.symlink(target, new + link)
-    for directory in ("/proc", "/dev", "/tmp", workdir, "/.old_root"):
+    for directory in ("/proc", "/dev", "/tmp", workdir, "/.old_root", JUDGE_DIRECTORY):
         os.makedirs(new + directory, 0o755, exist_ok=True)
     _proc_and_dev(new, layers, without, pidns)
     import ctypes
@@ -340,6 +343,12 @@ def _filesystem(job, layers, without, pidns):
         os.chdir(workdir)  # the old cwd pointed below the tmpfs (or into the old root)
     except OSError as exc:
         layers["mount_error"] = str(exc)
+    if layers["minimal_root"]:  # (after the read-only remount: it stays writable)
+        try:
+            _mount("tmpfs", JUDGE_DIRECTORY, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                   "size=%dk,mode=1733,nr_inodes=1024" % (job["limits"]["scratch_kb"],))
+        except OSError as exc:  # the judge then works in / (read-only): tests that write files fail
+            layers["judge_directory_error"] = str(exc)
 
 
 # ---- limits, identity, filter (both processes) ----------------------------------------------
@@ -581,7 +590,7 @@ def _run_program(job, layers, channel, in_process_tests):
             pass
     if channel is not None:
         endpoint = _sandbox_judge.Endpoint(channel["program_reads"], channel["program_writes"], max_frame,
-                                           lambda name: _may_import(name, site_packages), side="program")
+                                           lambda name: _the_judges_module(name, site_packages), side="program")
         _sandbox_judge.serve_program(endpoint, namespace)
     else:
         _judge_in_program_interpreter(nonce, in_process_tests, namespace)
@@ -612,8 +621,11 @@ def _judge_in_program_interpreter(nonce, tests, namespace):
         pass
 
 
-def _may_import(name, site_packages):
-    """May a module the program names become the judge's own import of that name?"""
+def _the_judges_module(name, site_packages):
+    """Is a module the program names the judge's business (never the program's own object)? Every
+    module the judge could import: the standard library's (with site-packages, any). Of these the
+    judge imports only those on its short list (``_sandbox_judge.may_import``); the others fail the
+    test that reads them."""
     top = name.split(".")[0]
     if not top.isidentifier() or top == "__main__" or top.startswith("_sandbox"):
         return False
@@ -660,11 +672,13 @@ def _judge_process(job, layers, without, child, channel, seccomp_filter):
         site_packages = job.get("site_packages", False)
         endpoint = _sandbox_judge.Endpoint(channel["judge_reads"], channel["judge_writes"],
                                            job["limits"]["message_bytes"],
-                                           lambda name: _may_import(name, site_packages), side="judge")
+                                           lambda name: _the_judges_module(name, site_packages), side="judge",
+                                           imports_allowed=lambda name: _sandbox_judge.may_import(name, site_packages))
         nonce = job["nonce"]
         completed = _sandbox_judge.judge_tests(
             endpoint, tests, lambda i, passed: _write_result("%s T %d %d" % (nonce, i, int(passed))),
-            when_ready=lambda: _chdir_quietly(job["dir"]))  # the tests see the program's directory
+            when_ready=lambda: _judge_directory(job["dir"]), trusting_tests_apart=True,
+            close_in_child=(RESULT_FD,))
         if completed:
             _write_result("%s D" % nonce)
         _close_quietly(channel["judge_reads"], channel["judge_writes"])
@@ -695,11 +709,30 @@ def _judge_process(job, layers, without, child, channel, seccomp_filter):
     os._exit(128 + (os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0))
 
 
-def _chdir_quietly(path):
+def _judge_directory(scratch):
+    """The judge's own working directory, HOME and TMPDIR, made once the program has run: a
+    directory of a random name in ``JUDGE_DIRECTORY``, which the program cannot list (so it cannot
+    plant a file where the tests read and write). Where the minimal root is off, a directory of a
+    random name in the program's scratch directory (which the program can list: weaker). Where
+    neither can be made (the program filled the space), ``/``: nothing for a test to write."""
+    name = os.urandom(16).hex()
+    path = "/"
+    for parent in (JUDGE_DIRECTORY, scratch):
+        try:
+            os.mkdir(os.path.join(parent, name), 0o700)
+            path = os.path.join(parent, name)
+            break
+        except FileNotFoundError:  # no such parent here (the minimal root is off): the next one
+            continue
+        except OSError:
+            break
     try:
         os.chdir(path)
     except OSError:
         pass
+    os.environ["HOME"] = os.environ["TMPDIR"] = path
+    if "tempfile" in sys.modules:
+        sys.modules["tempfile"].tempdir = None  # gettempdir() reads TMPDIR again
 
 
 def _reap_orphans(wait):

@@ -288,7 +288,8 @@ def test_memory_hog(sandbox_tmp, code):
 
 def test_home_is_the_throw_away_directory(sandbox_tmp):
     code = "import os\nwith open(os.path.expanduser('~/notes.txt'), 'w') as fh:\n    fh.write('ok')\nHOME = os.path.expanduser('~')\n"
-    tests = ["assert open(os.path.join(HOME, 'notes.txt')).read() == 'ok'", "import os\nassert os.getcwd() == HOME"]
+    # the tests read the program's files by absolute path; their own directory is not the program's (issue 50.7)
+    tests = ["assert open(os.path.join(HOME, 'notes.txt')).read() == 'ok'", "import os\nassert os.getcwd() != HOME"]
     assert code_execution([code], test_cases=[tests]) == [1.0]
 
 
