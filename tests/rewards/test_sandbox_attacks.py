@@ -1104,8 +1104,11 @@ def test_fallocate_on_the_trainers_disk(sandbox_tmp, without, succeeds):
     finally:
         done.set()
         watcher.join()
-    assert (result.returncode == 0) == succeeds, result.stderr
-    assert (before - lowest[0] > 768 << 20) == succeeds  # other jobs on the disk move it by far less
+    # Since issue 50.11 the output files are memory (memfd), not the trainer's disk: without the filter
+    # the blocks are the sandbox's own memory, charged to its cgroup (at most one 512 MiB block fits),
+    # and the disk is untouched either way. Before, without the filter, 1 GiB landed on the disk.
+    assert result.returncode == 3, result.stderr
+    assert before - lowest[0] < 768 << 20  # other jobs on the disk move it by far less
 
 
 # --------------------------------------------------------------------------------------------------
