@@ -41,7 +41,7 @@ def sandbox_processes() -> list[int]:
 def sandbox_cgroups() -> list[str]:
     where = _sandbox_cgroup.support()
     found = []
-    for parent in {where.memory_parent, where.pids_parent} - {None}:
+    for parent in {where.memory_parent, where.pids_parent, where.io_parent} - {None}:  # (io: the disk-read limit)
         try:
             found += [os.path.join(parent, d) for d in os.listdir(parent) if d.startswith(_sandbox_cgroup.PREFIX)]
         except OSError:
