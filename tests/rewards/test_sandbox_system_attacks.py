@@ -132,6 +132,29 @@ def test_the_trainers_disk_is_neither_flushed_nor_read_uncached(sandbox_tmp, wit
         assert seen["open(O_DIRECT)"] == 0 and seen["O_DIRECT set by fcntl"]
 
 
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_the_filter_tells_o_direct_from_its_neighbours(machine):
+    """O_DIRECT's value depends on the architecture (aarch64's 0o40000 is O_DIRECTORY): the filter,
+    read instruction by instruction, refuses each one's own and lets the others through."""
+    from lit_grpo_rewards import _sandbox_seccomp as sc
+    from test_sandbox_parts import ALLOW, run_filter
+
+    audit_arch, numbers = sc.MACHINES[machine]
+    program = sc.filter_for_machine(machine)
+    o_direct = {"x86_64": 0o40000, "aarch64": 0o200000}[machine]
+    o_directory = {"x86_64": 0o200000, "aarch64": 0o40000}[machine]
+    assert run_filter(program, audit_arch, numbers["openat"], (-100, 0, o_direct)) == 22  # EINVAL
+    assert run_filter(program, audit_arch, numbers["openat"], (-100, 0, o_directory | 0o2000000)) == ALLOW
+    assert run_filter(program, audit_arch, numbers["fcntl"], (3, 4, o_direct | 0o4000)) == 22  # F_SETFL
+    assert run_filter(program, audit_arch, numbers["fcntl"], (3, 4, 0o4000)) == ALLOW  # O_NONBLOCK
+    assert run_filter(program, audit_arch, numbers["preadv2"], (3, 0, 1, 0, 0, 0x80)) == 95  # RWF_DONTCACHE
+    assert run_filter(program, audit_arch, numbers["pwritev2"], (3, 0, 1, 0, 0, 0x10)) == ALLOW  # RWF_APPEND
+    for name in ("fsync", "fdatasync", "msync", "sync", "syncfs", "sync_file_range"):
+        assert run_filter(program, audit_arch, numbers[name]) == 0, name  # succeeds, does nothing
+    if "open" in numbers:
+        assert run_filter(program, audit_arch, numbers["open"], (0, o_direct)) == 22
+
+
 # --------------------------------------------------------------------------------------------------
 # 2. (new) The disk through a page cache the memory limit keeps small: a program that reads more of
 #    the machine's files than its memory holds (/usr is gigabytes) finds nothing cached on the next
