@@ -79,8 +79,8 @@ name]``, ``["setattr", h, name, value]``, ``["iter", h]``, ``["next", h, n]``, `
 ``["getitem", h, key]``, ``["setitem", h, key, value]``, ``["delitem", h, key]``, ``["str", h]``,
 ``["repr", h]``, and from the judge only ``["global", name]`` (the program global's current value);
 answers ``["ok", value]``, ``["raise", type_name, args, message]`` or, for ``next``, ``["items",
-[values], end]``; and from the program, unanswered, what it printed: ``["print", args, kwargs]``
-(``sep``/``end`` only) and ``["write", text]``. A module is ``["M", name, h]``, ``h`` being -1 from
+[values], end]``; and from the program, unanswered, what it printed: ``["output", [...]]`` of
+``["print", args, kwargs]`` (``sep``/``end`` only) and ``["write", text]``. A module is ``["M", name, h]``, ``h`` being -1 from
 the judge (no reference).
 Both sides may send requests (a test may pass a function of its own to the program); a side
 waiting for an answer serves the other's requests meanwhile.
@@ -288,20 +288,20 @@ class Endpoint:
 
     def send(self, message):
         if self.output:  # the program's side: what it printed goes first, in order
-            pending, self.output, self.output_size = self.output, [], 0
-            for printed in pending:
-                self._send_frame(printed)
+            self._send_output()
         self._send_frame(message)
 
     def queue_output(self, message):
         """The program's side: a ``["print", args, kwargs]`` or ``["write", text]`` for the judge, sent
-        with the program's next message (at once past 64 KiB)."""
+        in one ``["output", [...]]`` before the program's next message (at once past 64 KiB)."""
         self.output.append(message)
         self.output_size += len(dumps(message))
         if self.output_size > 1 << 16:
-            pending, self.output, self.output_size = self.output, [], 0
-            for printed in pending:
-                self._send_frame(printed)
+            self._send_output()
+
+    def _send_output(self):
+        pending, self.output, self.output_size = self.output, [], 0
+        self._send_frame(["output", pending])
 
     def _send_frame(self, message):
         if self.dead:
@@ -384,8 +384,9 @@ class Endpoint:
                     raise self._decode_exception(reply)
                 if kind in ("ok", "items", "raise"):
                     self._protocol_error("a malformed answer")
-                if kind in ("print", "write") and self.side == "judge":
-                    self._show_output(reply)
+                if kind == "output" and self.side == "judge" and len(reply) == 2 and type(reply[1]) is list:
+                    for printed in reply[1]:
+                        self._show_output(printed)
                     continue
                 self.answer(reply)  # the other side's request, made while we wait
         finally:
@@ -395,6 +396,8 @@ class Endpoint:
         """What the program printed, printed again by the judge: with its ``print`` and to its
         ``sys.stdout`` as they are now, so that a test that patched ``builtins.print`` or redirected
         ``sys.stdout`` sees what the program printed."""
+        if type(message) is not list or not message:
+            self._protocol_error("a malformed output")
         if message[0] == "write" and len(message) == 2 and type(message[1]) is str:
             show = lambda: sys.stdout.write(message[1])  # noqa: E731
         elif message[0] == "print" and len(message) == 3:
@@ -447,7 +450,7 @@ class Endpoint:
                 if kind == "getattr" and len(request) == 3:
                     result = getattr(target, name)
                 elif kind == "setattr" and len(request) == 4:
-                    if self.side == "judge" and not _a_record(target):
+                    if self.side == "judge" and (not _a_record(target) or callable(getattr(target, "__dict__", {}).get(name))):
                         raise AttributeError("the tests' %s is handed to the program call-only: it cannot set %r"
                                              % (type(target).__name__, name))
                     setattr(target, name, self.decode(request[3]))
@@ -1331,7 +1334,7 @@ def _run_one_in_a_child(test, i, namespace, endpoint, close_in_child):
         os.close(verdict_read)
     # The numbers of the objects the child handed over are never used again (the program keeps the
     # references it holds, and their state: an iterator it ran to its end stays ended).
-    if exported.isdigit() and len(endpoint.exports) < int(exported) <= 1 << 24:
+    if exported.isdigit() and len(endpoint.exports) < int(exported) <= 1 << 20:
         endpoint.exports.extend([None] * (int(exported) - len(endpoint.exports)))
     try:
         os.kill(child, 9)  # SIGKILL: nothing of the test's process outlives its verdict

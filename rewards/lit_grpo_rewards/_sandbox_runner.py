@@ -244,7 +244,7 @@ ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/l
              "/etc/alternatives")
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # syscall numbers (glibc has no wrapper)
 #: Where the judge makes its own working directory (see ``_judge_directory``): a tmpfs of root's,
-#: mode 1733, in the minimal root: the sandbox's uid may make a directory in it but not list it.
+#: mode 1333, in the minimal root: the sandbox's uid may make a directory in it but not list it.
 JUDGE_DIRECTORY = "/.judge"
 MNT_DETACH = 2
 
@@ -346,7 +346,7 @@ def _filesystem(job, layers, without, pidns):
     if layers["minimal_root"]:  # (after the read-only remount: it stays writable)
         try:
             _mount("tmpfs", JUDGE_DIRECTORY, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                   "size=%dk,mode=1733,nr_inodes=1024" % (job["limits"]["scratch_kb"],))
+                   "size=%dk,mode=1333,nr_inodes=1024" % (job["limits"]["scratch_kb"],))
         except OSError as exc:  # the judge then works in / (read-only): tests that write files fail
             layers["judge_directory_error"] = str(exc)
 
