@@ -256,6 +256,8 @@ def _disks() -> tuple:
     except OSError:
         return ()
     for name in names:
+        if name.startswith(("ram", "zram")):  # memory: nothing to protect, and no limit to take
+            continue
         try:
             if int(_read(f"/sys/block/{name}/size")) > 0:
                 found.append(_read(f"/sys/block/{name}/dev").strip())
@@ -330,14 +332,16 @@ def create(name: str, memory_bytes: int, max_pids: int, limit_disk_reads: bool =
 
 
 def _limit_disk_reads(where: CgroupSupport, io_dir: str) -> bool:
-    """Write the disk-read limit for every disk; False if the kernel refused one."""
-    try:
-        for disk in where.disks:
+    """Write the disk-read limit for every disk; False if the kernel refused it for one (the others
+    keep theirs)."""
+    refused = False
+    for disk in where.disks:
+        try:
             if where.version == 2:
                 _write(os.path.join(io_dir, "io.max"), f"{disk} rbps={DISK_READ_BYTES_PER_S} riops={DISK_READ_IOPS}")
             else:
                 _write(os.path.join(io_dir, "blkio.throttle.read_bps_device"), f"{disk} {DISK_READ_BYTES_PER_S}")
                 _write(os.path.join(io_dir, "blkio.throttle.read_iops_device"), f"{disk} {DISK_READ_IOPS}")
-        return True
-    except OSError:
-        return False
+        except OSError:
+            refused = True
+    return not refused

@@ -229,6 +229,32 @@ def test_reading_the_machines_files_from_the_disk_again_and_again(without):
         assert result.layers.get("disk_read_limit") is False
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_disk_read_limit_is_written_for_every_disk(monkeypatch, tmp_path, version):
+    """Both branches on stand-in directories (a machine has one kind of hierarchy): every disk gets
+    the limit (v2 ``io.max``, v1 ``blkio.throttle``), and leaving the layer out writes none."""
+    io_parent = tmp_path / "io"
+    io_parent.mkdir()
+    where = _sandbox_cgroup.CgroupSupport(version, str(tmp_path), str(tmp_path), io_parent=str(io_parent),
+                                          disks=("8:0", "259:0"))
+    monkeypatch.setattr(_sandbox_cgroup, "_support", where)
+    written = []
+    monkeypatch.setattr(_sandbox_cgroup, "_write", lambda path, value: written.append((os.path.relpath(path, tmp_path), value)))
+    monkeypatch.setattr(os, "mkdir", lambda path, mode=0o777: None)
+    cg = _sandbox_cgroup.create("limits", 100 << 20, 9)
+    rate, iops = _sandbox_cgroup.DISK_READ_BYTES_PER_S, _sandbox_cgroup.DISK_READ_IOPS
+    disk_rules = [w for w in written if w[0].startswith("io/")]
+    if version == 2:
+        assert disk_rules == [("io/lit-grpo-sandbox-limits/io.max", f"{d} rbps={rate} riops={iops}") for d in ("8:0", "259:0")]
+    else:
+        assert disk_rules == [(f"io/lit-grpo-sandbox-limits/blkio.throttle.read_{kind}_device", f"{d} {value}")
+                              for d in ("8:0", "259:0") for kind, value in (("bps", rate), ("iops", iops))]
+    assert cg.disk_reads_limited and str(io_parent / "lit-grpo-sandbox-limits") in cg.dirs
+    written.clear()
+    cg = _sandbox_cgroup.create("unlimited", 100 << 20, 9, limit_disk_reads=False)
+    assert not [w for w in written if w[0].startswith("io/")] and not cg.disk_reads_limited
+
+
 # --------------------------------------------------------------------------------------------------
 # 3. (new) The out-of-memory killer's choice: when the machine runs out of memory the kernel kills
 #    the process it ranks first, by size: the trainer (gigabytes), not a sandbox holding up to
