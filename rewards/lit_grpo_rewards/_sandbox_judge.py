@@ -80,8 +80,8 @@ name]``, ``["setattr", h, name, value]``, ``["iter", h]``, ``["next", h, n]``, `
 ``["repr", h]``, and from the judge only ``["global", name]`` (the program global's current value);
 answers ``["ok", value]``, ``["raise", type_name, args, message]`` or, for ``next``, ``["items",
 [values], end]``; and from the program, unanswered, what it printed: ``["output", [...]]`` of
-``["print", args, kwargs]`` (``sep``/``end`` only) and ``["write", text]``. A module is ``["M", name, h]``, ``h`` being -1 from
-the judge (no reference).
+``["print", args, kwargs]`` (``sep``/``end`` only) and ``["write", text]``. A module is ``["M",
+name, h]``, ``h`` being -1 from the judge (no reference).
 Both sides may send requests (a test may pass a function of its own to the program); a side
 waiting for an answer serves the other's requests meanwhile.
 
@@ -450,7 +450,7 @@ class Endpoint:
                 if kind == "getattr" and len(request) == 3:
                     result = getattr(target, name)
                 elif kind == "setattr" and len(request) == 4:
-                    if self.side == "judge" and (not _a_record(target) or callable(getattr(target, "__dict__", {}).get(name))):
+                    if self.side == "judge" and not _writable_by_the_program(target, name):
                         raise AttributeError("the tests' %s is handed to the program call-only: it cannot set %r"
                                              % (type(target).__name__, name))
                     setattr(target, name, self.decode(request[3]))
@@ -1048,6 +1048,12 @@ def _a_record(obj):
             if callable(value) or (hasattr(value, "__get__") and type(value) is not _SLOT):
                 return False
     return True
+
+
+def _writable_by_the_program(obj, name):
+    """Whether the program may set attribute ``name`` of the tests' ``obj``: a data attribute of a
+    plain record (:func:`_a_record`), never one that holds a function (a ``SimpleNamespace``'s)."""
+    return _a_record(obj) and not callable(getattr(obj, "__dict__", {}).get(name))
 
 
 def _is_a_namespace(mapping):

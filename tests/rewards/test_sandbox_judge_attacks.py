@@ -205,6 +205,9 @@ TEST_DOUBLES = {  # name -> (a wrong program that rewrites what the test handed 
         "class Log:\n    def __init__(self):\n        self.items = []\n    def add(self, x):\n"
         "        self.items.append(x)\n    def verify(self):\n        return self.items == [1, 2]\n"
         "log = Log()\nfill(log)\nassert log.verify()"),
+    "a namespace's function": (
+        "def use(ns):\n    ns.check = lambda: True\n",
+        "import types\nns = types.SimpleNamespace(check=lambda: False)\nuse(ns)\nassert ns.check()"),
     "a function's attribute": (
         "def use(callback):\n    callback.calls = 2\n",
         "def callback():\n    callback.calls += 1\ncallback.calls = 0\nuse(callback)\nassert callback.calls == 2"),
@@ -225,8 +228,11 @@ def test_honest_programs_still_use_test_doubles_and_relink_records():
     tests = [TEST_DOUBLES["a checker's verdict"][1],
              TEST_DOUBLES["a log's method"][1],
              "class Node:\n    def __init__(self, v, next=None):\n        self.v, self.next = v, next\n"
+             "head = reverse(Node(1, Node(2)))\nassert [head.v, head.next.v] == [2, 1]",
+             "class Node:\n    __slots__ = ('v', 'next')\n    def __init__(self, v, next=None):\n"
+             "        self.v, self.next = v, next\n"
              "head = reverse(Node(1, Node(2)))\nassert [head.v, head.next.v] == [2, 1]"]
-    assert run(code, tests).test_results == [True, True, True]
+    assert run(code, tests).test_results == [True, True, True, True]
 
 
 # --------------------------------------------------------------------------------------------------
