@@ -32,6 +32,11 @@ multi-process run resolves the same one from the same files, before any of them 
   resumes its ``last.ckpt``: another run there is refused, naming the checkpoints it would mix with;
 - a ``--ckpt_path`` naming a URL or remote storage (``https://``, ``s3://``) is refused, before anything is
   fetched: checkpoints are read from local files only (:func:`lit_grpo.checkpointing.check_local_checkpoint`).
+
+A new TensorBoard or CSV run that fails before its first optimizer step (a reward that raises on the
+first batch, a setting refused as the model loads, Ctrl-C) takes its ``version_N`` directory away
+again (:class:`RemoveRunWithoutSteps`): it holds nothing to resume, and left behind it would be the
+newest run, which ``--ckpt_path last`` could not resume.
 """
 
 from __future__ import annotations
@@ -40,12 +45,15 @@ import csv
 import os
 import re
 import secrets
+import shutil
 import string
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
+from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger as LightningCSVLogger
 from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
@@ -56,7 +64,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lit_grpo.checkpointing import check_local_checkpoint, is_class_config
 from lit_grpo.errors import ConfigError, FileInTheWayError, MissingFileError, WriteError, writing
 
-__all__ = ["CSVLogger", "Runs", "TensorBoardLogger", "find_last_checkpoint", "place_run", "resume_config_name", "run_directory"]
+__all__ = ["CSVLogger", "RemoveRunWithoutSteps", "Runs", "TensorBoardLogger", "find_last_checkpoint", "place_run", "resume_config_name", "run_directory"]
 
 LAST_CHECKPOINT = ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION  # last.ckpt
 CHECKPOINTS = "checkpoints"
@@ -225,6 +233,9 @@ def place_run(config: Any, subcommand: str | None) -> Path | None:
             resumed = run
     if trainer.get("enable_checkpointing") is not False:
         _refuse_to_mix(trainer, run, checkpoint, logger)
+    if runs is not None and runs.numbered and resumed is None and (run is None or not run.exists()):
+        # a new version directory: this run makes it, and takes it away if it fails before its first step
+        trainer.callbacks = [*_as_list(trainer.get("callbacks")), Namespace(class_path=f"{__name__}.RemoveRunWithoutSteps")]
     return resumed
 
 
@@ -258,6 +269,24 @@ def _refuse_to_mix(trainer_config: Any, run: Path | None, checkpoint: Path | Non
                 f"{directory} holds the checkpoints of another run ({shown}); resume that run with --ckpt_path last, "
                 f"or give this run a directory of its own ({how})"
             )
+
+
+class RemoveRunWithoutSteps(pl.Callback):
+    """A new run's directory (the logger's ``log_dir``) is removed when the run fails before its first
+    optimizer step and holds no checkpoint: nothing in it can be resumed. :func:`place_run` adds this
+    callback to a run that gets a new ``version_N``, never to a resumed one. Rank 0 removes it,
+    after the loggers have written their last (Lightning finalizes them again: nothing is left to write)."""
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        run = Path(trainer.log_dir) if trainer.log_dir is not None else None
+        if trainer.global_step > 0 or not trainer.is_global_zero or run is None or not run.is_dir():
+            return
+        if any(run.rglob("*.ckpt")):
+            return
+        for logger in trainer.loggers:
+            logger.finalize("failed")
+        shutil.rmtree(run, ignore_errors=True)
+        print(f"{run} removed: the run failed before its first step", file=sys.stderr, flush=True)
 
 
 def resume_config_name(run: Path) -> str:
