@@ -16,6 +16,7 @@ from lit_grpo import plugins
 from lit_grpo.errors import DataError
 from lit_grpo.plugins import RewardArgumentError, UnknownRewardError
 from lit_grpo.scoring import RewardError, RewardScorer, RewardSpec
+from lit_grpo.scoring.failures import SUMMARY_EVERY
 
 PLUGIN = "scoring_test_rewards"
 CALLS: list[dict] = []
@@ -427,15 +428,25 @@ def test_in_process_failure_scores_only_the_failing_sample(on_error, fill, caplo
     assert "completion: 'a bad one'" in record.message
     assert "Traceback (most recent call last):" in record.message and "in picky" in record.message
 
-    # Counts are per call; the full traceback of an error type is shown once per reward.
+    assert "Further failures of this reward are counted in rewards/picky/errors" in record.message
+
+    # Counts are per call; an error type is reported in full once per reward, then summed up in one
+    # line every SUMMARY_EVERY calls that failed (issue 51.9: not three lines every step)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lit_grpo.scoring"):
         scorer(prompts, ["bad", "bad", "ok"], [[], [], []], {})
-    assert scorer.last_error_counts == {"length": 0, "picky": 2}
+        assert scorer.last_error_counts == {"length": 0, "picky": 2}
+        assert caplog.records == []
+        scorer(prompts, ["a", "b", "c"], [[], [], []], {})
+        assert scorer.last_error_counts == {"length": 0, "picky": 0}
+        for _ in range(SUMMARY_EVERY - 1):
+            scorer(prompts, ["bad", "ok", "ok"], [[], [], []], {})
     (record,) = caplog.records
-    assert "failed on 2 of 3 samples" in record.message and "Traceback" not in record.message
-    scorer(prompts, ["a", "b", "c"], [[], [], []], {})
-    assert scorer.last_error_counts == {"length": 0, "picky": 0}
+    assert record.message == (
+        f"Reward 'picky' ({PLUGIN}) failed on {2 + SUMMARY_EVERY - 1} of {3 * SUMMARY_EVERY} samples in the last "
+        f"{SUMMARY_EVERY} calls that failed ({2 + SUMMARY_EVERY - 1} ValueError); they score {fill if fill is not None else 'None (NaN)'} "
+        f"(on_error: {on_error}), counted in rewards/picky/errors"
+    )
 
 
 def test_invalid_values_are_errors_whatever_on_error():

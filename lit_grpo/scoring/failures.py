@@ -11,10 +11,11 @@ Standard-library only: worker processes (:mod:`lit_grpo.scoring.pool`) format th
 from __future__ import annotations
 
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["SampleFailure", "indent", "keep_training_hint", "preview", "reward_traceback", "sample_lines"]
+__all__ = ["FailureReports", "SampleFailure", "indent", "keep_training_hint", "preview", "reward_traceback", "sample_lines"]
 
 # The lit_grpo package: frames of files below it are lit-grpo's, not the reward's.
 _LIT_GRPO = Path(__file__).resolve().parents[1]
@@ -22,6 +23,9 @@ _LIT_GRPO = Path(__file__).resolve().parents[1]
 TRACEBACK_FRAMES = 5
 # Characters of a prompt, a completion or a returned value that a message shows.
 PREVIEW_CHARS = 200
+# With on_error none/zero, a reward that goes on failing is summed up in one line every this many
+# calls that failed (training steps, for model.rewards); the count of every step is in the metrics.
+SUMMARY_EVERY = 50
 
 
 def _is_lit_grpo(frame: traceback.FrameSummary) -> bool:
@@ -100,3 +104,39 @@ def keep_training_hint(key: str) -> str:
         f"To keep training, set {key}.on_error: none (or zero): the samples it fails on then score None "
         "(or 0.0), each failure is logged, and they are counted in rewards/<name>/errors."
     )
+
+
+class FailureReports:
+    """When the failures of one reward that keeps training (``on_error: none`` or ``zero``) are said:
+    the first failure of each error type in full (:meth:`first_of_its_kind`: its sample, its
+    traceback); after that, one line every ``every`` calls that failed (:meth:`summary_due`), summing
+    the failures since the last line. Every call's count is logged as ``rewards/<name>/errors``."""
+
+    def __init__(self, every: int = SUMMARY_EVERY) -> None:
+        self.every = every
+        self.reported_kinds: set[str] = set()
+        self.failed_calls = 0  # calls that failed since the last line said
+        self.failures: Counter[str] = Counter()  # failures by error type since the last line said
+        self.samples = 0  # samples scored in those calls
+
+    def first_of_its_kind(self, errors: list[SampleFailure]) -> SampleFailure | None:
+        """The first failure in ``errors`` of an error type not reported yet, now reported; else None."""
+        for error in errors:
+            if error.type_name not in self.reported_kinds:
+                self.reported_kinds.add(error.type_name)
+                return error
+        return None
+
+    def count(self, errors: list[SampleFailure], samples: int) -> None:
+        self.failed_calls += 1
+        self.failures.update(error.type_name for error in errors)
+        self.samples += samples
+
+    def summary_due(self) -> str | None:
+        """``failed on F of S samples in the last C calls (...)`` once ``every`` calls failed, else None."""
+        if self.failed_calls < self.every:
+            return None
+        kinds = ", ".join(f"{count} {name}" for name, count in self.failures.most_common())
+        line = f"failed on {sum(self.failures.values())} of {self.samples} samples in the last {self.failed_calls} calls that failed ({kinds})"
+        self.failed_calls, self.failures, self.samples = 0, Counter(), 0
+        return line

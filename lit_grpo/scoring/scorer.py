@@ -53,9 +53,10 @@ worker process dies does to the step:
 * ``raise`` (default): :class:`RewardError` naming the reward and the sample it failed on (its
   index, prompt and completion), with the reward's own frames of the traceback and the ``on_error``
   setting that would keep training (:mod:`lit_grpo.scoring.failures`);
-* ``none`` / ``zero``: only the failing samples score ``None`` (NaN) / ``0.0``. Failures are logged
-  (one warning per reward per call, the first traceback of each error type) and counted in
-  :attr:`RewardScorer.last_error_counts`, which the module logs as ``rewards/<name>/errors``.
+* ``none`` / ``zero``: only the failing samples score ``None`` (NaN) / ``0.0``. Failures are counted in
+  :attr:`RewardScorer.last_error_counts`, which the module logs as ``rewards/<name>/errors``; the first
+  failure of each error type is logged with its sample and traceback, then one line every
+  :data:`~lit_grpo.scoring.failures.SUMMARY_EVERY` calls that failed (:class:`~lit_grpo.scoring.failures.FailureReports`).
 
 Either way, after a failed batch call an in-process or async reward is called again one sample at a
 time to find the samples it fails on.
@@ -90,7 +91,7 @@ from lit_grpo.scoring.arguments import build_reward, check_columns
 from lit_grpo.scoring.event_loop import CallTimeout, EventLoopThread, await_call
 from lit_grpo.scoring.own_process import OwnProcesses
 from lit_grpo.scoring.pool import PoolCancelled, PoolInitError, WorkerPool, pickle_reward
-from lit_grpo.scoring.failures import SampleFailure, indent, keep_training_hint, preview, sample_lines
+from lit_grpo.scoring.failures import FailureReports, SampleFailure, indent, keep_training_hint, preview, sample_lines
 from lit_grpo.scoring.specs import RewardError, RewardSpec, as_spec, check_spec, expand_reward_groups, metric_names
 
 try:  # numpy comes with torch in practice, but the scorer does not require it
@@ -243,7 +244,7 @@ class RewardScorer:
                         "num_workers: 1 or more, or remove timeout."
                     )
         self.last_error_counts: dict[str, int] = {name: 0 for name in self.names}
-        self._tracebacks_shown: set[tuple[int, str]] = set()
+        self._failure_reports = [FailureReports() for _ in self.specs]
         _LIVE_SCORERS.add(self)
 
     def __len__(self) -> int:
@@ -551,22 +552,29 @@ class RewardScorer:
         return error
 
     def _warn(self, k: int, errors: list[SampleFailure], kwargs: dict[str, Any]) -> None:
-        """One warning per reward per call; the first traceback of each error type is shown (the
-        reward's own frames)."""
-        spec = self.specs[k]
-        first = errors[0]
-        kinds = Counter(error.type_name for error in errors)
+        """The first failure of each error type in full (its sample, the reward's own frames); after that a
+        line every :data:`~lit_grpo.scoring.failures.SUMMARY_EVERY` calls that failed (:class:`FailureReports`)."""
+        spec, reports, n = self.specs[k], self._failure_reports[k], len(kwargs["completions"])
         fill = "None (NaN)" if spec.on_error == "none" else "0.0"
+        first = reports.first_of_its_kind(errors)
+        if first is None:
+            reports.count(errors, n)
+            summary = reports.summary_due()
+            if summary is not None:
+                logger.warning(f"{self._who(k)} {summary}; they score {fill} (on_error: {spec.on_error}), counted in "
+                               f"rewards/{self.names[k]}/errors")
+            return
+        kinds = Counter(error.type_name for error in errors)
         text = (
-            f"{self._who(k)} failed on {len(errors)} of {len(kwargs['completions'])} samples "
+            f"{self._who(k)} failed on {len(errors)} of {n} samples "
             f"({', '.join(f'{count} {name}' for name, count in kinds.most_common())}); they score {fill} "
             f"(on_error: {spec.on_error}). First, sample {first.index}: {first.summary}\n"
         )
         text += "\n".join(sample_lines(first.index, kwargs["prompts"], kwargs["completions"]))
-        key = (k, first.type_name)
-        if first.traceback and key not in self._tracebacks_shown:
-            self._tracebacks_shown.add(key)
+        if first.traceback:
             text += "\n" + indent(first.traceback)
+        text += (f"\nFurther failures of this reward are counted in rewards/{self.names[k]}/errors, and summed up "
+                 f"here every {reports.every} steps that fail")
         logger.warning(text)
 
     # ---------------------------------------------------------------------------------------------
