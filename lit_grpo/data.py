@@ -12,10 +12,14 @@ first training step, and reported as a ``ValueError`` that names the offending c
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import functools
 import inspect
+import itertools
 import json
+import re
+import shlex
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lit_grpo import plugins
 from lit_grpo.checkpointing import ResumableDataLoader
 from lit_grpo.config import AsWritten
-from lit_grpo.errors import DataError
+from lit_grpo.errors import DataError, MissingFileError
 
 __all__ = ["RESERVED_COLUMNS", "GRPODataModule", "PromptBatch", "PromptFormat", "PromptSampler", "collate_prompt_batch"]
 
@@ -485,9 +489,12 @@ def _load_split(
                 f"data_files, set path to a builder name such as {builder!r}"
             )
         path, data_files = builder, path
+    _check_path_exists(path, data_files, source)
     for data_file in _local_files(data_files):
         if data_file.stat().st_size == 0:
             raise DataError(f"data file {str(data_file)!r} of the {source} is empty")
+        if path in TEXT_BUILDERS:
+            _check_text_file(data_file, source)
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are reported below, once
     try:
@@ -498,9 +505,78 @@ def _load_split(
                 problem = _json_problem(data_file)
                 if problem is not None:
                     raise DataError(problem) from error
-        raise DataError(f"could not load the {source}: {type(error).__name__}: {error}") from error
+        raise DataError(f"could not load the {source}: {type(error).__name__}: {error}{_hub_hint(path)}") from error
     finally:
         datasets.logging.set_verbosity(verbosity)
+
+
+# --------------------------------------------------------------------------------------------------
+# What can be told about a source before datasets reads it
+# --------------------------------------------------------------------------------------------------
+
+# builders that read their files as UTF-8 text
+TEXT_BUILDERS = ("json", "csv", "text")
+# a Hugging Face Hub id: ``name`` or ``owner/name``, each part starting and ending with a letter or digit
+HUB_ID = re.compile(r"\w(?:[\w.-]*\w)?(?:/\w(?:[\w.-]*\w)?)?")
+SOURCE_FORMS = ("data.path is a local data file or directory, a datasets builder (json, csv, parquet) with "
+                "data.data_files, a Hugging Face Hub id (owner/name) or a plugin's data set (`lit-grpo environments`)")
+
+
+def _check_path_exists(path: str, data_files: DataFiles | None, source: str) -> None:
+    """A ``path`` that can only be a local one (``./dir``, ``/abs``, ``a/b/c``) and the plain local
+    ``data_files`` of a builder must exist: else an error naming it (a :class:`MissingFileError` for
+    ``path``), not the Hub's complaint about a repository id."""
+    if path not in _PACKAGED_DATASETS_MODULES and not Path(path).exists() and not HUB_ID.fullmatch(path):
+        raise MissingFileError(f"data.path {path!r}: no such file or directory (looked for in {Path.cwd()}); "
+                               f"{SOURCE_FORMS}")
+    if path in _PACKAGED_DATASETS_MODULES:
+        for entry in _entries(data_files):
+            if "://" not in entry and not any(c in entry for c in "*?[") and not Path(entry).exists():
+                raise DataError(f"could not load the {source}: no such data file {entry!r} (looked for in {Path.cwd()})")
+
+
+def _hub_hint(path: str) -> str:
+    """For a ``path`` that is no local path and was looked for on the Hub: that it is no local path,
+    and that the Hub is off (``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``) where it is."""
+    if path in _PACKAGED_DATASETS_MODULES or Path(path).exists():
+        return ""
+    offline = datasets.config.HF_HUB_OFFLINE
+    hub = ("the Hugging Face Hub is not reachable offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)" if offline
+           else "the Hugging Face Hub has no such dataset or is not reachable")
+    return f"; no local path {path!r} exists and {hub}"
+
+
+def _check_text_file(path: Path, source: str) -> None:
+    """A JSON, CSV or text data file must be UTF-8 (as ``datasets`` reads it) and hold more than blank
+    lines: else a :class:`DataError` naming the file, the first byte that is not UTF-8 and the fix."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    read, blank = 0, True
+    with path.open("rb") as file:
+        for chunk in itertools.chain(iter(lambda: file.read(1 << 20), b""), [None]):  # None: the end (a cut character fails)
+            pending = len(decoder.getstate()[0])  # bytes of a character cut by the previous chunk
+            try:
+                text = decoder.decode(chunk or b"", final=chunk is None)
+            except UnicodeDecodeError as error:
+                raise DataError(_not_utf8(path, read - pending + error.start)) from None
+            blank = blank and not text.strip()
+            read += len(chunk or b"")
+    if blank:
+        raise DataError(f"data file {str(path)!r} of the {source} holds only blank lines: no rows to train on "
+                        "(a JSON Lines file holds one JSON object per line; a CSV file a header line, then rows)")
+
+
+def _not_utf8(path: Path, offset: int) -> str:
+    """The message for a data file whose byte at ``offset`` is not UTF-8."""
+    with path.open("rb") as file:
+        before = file.read(offset + 1)
+    line = before.count(b"\n") + 1
+    utf16 = before[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+    encoding = "utf-16" if utf16 else "cp1252"
+    guess = "it is UTF-16 (it starts with a UTF-16 byte-order mark)" if utf16 else "for a Latin-1 / Windows-1252 file"
+    fixed = f"{path.stem}.utf8{path.suffix}"
+    return (f"data file {str(path)!r} is not UTF-8: byte 0x{before[offset]:02x} at byte offset {offset} (line {line}) "
+            f"is not valid UTF-8, the encoding datasets reads JSON, CSV and text files in; re-encode it to UTF-8 "
+            f"({guess}: iconv -f {encoding} -t utf-8 {shlex.quote(str(path))} > {shlex.quote(fixed)})")
 
 
 def _json_problem(path: Path) -> str | None:
@@ -524,19 +600,23 @@ def _json_problem(path: Path) -> str | None:
     return None
 
 
-def _local_files(data_files: DataFiles | None) -> list[Path]:
-    """The entries of ``data_files`` that name existing local files (globs and URLs are skipped)."""
+def _entries(data_files: DataFiles | None) -> list[str]:
+    """Every path or pattern of ``data_files``, of all splits."""
     if data_files is None:
         return []
     if isinstance(data_files, str):
-        entries = [data_files]
-    elif isinstance(data_files, dict):
+        return [data_files]
+    if isinstance(data_files, dict):
         entries = []
         for split_files in data_files.values():
             entries.extend([split_files] if isinstance(split_files, str) else split_files)
-    else:
-        entries = list(data_files)
-    return [Path(entry) for entry in entries if Path(entry).is_file()]
+        return entries
+    return list(data_files)
+
+
+def _local_files(data_files: DataFiles | None) -> list[Path]:
+    """The entries of ``data_files`` that name existing local files (globs and URLs are skipped)."""
+    return [Path(entry) for entry in _entries(data_files) if Path(entry).is_file()]
 
 
 def _check_dataset(dataset: datasets.Dataset, prompt_format: PromptFormat, *, source: str) -> None:

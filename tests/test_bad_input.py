@@ -152,7 +152,7 @@ def test_data_file_without_rows(tiny_model_dir, tmp_path, fast_trainer):
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n\n")
     error = fit_expecting(ValueError, make_module(tiny_model_dir), make_data(blank), fast_trainer)
-    assert str(blank) in str(error) and "could not load" in str(error)
+    assert str(blank) in str(error) and "holds only blank lines: no rows" in str(error)
 
 
 def test_fewer_rows_than_batch_size(tiny_model_dir, write_jsonl, fast_trainer):

@@ -1,0 +1,103 @@
+"""A newcomer's mistakes (issue 51): each ends `lit-grpo fit` with exit status 2 and one line
+`error: ...` that names the culprit (the file and byte, the path, the key and where its value came
+from, the reward) and the fix; those about settings and rewards fire before any model is loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lit_grpo.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("fresh_cli", "no_model")  # fresh_cli: tests/conftest.py
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Every error here comes before a model is loaded: loading one fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the mistake was found")
+
+    monkeypatch.setattr("lit_grpo.models.build_policy", refuse)
+
+
+@pytest.fixture
+def config(tmp_path, tiny_model_dir, monkeypatch):
+    """``config(**sections) -> path``: the quickstart with the tiny model, sections updated, in a
+    working directory of its own (``tmp_path``)."""
+    monkeypatch.chdir(tmp_path)
+
+    def write(name="config.yaml", **sections):
+        quickstart = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
+        quickstart["model"]["model_name_or_path"] = str(tiny_model_dir)
+        quickstart["data"]["data_files"] = str(REPO / quickstart["data"]["data_files"])
+        quickstart["trainer"].update(max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+        for section, values in sections.items():
+            quickstart.setdefault(section, {}).update(values)
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(quickstart, sort_keys=False))
+        return path
+
+    return write
+
+
+def error_line(capsys, *args: str) -> str:
+    """``lit-grpo ARGS`` in this process: exit status 2, a few lines of stderr at most, the last the
+    one ``error:`` line (no traceback, no usage dump); its text."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and sum(line.startswith("error:") for line in lines) == 1, err
+    assert "Traceback" not in err and "usage:" not in err, err
+    assert len(lines) <= 6, err  # Lightning's "GPU available" lines, datasets' progress, the error
+    return lines[-1].removeprefix("error: ")
+
+
+# --------------------------------------------------------------------------------------------------
+# 51.1, 51.2, 51.6: data files
+# --------------------------------------------------------------------------------------------------
+
+ROWS = [{"prompt": "Say é:", "target": "é"}] * 8
+
+
+def test_a_data_file_that_is_not_utf8_names_the_file_byte_offset_and_encoding(config, tmp_path, capsys):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in ROWS).encode("latin-1"))
+    message = error_line(capsys, "fit", "--config", str(config(data={"data_files": str(latin)})))
+    # '{"prompt": "Say ' is 16 bytes: the 17th, 0xe9 (Latin-1's é), is the first that is not UTF-8
+    assert message.startswith(f"data file '{latin}' is not UTF-8: byte 0xe9 at byte offset 16 (line 1)")
+    assert f"re-encode it to UTF-8 (for a Latin-1 / Windows-1252 file: iconv -f cp1252 -t utf-8 {latin} > latin.utf8.jsonl)" in message
+
+    as_csv = tmp_path / "latin.csv"
+    as_csv.write_bytes(("prompt,target\n" + "Say é:,é\n" * 8).encode("latin-1"))
+    message = error_line(capsys, "fit", "--config", str(config(data={"path": str(as_csv), "data_files": None})))
+    assert message.startswith(f"data file '{as_csv}' is not UTF-8: byte 0xe9 at byte offset 18 (line 2)")
+
+
+def test_a_data_path_that_does_not_exist_says_so(config, tmp_path, capsys, monkeypatch):
+    message = error_line(capsys, "fit", "--config", str(config(data={"path": "./some_dir", "data_files": None})))
+    assert message.startswith(f"data.path './some_dir': no such file or directory (looked for in {tmp_path}); ")
+    assert "a Hugging Face Hub id (owner/name)" in message
+    # a name that could be a Hub id: not a local path, and the Hub is off
+    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)
+    message = error_line(capsys, "fit", "--config", str(config(data={"path": "some/dir", "data_files": None})))
+    assert message.endswith(
+        "; no local path 'some/dir' exists and the Hugging Face Hub is not reachable offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)"
+    )
+
+
+def test_a_data_file_of_blank_lines_says_it_has_no_rows(config, tmp_path, capsys):
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n  \n")
+    message = error_line(capsys, "fit", "--config", str(config(data={"data_files": str(blank)})))
+    assert message.startswith(f"data file '{blank}' of the dataset path='json'")
+    assert "holds only blank lines: no rows to train on (a JSON Lines file holds one JSON object per line" in message
