@@ -1218,8 +1218,10 @@ def _standard_module_for(name, value, tests, modules_allowed, imports_allowed):
     read = _attributes_read(name, tests)
     if not read:
         return None
-    if not imports_allowed(name):  # not imported for the tests; a plain value of the program's stays its own
-        return None if type(value) in _PLAIN_TYPES else _ModuleNotImported(name)
+    if not imports_allowed(name):  # not imported for the tests under this name: what the program bound to it
+        # stays, if it is plain data or a module (which the judge decoded as its own, or as one that
+        # fails); anything else of the program's in a module's place fails the tests that read it
+        return None if type(value) in _PLAIN_TYPES or isinstance(value, type(sys)) else _ModuleNotImported(name)
     try:
         module = import_for_the_tests(name)
     except Exception:  # noqa: BLE001 - not importable here: no stand-in either
