@@ -42,7 +42,7 @@ from lit_grpo.checkpointing import (
     is_class_config,
     load_checkpoint_file,
 )
-from lit_grpo.config_files import config_files, find_key, find_syntax_error
+from lit_grpo.config_files import COMMAND_LINE, config_files, find_key, find_syntax_error, value_origin
 from lit_grpo.errors import ConfigError, UserError
 from lit_grpo.plugins import RewardInfo
 from lit_grpo.preemption import StoppedBySignal
@@ -120,6 +120,7 @@ class GRPOCLI(LightningCLI):
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
 
     def parse_arguments(self, parser, args) -> None:
+        self.command_line = list(sys.argv[1:] if args is None else args)  # where each value was given
         try:
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as error:
@@ -171,6 +172,7 @@ class GRPOCLI(LightningCLI):
                     spec["name"] = reward_file_beside_config(spec["name"], config_dirs)
         if config.model.get("tools"):  # tools are named like rewards
             config.model.tools = [reward_file_beside_config(tool, config_dirs) for tool in config.model.tools]
+        check_optimizer_arguments(config.get("optimizer"), getattr(self, "command_line", []))
         if self.subcommand in (None, "fit"):
             configure_checkpointing(config.trainer)
             use_step_progress_bar(config.trainer)
@@ -205,6 +207,26 @@ def load_weights_only(config) -> None:
     config.weights_only = True
 
 
+def check_optimizer_arguments(optimizer, words: list[str]) -> None:
+    """The ``optimizer:`` block's ``init_args`` given to its class with a stand-in parameter, before any
+    model loads: a value the optimizer refuses (torch's ``Invalid learning rate: -0.003``) is a
+    :class:`ConfigError` naming the key and where it was given (``file:line`` or the command line)."""
+    class_path = getattr(optimizer, "class_path", None)
+    if class_path is None:  # no optimizer: block (the module's AdamW at 1e-6)
+        return
+    module_name, _, name = class_path.rpartition(".")
+    init_args = dict(optimizer.get("init_args") or {})
+    try:
+        getattr(importlib.import_module(module_name), name)([torch.zeros(1, requires_grad=True)], **init_args)
+    except ValueError as error:
+        key = next((k for k, value in init_args.items() if str(value) in str(error)), None)
+        if key is None:
+            raise ConfigError(f"optimizer.init_args: {class_path} refuses them: {error}") from None
+        origin = value_origin(words, f"optimizer.init_args.{key}") or "a config file"
+        raise ConfigError(f"optimizer.init_args.{key} = {init_args[key]} ({origin}): {class_path} refuses it: {error}"
+                          + ("; a learning rate is a number >= 0, such as 3e-3" if key == "lr" else "")) from None
+
+
 def reward_file_beside_config(name: str, config_dirs: list[Path]) -> str:
     """A reward named ``relative/file.py:function`` whose file is not in the working directory but
     beside a config file: that file, by its absolute path (so the saved config still finds it)."""
@@ -232,6 +254,9 @@ def explain_parse_error(message: str, parser, args: list[str] | None) -> str:
     else the closest real key."""
     words = list(args or sys.argv[1:])
     files = config_files(words)
+    negative = negative_value_read_as_option(words)
+    if negative:
+        return negative
     subcommand = next((word for word in words if word in ("fit", "validate")), None)
     action = getattr(parser, "_subcommands_action", None)
     keys_parser = action._name_parser_map.get(subcommand, parser) if action is not None and subcommand else parser
@@ -250,13 +275,29 @@ def explain_parse_error(message: str, parser, args: list[str] | None) -> str:
         return f"unknown option --{key}{meant} (command line; options are never abbreviated)"
     keyed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.DOTALL)
     if keyed:
-        return explain_entry_error(keyed.group(1), keyed.group(2), files)
+        return explain_entry_error(keyed.group(1), keyed.group(2), files, words)
     return " ".join(message.split())
 
 
-def explain_entry_error(key: str, problem: str, files: list[str]) -> str:
+def negative_value_read_as_option(words: list[str]) -> str | None:
+    """``--key -3e-3``: argparse reads a negative number it does not take for one (``-3e-3``, unlike
+    ``-3`` or ``-0.003``) as an option; the line that says to write ``--key=-3e-3``."""
+    for option, value in zip(words, words[1:]):
+        if not option.startswith("--") or "=" in option or not value.startswith("-") or re.fullmatch(r"-\d+|-\d*\.\d+", value):
+            continue
+        try:
+            float(value)
+        except ValueError:
+            continue
+        return (f"{option} {value}: the value {value} reads as an option; write {option}={value} "
+                "(command line; a negative number needs the =)")
+    return None
+
+
+def explain_entry_error(key: str, problem: str, files: list[str], words: list[str] = ()) -> str:
     """jsonargparse's ``problem`` with the value of ``key``; for an entry of a class or dataclass
-    (a ``model.rewards`` entry, an ``optimizer``'s ``init_args``), the key inside it at fault."""
+    (a ``model.rewards`` entry, an ``optimizer``'s ``init_args``), the key inside it at fault and
+    where its value was given (``file:line``, or the command line ``words``)."""
     unknown = re.search(r"class_path '([\w.]+)':\s*Option '(\w+)' is not accepted", problem)
     if unknown:
         class_path, name = unknown.groups()
@@ -266,6 +307,12 @@ def explain_entry_error(key: str, problem: str, files: list[str]) -> str:
     invalid = re.search(r"class_path '[\w.]+':\s*Parser key \"(\w+)\":\s*(.+?)(?:\n\s*- |\Z)", problem, re.DOTALL)
     if invalid:
         name, detail = invalid.groups()
+        tried = problem[invalid.start(2):].split("Given value:", 1)  # a Union's types, each tried
+        if "Union subtypes" in tried[0] and len(tried) > 1 and re.findall(r"Expected a <class '(\w+)'>", tried[0]):
+            types = " or ".join(dict.fromkeys(re.findall(r"Expected a <class '(\w+)'>", tried[0])))
+            detail = f"expected a {types}, got {tried[1].splitlines()[0].strip()!r}"
+        if value_origin(list(words), f"{key}.init_args.{name}") == COMMAND_LINE:
+            return f"{detail} ({key}.init_args.{name}, {COMMAND_LINE})"
         value = re.search(r"Got value: (.+)", detail)
         found = find_key(files, key, inside=name, value=value.group(1).strip() if value else None)
         found = found or find_key(files, key, inside=name)

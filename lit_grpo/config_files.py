@@ -4,7 +4,8 @@
 - :func:`find_key`: ``file:line`` of a dotted key (``model.num_generation``), or of a key inside
   its value (``wieght`` in ``model.rewards``: ``model.rewards[0].wieght``);
 - :func:`find_syntax_error`: the first file that is not valid YAML, with the line of the mistake and
-  the last key read before it.
+  the last key read before it;
+- :func:`value_origin`: where the value of a key that counts was given, ``file:line`` or the command line.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["Located", "config_files", "find_key", "find_syntax_error"]
+__all__ = ["COMMAND_LINE", "Located", "config_files", "find_key", "find_syntax_error", "value_origin"]
+
+COMMAND_LINE = "command line"
 
 
 @dataclass
@@ -82,6 +85,22 @@ def find_key(files: list[str], key: str, inside: str | None = None, value: str |
             if found is not None:
                 return Located(found[0], f"{file}:{found[1]}")
     return None
+
+
+def value_origin(args: list[str], key: str) -> str | None:
+    """Where the value of the dotted ``key`` that counts comes from: the last of the command line's
+    ``--config`` files and ``--key value`` / ``--key=value`` options (``--optimizer.lr`` for
+    ``optimizer.init_args.lr``) that sets it, as ``file:line`` or :data:`COMMAND_LINE`; None if none does."""
+    options = {f"--{key}", f"--{key.replace('.init_args.', '.')}"}
+    origin = None
+    for index, word in enumerate(args):
+        if word.split("=", 1)[0] in options:
+            origin = COMMAND_LINE
+        elif word in ("--config", "-c") and index + 1 < len(args) or word.startswith("--config="):
+            file = word.split("=", 1)[1] if word.startswith("--config=") else args[index + 1]
+            found = find_key([file], key)
+            origin = found.where if found else origin
+    return origin
 
 
 def find_syntax_error(files: list[str]) -> str | None:

@@ -101,3 +101,35 @@ def test_a_data_file_of_blank_lines_says_it_has_no_rows(config, tmp_path, capsys
     message = error_line(capsys, "fit", "--config", str(config(data={"data_files": str(blank)})))
     assert message.startswith(f"data file '{blank}' of the dataset path='json'")
     assert "holds only blank lines: no rows to train on (a JSON Lines file holds one JSON object per line" in message
+
+
+# --------------------------------------------------------------------------------------------------
+# 51.3: optimizer arguments, and where each value came from
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_negative_learning_rate_is_refused_before_the_model_loads_naming_where_it_was_given(config, tmp_path, capsys):
+    base = str(config())
+    optimizer = tmp_path / "optimizer.yaml"
+    optimizer.write_text("optimizer:\n  class_path: torch.optim.AdamW\n  init_args:\n    lr: -3.0e-3\n")
+    refused = "torch.optim.AdamW refuses it: Invalid learning rate: -0.003; a learning rate is a number >= 0, such as 3e-3"
+    assert error_line(capsys, "fit", "--config", base, "--config", str(optimizer)) == (
+        f"optimizer.init_args.lr = -0.003 ({optimizer}:4): {refused}"
+    )
+    assert error_line(capsys, "fit", "--config", base, "--optimizer.init_args.lr=-3e-3") == (
+        f"optimizer.init_args.lr = -0.003 (command line): {refused}"
+    )
+
+
+def test_a_learning_rate_that_is_no_number_on_the_command_line_is_blamed_on_the_command_line(config, tmp_path, capsys):
+    base = str(config())  # its optimizer block sets lr at a line of its own
+    assert error_line(capsys, "fit", "--config", base, "--optimizer.init_args.lr", "3e-3x") == (
+        "expected a float, got '3e-3x' (optimizer.init_args.lr, command line)"
+    )
+
+
+def test_a_negative_number_after_a_space_says_to_write_key_equals_value(config, capsys):
+    assert error_line(capsys, "fit", "--config", str(config()), "--optimizer.init_args.lr", "-3e-3") == (
+        "--optimizer.init_args.lr -3e-3: the value -3e-3 reads as an option; write --optimizer.init_args.lr=-3e-3 "
+        "(command line; a negative number needs the =)"
+    )
