@@ -39,22 +39,20 @@ from __future__ import annotations
 
 import difflib
 import functools
-import importlib
 import inspect
 import itertools
 import os
 import re
-import sys
 import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
-from importlib import util as importlib_util
 from typing import Any
 
 import pluggy
 
+from lit_grpo.named_functions import FILE_FORM, defining_files, load_object
 from lit_grpo.python_objects import object_name
 from lit_grpo.errors import UserError
 from lit_grpo.hookspecs import Hookspecs
@@ -590,6 +588,10 @@ def get_plugins() -> list[PluginInfo]:
 
 
 def _unknown_reward_message(name: str, rewards: Mapping[str, RewardInfo]) -> str:
+    files = defining_files(name) if name.isidentifier() else []
+    if files:  # a TRL user's reward_funcs=[reward_len]: the function of a file of the working directory
+        return (f"Unknown reward {name!r}: {files[0]} in the working directory defines {name}; name it "
+                f"'{files[0]}:{name}' ({FILE_FORM}; an installed reward by its name alone)")
     parts = [f"Unknown reward {name!r}."]
     close = difflib.get_close_matches(name, list(rewards), n=1, cutoff=0.6)
     if not close:  # case-insensitive fallback: 'Accuracy' -> 'accuracy'
@@ -610,7 +612,7 @@ def _unknown_reward_message(name: str, rewards: Mapping[str, RewardInfo]) -> str
         )
     if os.environ.get(PLUGINS_ENV, "").strip():
         parts.append(f"Note: {PLUGINS_ENV}={os.environ[PLUGINS_ENV]!r} restricts which plugin packages load.")
-    parts.append(INSTALL_HINT)
+    parts.append(f"{INSTALL_HINT} {FILE_FORM.capitalize()}.")
     return " ".join(parts)
 
 
@@ -650,49 +652,6 @@ def register_object_reward(obj: Any) -> str:
     name = object_name(obj)
     _FUNCTION_REWARDS[name] = RewardInfo(name=name, obj=obj, package="python", version="", doc=_first_doc_line(obj))
     return name
-
-
-def load_object(name: str, what: str, error: type[Exception] = UserError) -> tuple[Any, str]:
-    """The callable ``name`` points at, ``package.module:function`` (imported) or
-    ``path/to/file.py:function`` (loaded from that file, relative to the working directory), and
-    the module or file it came from. ``what`` (reward, tool, ...) names it in ``error``'s message."""
-    where, _, function = name.rpartition(":")
-    if not where or not function.isidentifier():
-        raise error(
-            f"{what} {name!r} names a function as 'package.module:function' or 'path/to/file.py:function'; "
-            f"{function!r} is not a function name"
-        )
-    is_file = where.endswith(".py") or os.sep in where or "/" in where
-    if is_file:
-        path = os.path.abspath(os.path.expanduser(where))
-        if not os.path.isfile(path):
-            raise error(f"{what} {name!r}: no file {where!r} (looked for {path})")
-        module_name = "lit_grpo_reward_file_" + re.sub(r"\W", "_", path)
-        module = sys.modules.get(module_name)
-        if module is None:
-            spec = importlib_util.spec_from_file_location(module_name, path)
-            module = importlib_util.module_from_spec(spec)
-            sys.modules[module_name] = module  # so its functions pickle by reference in this process
-            try:
-                spec.loader.exec_module(module)
-            except Exception as exc:
-                del sys.modules[module_name]
-                raise error(f"{what} {name!r}: running {path} raised {type(exc).__name__}: {exc}") from exc
-        package = path
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as exc:
-            raise error(f"{what} {name!r}: cannot import module {where!r} ({exc})") from None
-        package = where
-    obj = getattr(module, function, None)
-    if obj is None or not callable(obj):
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__)
-        close = difflib.get_close_matches(function, public, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        kind = "no function" if obj is None else "an attribute that is not callable:"
-        raise error(f"{what} {name!r}: {where} has {kind} {function!r}; {hint}its functions: {', '.join(public) or 'none'}")
-    return obj, package
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ LAYERS = [
     ["lit_grpo", "lit_grpo.errors", "lit_grpo.algorithm", "lit_grpo.sampling_correction", "lit_grpo.sampling_filters",
      "lit_grpo.config", "lit_grpo.evaluation",
      "lit_grpo.hookspecs", "lit_grpo.tiny", "lit_grpo.config_files", "lit_grpo.trl_names", "lit_grpo.openmp",
-     "lit_grpo.python_objects", "lit_grpo.redaction"],
+     "lit_grpo.python_objects", "lit_grpo.redaction", "lit_grpo.named_functions"],
     # loading models, checkpoints, a run's directory, the plugin registry
     ["lit_grpo.models", "lit_grpo.preemption", "lit_grpo.checkpointing", "lit_grpo.runs", "lit_grpo.plugins", "lit_grpo.tools",
      "lit_grpo.device_defaults"],

@@ -133,3 +133,42 @@ def test_a_negative_number_after_a_space_says_to_write_key_equals_value(config, 
         "--optimizer.init_args.lr -3e-3: the value -3e-3 reads as an option; write --optimizer.init_args.lr=-3e-3 "
         "(command line; a negative number needs the =)"
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# 51.4: a reward function of one's own, named as TRL users would
+# --------------------------------------------------------------------------------------------------
+
+REWARD_LEN = "def reward_len_51(completions, **kwargs):\n    return [-abs(20 - len(c)) for c in completions]\n"
+
+
+def test_a_reward_named_like_a_function_of_a_file_in_the_working_directory_says_file_py_function(config, tmp_path, capsys):
+    (tmp_path / "rewards_51.py").write_text(REWARD_LEN)
+    path = config(model={"rewards": [{"name": "reward_len_51"}]})
+    assert error_line(capsys, "fit", "--config", str(path)) == (
+        "Unknown reward 'reward_len_51': rewards_51.py in the working directory defines reward_len_51; name it "
+        "'rewards_51.py:reward_len_51' (a function of your own is named 'path/to/file.py:function'; an installed "
+        "reward by its name alone)"
+    )
+
+
+def test_a_reward_named_by_module_whose_file_is_in_the_working_directory_says_file_py_function(
+    config, tmp_path, capsys, monkeypatch
+):
+    (tmp_path / "rewards_51b.py").write_text(REWARD_LEN)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".", str(tmp_path))])
+    path = config(model={"rewards": [{"name": "rewards_51b:reward_len_51"}]})
+    assert error_line(capsys, "fit", "--config", str(path)) == (
+        "reward 'rewards_51b:reward_len_51': cannot import module 'rewards_51b' (No module named 'rewards_51b'); "
+        "rewards_51b.py is in the working directory, which is not where modules are imported from (installed "
+        "packages, PYTHONPATH): name it 'rewards_51b.py:reward_len_51'"
+    )
+
+
+def test_a_reward_file_name_near_a_file_that_exists_says_did_you_mean(config, tmp_path, capsys):
+    (tmp_path / "rewards_51c.py").write_text(REWARD_LEN)
+    path = config(model={"rewards": [{"name": "reward_51c.py:reward_len_51"}]})
+    assert error_line(capsys, "fit", "--config", str(path)) == (
+        f"reward 'reward_51c.py:reward_len_51': no file 'reward_51c.py' (looked for {tmp_path}/reward_51c.py); "
+        "did you mean 'rewards_51c.py'?"
+    )
