@@ -172,3 +172,19 @@ def test_a_reward_file_name_near_a_file_that_exists_says_did_you_mean(config, tm
         f"reward 'reward_51c.py:reward_len_51': no file 'reward_51c.py' (looked for {tmp_path}/reward_51c.py); "
         "did you mean 'rewards_51c.py'?"
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# 51.5: a reward function without **kwargs
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_reward_function_without_kwargs_is_refused_at_start_saying_to_add_kwargs(config, tmp_path, capsys):
+    (tmp_path / "strict_51.py").write_text("def reward_len(completions):\n    return [-abs(20 - len(c)) for c in completions]\n")
+    path = config(model={"rewards": [{"name": "char_fraction"}, {"name": "strict_51.py:reward_len"}]})
+    assert error_line(capsys, "fit", "--config", str(path)) == (
+        f"Reward 'strict_51.py:reward_len' ({tmp_path}/strict_51.py) cannot take the keyword argument "
+        "'prompts': every call passes prompts, completions, completion_ids and each column of the data (target) as "
+        "keyword arguments, and its signature is (completions); add **kwargs: def reward_len(completions, **kwargs) "
+        "(model.rewards[1])"
+    )

@@ -5,7 +5,8 @@ name); a class is instantiated with them. Arguments the reward cannot take, or t
 supplies itself (``prompts``, ``completions``, ``completion_ids``), are errors naming the reward.
 
 What is left for the data to give, :func:`needed_columns`, is checked against the dataset's columns
-before the run (:func:`check_columns`).
+before the run (:func:`check_columns`), as is that the reward takes every keyword argument a call
+passes it (:func:`check_accepts`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from lit_grpo.errors import DataError
+from lit_grpo.errors import ConfigError, DataError
 from lit_grpo.plugins import RESERVED_ARGS, RewardArgumentError, RewardInfo, get_reward
 
-__all__ = ["build_reward", "check_columns", "needed_columns"]
+__all__ = ["build_reward", "check_accepts", "check_columns", "needed_columns"]
 
 
 class _BoundReward(functools.partial):
@@ -170,4 +171,24 @@ def check_columns(
         f"{who} takes {missing[0]!r}, a parameter without a default, but the {source} has no column "
         f"{missing[0]!r}{hint}; the columns it passes on to rewards and environments: "
         f"{', '.join(columns) or 'none'} ({where})"
+    )
+
+
+def check_accepts(who: str, obj: Any, columns: Sequence[str], where: str) -> None:
+    """Raise :class:`ConfigError` when reward ``obj`` (``who``, configured at ``where``) cannot take a
+    keyword argument each call passes it: ``prompts``, ``completions``, ``completion_ids`` and every
+    one of ``columns``; the fix is a ``**kwargs`` (TRL's reward functions have one too)."""
+    sig = _signature(obj)
+    if sig is None or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    named = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    refused = [name for name in [*RESERVED_ARGS, *columns] if name not in named]
+    if not refused:
+        return
+    function = getattr(obj, "__name__", None) or type(obj).__name__
+    kept = ", ".join(str(p) for p in sig.parameters.values())
+    raise ConfigError(
+        f"{who} cannot take the keyword argument {refused[0]!r}: every call passes prompts, completions, "
+        f"completion_ids and each column of the data ({', '.join(columns) or 'none'}) as keyword arguments, and "
+        f"its signature is ({kept}); add **kwargs: def {function}({kept + ', ' if kept else ''}**kwargs) ({where})"
     )

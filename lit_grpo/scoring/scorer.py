@@ -87,7 +87,7 @@ import torch
 
 from lit_grpo import plugins
 from lit_grpo.errors import ConfigError
-from lit_grpo.scoring.arguments import build_reward, check_columns
+from lit_grpo.scoring.arguments import build_reward, check_accepts, check_columns
 from lit_grpo.scoring.event_loop import CallTimeout, EventLoopThread, await_call
 from lit_grpo.scoring.own_process import OwnProcesses
 from lit_grpo.scoring.pool import PoolCancelled, PoolInitError, WorkerPool, pickle_reward
@@ -256,9 +256,11 @@ class RewardScorer:
 
     def check_columns(self, columns: Sequence[str], source: str) -> None:
         """Before the run: every parameter that only a dataset column can fill names one of
-        ``columns`` (those the ``source`` dataset passes to rewards), else a ``DataError`` naming both."""
+        ``columns`` (those the ``source`` dataset passes to rewards), else a ``DataError`` naming both; and
+        every reward takes the keyword arguments a call passes it (``check_accepts``)."""
         for k, reward in enumerate(self.rewards):
             check_columns(self._who(k), reward, columns, source, f"{self.key}[{k}]")
+            check_accepts(self._who(k), reward, columns, f"{self.key}[{k}]")
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle: worker pools and the event-loop thread
