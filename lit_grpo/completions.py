@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from lit_grpo.errors import DataError, MissingFileError, writing
 
@@ -117,16 +120,20 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _cell(value: Any, width: int | None) -> str:
+def _cell(value: Any, width: int | None, keep: str = "start") -> str:
+    """``value`` on one line, cut to ``width`` characters with ``…`` where it was cut: its ``start``
+    kept (a completion), or its ``end`` (a prompt, whose task is usually at its end)."""
     text = as_text(value) if not isinstance(value, float) else f"{value:.3f}"
     text = text.replace("\n", "⏎").replace("|", "\\|")
-    return text if width is None or len(text) <= width else text[: width - 1] + "…"
+    if width is None or len(text) <= width:
+        return text
+    return "…" + text[len(text) - width + 1:] if keep == "end" else text[: width - 1] + "…"
 
 
 def format_table(records: list[dict[str, Any]], width: int | None = 40) -> str:
     """A Markdown table: prompt, completion, each reward, reward, advantage; text cells cut to
-    ``width`` characters (None: whole). The console, ``lit-grpo completions`` and the logger's
-    completions table all show it."""
+    ``width`` characters (None: whole), a prompt to its end (``…`` marks the cut), a completion to its
+    start. The console, ``lit-grpo completions`` and the logger's completions table all show it."""
     if not records:
         return "(no completions)"
     names = list(records[0]["rewards"])
@@ -135,7 +142,7 @@ def format_table(records: list[dict[str, Any]], width: int | None = 40) -> str:
     for record in records:
         scores = [record["rewards"].get(name) for name in names]
         cells = [
-            _cell(record["prompt"], width),
+            _cell(record["prompt"], width, keep="end"),
             _cell(record["completion"], width),
             *("None" if score is None else f"{score:.3f}" for score in scores),
             "None" if record["reward"] is None else f"{record['reward']:.3f}",
@@ -250,5 +257,6 @@ def log_step_completions(module: Any, scored: Any, completions: list) -> None:
         return
     if hp.save_completions and module.run_log_dir is not None:  # without a logger there is nowhere to write
         append_records(module.run_log_dir / COMPLETIONS_FILE, records)
-    if hp.print_completions:
-        print(f"completions at step {step}:\n{format_table(records[: hp.print_completions])}", flush=True)
+    if hp.print_completions:  # above the progress bar, if one is shown, not at its end
+        tqdm.write(f"completions at step {step}:\n{format_table(records[: hp.print_completions])}")
+        sys.stdout.flush()

@@ -41,7 +41,7 @@ from transformers import GenerationConfig
 from lit_grpo import algorithm, cpu, device_defaults, models
 from lit_grpo.agent import ToolUse
 from lit_grpo.async_rollouts import RolloutPipeline
-from lit_grpo.callbacks import CpuThreadsCallback, ValidateBeforeTraining, ignore_expected_lightning_warnings
+from lit_grpo.callbacks import CpuThreadsCallback, ValidateBeforeTraining, ignore_expected_lightning_warnings, step_progress_bar_for
 from lit_grpo.checkpointing import (
     RNGStateCheckpoint,
     check_no_weight_left_behind,
@@ -392,8 +392,10 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
     def configure_callbacks(self) -> list[pl.Callback]:
         """Every run, from the CLI or from Python (where it also gets the CLI's checkpointing), checkpoints
         its random states for exact resume and, on the CPU, fits its threads to the free cores; with
-        ``sync_ref_model`` the reference follows the policy."""
-        callbacks: list[pl.Callback] = [RNGStateCheckpoint(), CpuThreadsCallback(), *default_checkpointing_of(self.trainer)]
+        ``sync_ref_model`` the reference follows the policy. A plain Trainer's default progress bar counts
+        optimizer steps out of ``max_steps`` (``lit_grpo.callbacks.step_progress_bar_for``), as the CLI's does."""
+        callbacks: list[pl.Callback] = [RNGStateCheckpoint(), CpuThreadsCallback(), *default_checkpointing_of(self.trainer),
+                                        *step_progress_bar_for(self.trainer)]
         if self.hparams.validate_before_training:
             callbacks.append(ValidateBeforeTraining())
         if self.hparams.sync_ref_model:

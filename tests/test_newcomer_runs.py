@@ -3,8 +3,14 @@ that fails before its first step leaves no run directory that ``--ckpt_path last
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
@@ -49,3 +55,80 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_run_behind_and_last_re
     fit("--trainer.max_steps=3", "--ckpt_path", "last")  # the real run, resumed in its own directory
     assert torch.load(real / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
     assert sorted(path.name for path in (tmp_path / "runs/t").iterdir()) == ["version_0"]
+
+
+def test_completions_keeps_the_end_of_a_long_prompt_and_the_start_of_a_completion(tmp_path):
+    from lit_grpo.completions import show_step
+
+    prompt = "Solve the following task. " * 5 + "Reverse the word: lantern"
+    record = {"step": 1, "prompt": prompt, "completion": "nretnal and then some more words", "rewards": {"r": 1.0},
+              "reward": 1.0, "advantage": 0.0}
+    (tmp_path / "completions.jsonl").write_text(json.dumps(record) + "\n")
+    row = show_step(tmp_path, width=20).splitlines()[-1]
+    assert row.startswith("| …e the word: lantern | nretnal and then so… | 1.000 |"), row
+
+
+def test_what_a_run_says_while_its_bar_is_shown_starts_on_a_line_of_its_own(tmp_path, tiny_model_dir):
+    """The CPU threads, a reward that keeps failing (said in full once) and the printed completions
+    each start on a fresh line of the console, stdout and stderr together, not at the end of the bar."""
+    config = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
+    config["trainer"].update(logger=TENSORBOARD, enable_model_summary=False, max_steps=3)
+    config["model"].update(model_name_or_path=str(tiny_model_dir), num_generations=2, max_completion_length=4,
+                           print_completions=1, rewards=[{"name": "char_fraction"},
+                                                         {"name": "flaky.py:reward", "on_error": "none"}])
+    config["data"].update(data_files=str(REPO / config["data"]["data_files"]), batch_size=2)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "flaky.py").write_text("def reward(completions, **kwargs):\n    raise ValueError('no parse')\n")
+    console = subprocess.run([sys.executable, "-m", "lit_grpo.cli", "fit", "--config", "config.yaml"], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert console.returncode == 0, console.stdout[-3000:]
+    for said in ("CPU: up to", "completions at step 0:", "Reward 'flaky.py:reward' ("):
+        assert said in console.stdout, said
+        before = [console.stdout[at - 1] for at in range(len(console.stdout)) if console.stdout.startswith(said, at)]
+        assert set(before) <= {"\n", "\r"}, (said, console.stdout[console.stdout.index(said) - 80:][:200])
+    assert console.stdout.count("failed on 4 of 4 samples") == 1  # then counted in rewards/reward/errors
+
+
+def test_a_resumed_runs_bar_counts_its_speed_from_the_step_it_resumed(tmp_path):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from tqdm import tqdm
+
+    from lit_grpo.callbacks import StepProgressBar
+
+    def fit(steps: int, ckpt_path=None) -> StepProgressBar:
+        bar = StepProgressBar()
+        trainer = pl.Trainer(max_steps=steps, default_root_dir=tmp_path, callbacks=[bar], logger=False,
+                             enable_model_summary=False, limit_val_batches=0, accelerator="cpu")
+        trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+        return bar
+
+    fit(60)
+    resumed = fit(62, ckpt_path=str(next(tmp_path.glob("checkpoints/*.ckpt")))).train_progress_bar
+    shown = resumed.format_dict
+    assert (shown["n"], shown["total"]) == (62, 62)
+    rate = re.search(r"([\d.]+)(it/s|s/it)", tqdm.format_meter(**shown))
+    per_second = float(rate.group(1)) if rate.group(2) == "it/s" else 1 / float(rate.group(1))
+    assert per_second * shown["elapsed"] == pytest.approx(2, rel=0.3)  # 2 steps in this run, not 62
+
+
+@pytest.mark.parametrize("default_bar", ["RichProgressBar", "TQDMProgressBar"])
+def test_a_plain_trainer_counts_steps_out_of_max_steps_as_the_command_does(tiny_model_dir, tmp_path, default_bar):
+    """Lightning's default bar (rich when installed) shows ``Epoch 0/-2`` and the batches of an epoch; a
+    GRPOModule's run shows optimizer steps out of max_steps instead."""
+    from lightning.pytorch import callbacks
+
+    from lit_grpo import GRPODataModule, GRPOModule
+
+    module = GRPOModule(str(tiny_model_dir), rewards=[{"name": "char_fraction"}], num_generations=2, max_completion_length=4)
+    data = GRPODataModule.from_data([{"prompt": "Say a:", "target": "a"}] * 4, batch_size=2)
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", default_root_dir=tmp_path, logger=False, enable_checkpointing=False,
+                         enable_model_summary=False, callbacks=[getattr(callbacks, default_bar)()])
+    trainer.fit(module, datamodule=data)
+    bar = trainer.progress_bar_callback
+    if default_bar == "TQDMProgressBar":
+        shown = bar.train_progress_bar
+        assert (shown.desc, shown.n, shown.total) == ("steps: ", 3, 3)
+    else:
+        (shown,) = bar.progress.tasks
+        assert (shown.description, shown.completed, shown.total) == ("steps", 3, 3)
