@@ -13,7 +13,6 @@ checked:
 - ``open``, ``openat``, ``fcntl(F_SETFL)``: no ``O_DIRECT`` (``EINVAL``, as on a file system without
   it); ``preadv2``/``pwritev2``: no ``RWF_DONTCACHE`` (``EOPNOTSUPP``). Both read the machine's files
   past the page cache, at the disk's speed, on every read.
-
 - ``clone``: no namespace flags (``CLONE_NEWUSER``, ``CLONE_NEWNS``, ...): no user namespaces.
 - ``socketpair``: only a connected ``AF_UNIX`` ``SOCK_STREAM`` pair (asyncio's self-pipe), which can
   reach nothing outside; a datagram pair could ``sendto`` any socket path, so it is refused.
@@ -76,8 +75,9 @@ X86_64 = {
     "getresgid": 120, "getpgid": 121, "getsid": 124, "rt_sigpending": 127, "rt_sigtimedwait": 128,
     "rt_sigsuspend": 130, "sigaltstack": 131, "statfs": 137, "fstatfs": 138, "getpriority": 140,
     "sched_getparam": 143, "sched_getscheduler": 145, "sched_get_priority_max": 146,
-    "sched_get_priority_min": 147, "prctl": 157, "arch_prctl": 158, "setrlimit": 160, "sync": 162, "gettid": 186,
-    "getxattr": 191, "lgetxattr": 192, "fgetxattr": 193, "listxattr": 194, "llistxattr": 195, "flistxattr": 196,
+    "sched_get_priority_min": 147, "prctl": 157, "arch_prctl": 158, "setrlimit": 160, "sync": 162,
+    "gettid": 186, "getxattr": 191, "lgetxattr": 192, "fgetxattr": 193, "listxattr": 194, "llistxattr": 195,
+    "flistxattr": 196,
     "tkill": 200, "time": 201, "futex": 202, "sched_getaffinity": 204, "epoll_create": 213, "getdents64": 217,
     "set_tid_address": 218, "restart_syscall": 219, "fadvise64": 221, "timer_create": 222, "timer_settime": 223,
     "timer_gettime": 224, "timer_getoverrun": 225, "timer_delete": 226, "clock_gettime": 228,
@@ -85,7 +85,8 @@ X86_64 = {
     "tgkill": 234, "waitid": 247, "openat": 257, "mkdirat": 258, "newfstatat": 262, "unlinkat": 263,
     "renameat": 264, "linkat": 265, "symlinkat": 266, "readlinkat": 267, "fchmodat": 268, "faccessat": 269,
     "pselect6": 270, "ppoll": 271, "set_robust_list": 273, "utimensat": 280, "epoll_pwait": 281,
-    "sync_file_range": 277, "signalfd": 282, "timerfd_create": 283, "eventfd": 284, "fallocate": 285, "timerfd_settime": 286,
+    "sync_file_range": 277, "signalfd": 282, "timerfd_create": 283, "eventfd": 284, "fallocate": 285,
+    "timerfd_settime": 286,
     "timerfd_gettime": 287, "signalfd4": 289, "eventfd2": 290, "epoll_create1": 291, "dup3": 292, "pipe2": 293,
     "preadv": 295, "pwritev": 296, "recvmmsg": 299, "prlimit64": 302, "syncfs": 306, "sendmmsg": 307, "getcpu": 309,
     "renameat2": 316, "getrandom": 318, "copy_file_range": 326, "preadv2": 327, "pwritev2": 328, "statx": 332,
@@ -101,7 +102,8 @@ AARCH64 = {
     "close": 57, "pipe2": 59, "getdents64": 61, "lseek": 62, "read": 63, "write": 64, "readv": 65,
     "writev": 66, "pread64": 67, "pwrite64": 68, "preadv": 69, "pwritev": 70, "sendfile": 71, "pselect6": 72,
     "ppoll": 73, "signalfd4": 74, "readlinkat": 78, "newfstatat": 79, "fstat": 80, "sync": 81, "fsync": 82,
-    "fdatasync": 83, "sync_file_range": 84, "timerfd_create": 85, "timerfd_settime": 86, "timerfd_gettime": 87, "utimensat": 88,
+    "fdatasync": 83, "sync_file_range": 84, "timerfd_create": 85, "timerfd_settime": 86, "timerfd_gettime": 87,
+    "utimensat": 88,
     "exit": 93, "exit_group": 94, "waitid": 95, "set_tid_address": 96, "futex": 98, "set_robust_list": 99,
     "nanosleep": 101, "getitimer": 102, "setitimer": 103, "timer_create": 107, "timer_gettime": 108,
     "timer_getoverrun": 109, "timer_settime": 110, "timer_delete": 111, "clock_gettime": 113,
@@ -116,9 +118,9 @@ AARCH64 = {
     "sysinfo": 179, "socketpair": 199, "getsockname": 204, "getpeername": 205, "sendto": 206, "recvfrom": 207,
     "setsockopt": 208, "getsockopt": 209, "shutdown": 210, "sendmsg": 211, "recvmsg": 212, "brk": 214,
     "munmap": 215, "mremap": 216, "clone": 220, "mmap": 222, "fadvise64": 223, "mprotect": 226, "msync": 227,
-    "mincore": 232, "madvise": 233, "recvmmsg": 243, "wait4": 260, "prlimit64": 261, "sendmmsg": 269,
+    "mincore": 232, "madvise": 233, "recvmmsg": 243, "wait4": 260, "prlimit64": 261, "syncfs": 267, "sendmmsg": 269,
     "renameat2": 276, "getrandom": 278, "copy_file_range": 285, "preadv2": 286, "pwritev2": 287, "statx": 291,
-    "rseq": 293, "syncfs": 267, "clone3": 435, "close_range": 436, "faccessat2": 439, "epoll_pwait2": 441, "fchmodat2": 452,
+    "rseq": 293, "clone3": 435, "close_range": 436, "faccessat2": 439, "epoll_pwait2": 441, "fchmodat2": 452,
 }
 
 AUDIT_ARCH_X86_64 = 0xC000003E
@@ -130,11 +132,13 @@ MACHINES = {"x86_64": (AUDIT_ARCH_X86_64, X86_64), "amd64": (AUDIT_ARCH_X86_64, 
 #: (allowed for some arguments) and ``clone3`` (ENOSYS, so that the C library falls back to ``clone``).
 ALLOWED = (
     # the hottest first: the filter compares one number after the other
-    "read", "write", "futex", "munmap", "brk", "mprotect", "madvise", "mremap", "close", "lseek", "fstat", "newfstatat", "stat", "lstat", "statx", "getdents64", "getdents",
+    "read", "write", "futex", "munmap", "brk", "mprotect", "madvise", "mremap", "close", "lseek", "fstat", "newfstatat",
+    "stat", "lstat", "statx", "getdents64", "getdents",
     "pread64", "pwrite64", "readv", "writev", "preadv", "pwritev", "close_range",
     "access", "faccessat", "faccessat2", "readlink", "readlinkat", "getcwd", "chdir", "fchdir",
     "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2", "link", "linkat",
-    "symlink", "symlinkat", "chmod", "fchmod", "fchmodat", "fchmodat2", "truncate", "ftruncate", "utimensat", "dup", "dup2", "dup3", "pipe", "pipe2",
+    "symlink", "symlinkat", "chmod", "fchmod", "fchmodat", "fchmodat2", "truncate", "ftruncate", "utimensat", "dup",
+    "dup2", "dup3", "pipe", "pipe2",
     "select", "pselect6", "poll", "ppoll", "epoll_create", "epoll_create1", "epoll_ctl", "epoll_wait",
     "epoll_pwait", "epoll_pwait2", "eventfd", "eventfd2", "statfs", "fstatfs", "sendfile",
     "copy_file_range", "getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr", "umask",

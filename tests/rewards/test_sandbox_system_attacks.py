@@ -111,8 +111,10 @@ def test_the_trainers_disk_is_neither_flushed_nor_read_uncached(sandbox_tmp, wit
     seen, result = run(DISK_IO, without)
     # The output files are memory, whatever the filter does: not the trainer's disk, where each
     # fdatasync(1) was a flush of the disk's write cache.
-    assert seen["stdout"].startswith(("/memfd:", "/dev/shm/")), f"stdout is {seen['stdout']!r}: a file of the trainer's disk"
-    assert seen["stdout_device"] != os.stat(sandbox_tmp).st_dev, "stdout lies on the trainer's temporary directory's disk"
+    assert seen["stdout"].startswith(("/memfd:", "/dev/shm/")), \
+        f"stdout is {seen['stdout']!r}: a file of the trainer's disk"
+    assert seen["stdout_device"] != os.stat(sandbox_tmp).st_dev, \
+        "stdout lies on the trainer's temporary directory's disk"
     assert result.stdout.count(b"x") > 0
     reached_the_kernel = {k: seen[k] for k in SYNC_PROBES}
     if not without:
@@ -221,7 +223,8 @@ def test_reading_the_machines_files_from_the_disk_again_and_again(without):
     rate = seen["disk_bytes_per_s"]
     if not without:
         assert rate <= 1.5 * limit, \
-            f"the sandbox read {rate / 1e6:.0f} MB/s from the disk: the cgroup's limit ({limit / 1e6:.0f} MB/s) did not hold"
+            f"the sandbox read {rate / 1e6:.0f} MB/s from the disk: the cgroup's limit " \
+            f"({limit / 1e6:.0f} MB/s) did not hold"
         assert result.layers.get("disk_read_limit") is True
     elif rate < 2 * limit:
         pytest.skip(f"this machine's disk served only {rate / 1e6:.0f} MB/s: too slow to show the attack")
@@ -239,13 +242,15 @@ def test_the_disk_read_limit_is_written_for_every_disk(monkeypatch, tmp_path, ve
                                           disks=("8:0", "259:0"))
     monkeypatch.setattr(_sandbox_cgroup, "_support", where)
     written = []
-    monkeypatch.setattr(_sandbox_cgroup, "_write", lambda path, value: written.append((os.path.relpath(path, tmp_path), value)))
+    monkeypatch.setattr(_sandbox_cgroup, "_write",
+                        lambda path, value: written.append((os.path.relpath(path, tmp_path), value)))
     monkeypatch.setattr(os, "mkdir", lambda path, mode=0o777: None)
     cg = _sandbox_cgroup.create("limits", 100 << 20, 9)
     rate, iops = _sandbox_cgroup.DISK_READ_BYTES_PER_S, _sandbox_cgroup.DISK_READ_IOPS
     disk_rules = [w for w in written if w[0].startswith("io/")]
     if version == 2:
-        assert disk_rules == [("io/lit-grpo-sandbox-limits/io.max", f"{d} rbps={rate} riops={iops}") for d in ("8:0", "259:0")]
+        assert disk_rules == [("io/lit-grpo-sandbox-limits/io.max", f"{d} rbps={rate} riops={iops}")
+                              for d in ("8:0", "259:0")]
     else:
         assert disk_rules == [(f"io/lit-grpo-sandbox-limits/blkio.throttle.read_{kind}_device", f"{d} {value}")
                               for d in ("8:0", "259:0") for kind, value in (("bps", rate), ("iops", iops))]
