@@ -42,7 +42,7 @@ from lit_grpo.checkpointing import (
     is_class_config,
     load_checkpoint_file,
 )
-from lit_grpo.config_files import COMMAND_LINE, config_files, find_key, find_syntax_error, value_origin
+from lit_grpo.config_files import COMMAND_LINE, config_files, find_duplicate_key, find_key, find_syntax_error, value_origin
 from lit_grpo.errors import ConfigError, UserError
 from lit_grpo.plugins import RewardInfo
 from lit_grpo.preemption import StoppedBySignal
@@ -121,6 +121,9 @@ class GRPOCLI(LightningCLI):
 
     def parse_arguments(self, parser, args) -> None:
         self.command_line = list(sys.argv[1:] if args is None else args)  # where each value was given
+        duplicate = find_duplicate_key(config_files(self.command_line))
+        if duplicate:
+            raise ConfigError(duplicate)
         try:
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as error:

@@ -5,7 +5,8 @@
   its value (``wieght`` in ``model.rewards``: ``model.rewards[0].wieght``);
 - :func:`find_syntax_error`: the first file that is not valid YAML, with the line of the mistake and
   the last key read before it;
-- :func:`value_origin`: where the value of a key that counts was given, ``file:line`` or the command line.
+- :func:`value_origin`: where the value of a key that counts was given, ``file:line`` or the command line;
+- :func:`find_duplicate_key`: a key written twice in one mapping (YAML would keep the last silently).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["COMMAND_LINE", "Located", "config_files", "find_key", "find_syntax_error", "value_origin"]
+__all__ = ["COMMAND_LINE", "Located", "config_files", "find_duplicate_key", "find_key", "find_syntax_error", "value_origin"]
 
 COMMAND_LINE = "command line"
 
@@ -101,6 +102,41 @@ def value_origin(args: list[str], key: str) -> str | None:
             found = find_key([file], key)
             origin = found.where if found else origin
     return origin
+
+
+def find_duplicate_key(files: list[str]) -> str | None:
+    """``"key model.beta is written twice ... (file:3 and file:7)"`` for the first of ``files`` in
+    which one mapping has a key twice; None if none has."""
+    for file in files:
+        node = _compose(file)
+        found = _duplicate_inside(node, "") if node is not None else None
+        if found is not None:
+            key, first, second = found
+            return (f"key {key} is written twice in one mapping, at lines {first} and {second} ({file}:{first} and "
+                    f"{file}:{second}); YAML would keep the second silently: remove one of them")
+    return None
+
+
+def _duplicate_inside(node: yaml.Node, path: str) -> tuple[str, int, int] | None:
+    """The first key written twice in a mapping inside ``node``: its dotted path and both lines."""
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key, value in node.value:
+            name, line = getattr(key, "value", None), key.start_mark.line + 1
+            if isinstance(name, str) and name != "<<":  # a merge key (<<: *base) may repeat
+                if name in lines:
+                    return f"{path}.{name}".lstrip("."), lines[name], line
+                lines[name] = line
+        children = [(f"{path}.{k.value}", v) for k, v in node.value]
+    elif isinstance(node, yaml.SequenceNode):
+        children = [(f"{path}[{i}]", item) for i, item in enumerate(node.value)]
+    else:
+        children = []
+    for child_path, child in children:
+        found = _duplicate_inside(child, child_path)
+        if found is not None:
+            return found
+    return None
 
 
 def find_syntax_error(files: list[str]) -> str | None:

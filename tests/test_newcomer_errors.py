@@ -188,3 +188,23 @@ def test_a_reward_function_without_kwargs_is_refused_at_start_saying_to_add_kwar
         "keyword arguments, and its signature is (completions); add **kwargs: def reward_len(completions, **kwargs) "
         "(model.rewards[1])"
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# 51.7: a key written twice in one YAML mapping
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_key_written_twice_in_one_mapping_names_both_lines(config, tmp_path, capsys):
+    base = str(config())
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("model:\n  beta: 0.0\n  rewards:\n    - name: char_fraction\n      weight: 1.0\n      weight: 2.0\n"
+                     "  beta: 0.04\n")
+    assert error_line(capsys, "fit", "--config", base, "--config", str(twice)) == (
+        f"key model.beta is written twice in one mapping, at lines 2 and 7 ({twice}:2 and {twice}:7); "
+        "YAML would keep the second silently: remove one of them"
+    )
+    twice.write_text("model:\n  rewards:\n    - name: char_fraction\n      weight: 1.0\n      weight: 2.0\n")
+    assert error_line(capsys, "fit", "--config", base, "--config", str(twice)).startswith(
+        "key model.rewards[0].weight is written twice in one mapping, at lines 4 and 5"
+    )
