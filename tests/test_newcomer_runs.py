@@ -132,3 +132,14 @@ def test_a_plain_trainer_counts_steps_out_of_max_steps_as_the_command_does(tiny_
     else:
         (shown,) = bar.progress.tasks
         assert (shown.description, shown.completed, shown.total) == ("steps", 3, 3)
+
+
+def test_the_readme_python_snippet_imports_lit_grpo_before_torch():
+    """``import lit_grpo`` chooses how OpenMP's threads wait before torch loads (lit_grpo.openmp);
+    the snippet a newcomer copies must do it in that order, as examples/python_api.py does."""
+    readme = (REPO / "README.md").read_text()
+    snippet = readme.split("## From Python", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    imports = [line.split("#")[0] for line in snippet.splitlines() if line.startswith(("import ", "from "))]
+    first_torch = next(i for i, line in enumerate(imports) if re.search(r"\b(torch|lightning)\b", line))
+    first_lit_grpo = next(i for i, line in enumerate(imports) if re.search(r"\blit_grpo\b", line))
+    assert first_lit_grpo < first_torch, imports
