@@ -219,15 +219,21 @@ def check_optimizer_arguments(optimizer, words: list[str]) -> None:
         return
     module_name, _, name = class_path.rpartition(".")
     init_args = dict(optimizer.get("init_args") or {})
-    try:
-        getattr(importlib.import_module(module_name), name)([torch.zeros(1, requires_grad=True)], **init_args)
-    except ValueError as error:
-        key = next((k for k, value in init_args.items() if str(value) in str(error)), None)
+    try:  # a matrix: some optimizers (Muon) take only those
+        getattr(importlib.import_module(module_name), name)([torch.zeros(2, 2, requires_grad=True)], **init_args)
+    except ValueError as error:  # the argument it names by its value, else the run's own parameters will tell
+        values = {k: v if isinstance(v, list | tuple) else [v] for k, v in init_args.items()}
+        key = next((k for k, v in values.items() if any(_named_in(item, str(error)) for item in v)), None)
         if key is None:
-            raise ConfigError(f"optimizer.init_args: {class_path} refuses them: {error}") from None
+            return
         origin = value_origin(words, f"optimizer.init_args.{key}") or "a config file"
         raise ConfigError(f"optimizer.init_args.{key} = {init_args[key]} ({origin}): {class_path} refuses it: {error}"
                           + ("; a learning rate is a number >= 0, such as 3e-3" if key == "lr" else "")) from None
+
+
+def _named_in(value: Any, message: str) -> bool:
+    """Whether a number ``value`` is written in ``message`` (``-0.003`` in "Invalid learning rate: -0.003")."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and re.search(rf"(?<![\w.-]){re.escape(str(value))}(?![\w.])", message) is not None
 
 
 def reward_file_beside_config(name: str, config_dirs: list[Path]) -> str:
