@@ -55,7 +55,7 @@ a missing one is logged once per process as a warning naming the protection that
    shown read-only instead, with a warning.)
 5. **Resource limits (always).** RLIMIT_AS and RLIMIT_DATA (``memory_mb``), RLIMIT_CPU, RLIMIT_FSIZE
    (``max_output_bytes``: the largest file, stdout included), RLIMIT_NOFILE (64), RLIMIT_NPROC
-   (``max_processes``, plus the judge), RLIMIT_CORE, RLIMIT_MEMLOCK and RLIMIT_MSGQUEUE 0.
+   (``max_processes``, plus the judge and its child for a trusting test), RLIMIT_CORE, RLIMIT_MEMLOCK and RLIMIT_MSGQUEUE 0.
 6. **Unprivileged identity (root).** The program and the judge run under a uid/gid drawn at random
    from ``UID_RANGE`` for this call alone (owning no file), with no supplementary groups and
    ``PR_SET_NO_NEW_PRIVS``; so RLIMIT_NPROC holds and counts only this sandbox, sandboxes cannot
@@ -387,6 +387,9 @@ def _wait(proc: subprocess.Popen, timeout: float) -> bool:
 #: first: the trainer (gigabytes), not a sandbox holding up to memory_mb in each of max_processes
 #: processes, where no cgroup bounds the whole, or many sandboxes at once.
 OOM_SCORE_ADJ = 1000
+#: processes beside the program's max_processes: the judge, and the child it judges a trusting test in
+#: (issue 50.9), which the program must not be able to use up
+JUDGE_PROCESSES = 2
 
 
 def _kill_first_when_out_of_memory(pid: int) -> bool:
@@ -578,7 +581,7 @@ def run_in_sandbox(
         if "cgroup" not in without:
             try:
                 box.cgroup = _sandbox_cgroup.create(
-                    nonce, (int(memory_mb) + SANDBOX_OVERHEAD_MB) * 1024 * 1024, int(max_processes) + 1,
+                    nonce, (int(memory_mb) + SANDBOX_OVERHEAD_MB) * 1024 * 1024, int(max_processes) + JUDGE_PROCESSES,
                     limit_disk_reads="disk_read_limit" not in without)
             except OSError as exc:
                 cgroup_reason = str(exc)
@@ -592,7 +595,7 @@ def run_in_sandbox(
             "limits": {
                 "memory_bytes": int(memory_mb) * 1024 * 1024, "cpu_seconds": max(1, cpu),
                 "file_bytes": int(max_output_bytes), "open_files": 64,
-                "processes": int(max_processes) + 1,  # + the judge, which shares the uid
+                "processes": int(max_processes) + JUDGE_PROCESSES,  # the judge shares the uid
                 "scratch_kb": int(scratch_mb) * 1024, "message_bytes": int(max_output_bytes),
             },
         }

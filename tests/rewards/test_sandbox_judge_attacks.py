@@ -262,3 +262,13 @@ def test_an_empty_program_fails_tests_that_call_a_builtin_directly():
     tests = ["assert sum([1, 2, 3]) == 6", "assert max([1, 5]) == 5"]
     assert score("", tests) == 0.0
     assert score("# nothing here\n", tests) == 0.0
+
+
+def test_a_trusting_test_runs_even_when_the_program_holds_all_its_processes():
+    """The child that judges a trusting test is the sandbox's, not the program's: a program that keeps
+    every process it may have (threads count) still gets its trusting tests judged."""
+    program = ("import threading\nstop = threading.Event()\n"
+               "for _ in range(3):\n    threading.Thread(target=stop.wait, daemon=True).start()\n"
+               "def double(x):\n    return 2 * x\n")
+    tests = ["assert eval('double(2)') == 4", "assert double(3) == 6"]
+    assert run(program, tests, max_processes=4).test_results == [True, True]
