@@ -493,7 +493,7 @@ def _load_split(
     for data_file in _local_files(data_files):
         if data_file.stat().st_size == 0:
             raise DataError(f"data file {str(data_file)!r} of the {source} is empty")
-        if path in TEXT_BUILDERS:
+        if path in TEXT_BUILDERS and not _is_compressed(data_file):
             _check_text_file(data_file, source)
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are reported below, once
@@ -544,6 +544,15 @@ def _hub_hint(path: str) -> str:
     hub = ("the Hugging Face Hub is not reachable offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)" if offline
            else "the Hugging Face Hub has no such dataset or is not reachable")
     return f"; no local path {path!r} exists and {hub}"
+
+
+# the first bytes of the compressed files datasets reads: gzip, bz2, xz, zstd, zip, lz4
+COMPRESSED_MAGIC = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd", b"PK\x03\x04", b"\x04\x22\x4d\x18")
+
+
+def _is_compressed(path: Path) -> bool:
+    with path.open("rb") as file:
+        return file.read(6).startswith(COMPRESSED_MAGIC)
 
 
 def _check_text_file(path: Path, source: str) -> None:

@@ -83,6 +83,18 @@ def test_a_data_file_that_is_not_utf8_names_the_file_byte_offset_and_encoding(co
     assert message.startswith(f"data file '{as_csv}' is not UTF-8: byte 0xe9 at byte offset 18 (line 2)")
 
 
+def test_a_compressed_data_file_is_not_taken_for_one_that_is_not_utf8(tmp_path):
+    import gzip
+
+    from lit_grpo.data import GRPODataModule
+
+    packed = tmp_path / "prompts.jsonl.gz"
+    packed.write_bytes(gzip.compress("".join(json.dumps(row) + "\n" for row in ROWS).encode()))
+    data = GRPODataModule(path="json", data_files=str(packed), batch_size=2)
+    data.setup("fit")
+    assert data.train_dataset["target"] == ["é"] * 8
+
+
 def test_a_data_path_that_does_not_exist_says_so(config, tmp_path, capsys, monkeypatch):
     message = error_line(capsys, "fit", "--config", str(config(data={"path": "./some_dir", "data_files": None})))
     assert message.startswith(f"data.path './some_dir': no such file or directory (looked for in {tmp_path}); ")
