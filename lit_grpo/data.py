@@ -28,6 +28,7 @@ from typing import Any
 import datasets
 import lightning.pytorch as pl
 import torch
+from datasets.exceptions import DatasetGenerationError
 from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -505,7 +506,9 @@ def _load_split(
                 problem = _json_problem(data_file)
                 if problem is not None:
                     raise DataError(problem) from error
-        raise DataError(f"could not load the {source}: {type(error).__name__}: {error}{_hub_hint(path)}") from error
+        cause = error.__cause__ if isinstance(error, DatasetGenerationError) else None  # the reader's own error
+        why = f"{type(cause).__name__}: {' '.join(str(cause).split())}" if cause is not None else f"{type(error).__name__}: {error}"
+        raise DataError(f"could not load the {source}: {why}{_hub_hint(path)}") from error
     finally:
         datasets.logging.set_verbosity(verbosity)
 

@@ -83,6 +83,16 @@ def test_a_data_file_that_is_not_utf8_names_the_file_byte_offset_and_encoding(co
     assert message.startswith(f"data file '{as_csv}' is not UTF-8: byte 0xe9 at byte offset 18 (line 2)")
 
 
+def test_a_csv_file_the_reader_cannot_read_says_why(config, tmp_path, capsys):
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text("prompt,target\nSay a:,a\nSay b:,b,extra,more\n")
+    message = error_line(capsys, "fit", "--config", str(config(data={"path": str(ragged), "data_files": None})))
+    assert message == (  # not datasets' "An error occurred while generating the dataset"
+        f"could not load the dataset path='{ragged}' (split='train'): ParserError: Error tokenizing data. C error: "
+        "Expected 2 fields in line 3, saw 4"
+    )
+
+
 def test_a_compressed_data_file_is_not_taken_for_one_that_is_not_utf8(tmp_path):
     import gzip
 
