@@ -508,7 +508,7 @@ def _load_split(
                     raise DataError(problem) from error
         cause = error.__cause__ if isinstance(error, DatasetGenerationError) else None  # the reader's own error
         why = f"{type(cause).__name__}: {' '.join(str(cause).split())}" if cause is not None else f"{type(error).__name__}: {error}"
-        raise DataError(f"could not load the {source}: {why}{_hub_hint(path)}") from error
+        raise DataError(f"could not load the {source}: {why}{_hub_hint(path, error)}") from error
     finally:
         datasets.logging.set_verbosity(verbosity)
 
@@ -538,10 +538,11 @@ def _check_path_exists(path: str, data_files: DataFiles | None, source: str) -> 
                 raise DataError(f"could not load the {source}: no such data file {entry!r} (looked for in {Path.cwd()})")
 
 
-def _hub_hint(path: str) -> str:
-    """For a ``path`` that is no local path and was looked for on the Hub: that it is no local path,
-    and that the Hub is off (``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``) where it is."""
-    if path in _PACKAGED_DATASETS_MODULES or Path(path).exists():
+def _hub_hint(path: str, error: Exception) -> str:
+    """For a ``path`` that is no local path and was not found on the Hub (``error``): that it is no
+    local path, and that the Hub is off (``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``) where it is."""
+    not_found = isinstance(error, FileNotFoundError | ConnectionError) or type(error).__name__ == "HFValidationError"
+    if path in _PACKAGED_DATASETS_MODULES or Path(path).exists() or not not_found:
         return ""
     offline = datasets.config.HF_HUB_OFFLINE
     hub = ("the Hugging Face Hub is not reachable offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)" if offline
