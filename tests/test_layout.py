@@ -44,6 +44,7 @@ LAYERS = [
     # the Lightning module, what is built on it, and the command
     ["lit_grpo.module"],
     ["lit_grpo.export"],
+    ["lit_grpo.lightning_cli"],
     ["lit_grpo.cli"],
 ]
 LAYER_OF = {name: index for index, names in enumerate(LAYERS) for name in names}
