@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,8 @@ def export_checkpoint(
         checkpoint = load_sharded_policy_checkpoint(checkpoint_path)
     else:
         try:  # weights_only: a file holding other objects than tensors and plain values is refused, not run
+            if not zipfile.is_zipfile(checkpoint_path):  # what torch.save writes; weights_only's errors on others say little
+                raise ValueError("not a zip archive, as torch.save writes")
             checkpoint = load_checkpoint_file(checkpoint_path)
         except UnsafeCheckpointError:
             raise
