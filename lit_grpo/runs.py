@@ -278,10 +278,11 @@ class RemoveRunWithoutSteps(pl.Callback):
     after the loggers have written their last (Lightning finalizes them again: nothing is left to write)."""
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        run = Path(trainer.log_dir) if trainer.log_dir is not None else None
-        if trainer.global_step > 0 or not trainer.is_global_zero or run is None or not run.is_dir():
+        # the logger's own log_dir: the trainer's is a collective, which ranks that did not fail would never join
+        if trainer.global_step > 0 or not trainer.is_global_zero or trainer.logger is None or trainer.logger.log_dir is None:
             return
-        if any(run.rglob("*.ckpt")):
+        run = Path(trainer.logger.log_dir)
+        if not run.is_dir() or any(run.rglob("*.ckpt")):
             return
         for logger in trainer.loggers:
             logger.finalize("failed")
