@@ -32,6 +32,7 @@ steps of :mod:`lit_grpo.preemption` (every 30 minutes; on SIGTERM, SIGINT, SIGUS
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import pickle
 import random
@@ -51,6 +52,8 @@ from jsonargparse import Namespace
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.utils.data import DataLoader
 
 from lit_grpo.errors import ConfigError, ModelLoadError, WriteError, os_error_in
@@ -340,12 +343,22 @@ def refusing_unsafe_checkpoints(path) -> Iterator[None]:
     try:
         yield
     except pickle.UnpicklingError as error:
-        found = re.search(r"GLOBAL (\S+)", str(error))
-        what = f"a Python object ({found.group(1)})" if found else "Python objects"
-        raise UnsafeCheckpointError(
-            f"{path} holds {what} that loading would run as code, not only tensors and plain values as lit-grpo's "
-            "checkpoints do; refused (it was not loaded). Use a checkpoint written by lit-grpo fit"
-        ) from None
+        raise unsafe_checkpoint_error(path, error) from None
+    except CheckpointException as error:  # torch.distributed.checkpoint's wrapper of every rank's failure
+        refused = [failure for failure, _ in error.failures.values() if isinstance(failure, pickle.UnpicklingError)]
+        if not refused:
+            raise
+        raise unsafe_checkpoint_error(path, refused[0]) from None
+
+
+def unsafe_checkpoint_error(path, error: pickle.UnpicklingError) -> UnsafeCheckpointError:
+    """One line naming the checkpoint and the object whose unpickling ``weights_only`` refused."""
+    found = re.search(r"GLOBAL (\S+)", str(error))
+    what = f"a Python object ({found.group(1)})" if found else "Python objects"
+    return UnsafeCheckpointError(
+        f"{path} holds {what} that loading would run as code, not only tensors and plain values as lit-grpo's "
+        "checkpoints do; refused (it was not loaded). Use a checkpoint written by lit-grpo fit"
+    )
 
 
 class ShardMetadataUnpickler(pickle.Unpickler):
@@ -372,6 +385,32 @@ def check_shard_metadata(directory: Path) -> None:
     if metadata.is_file():
         with refusing_unsafe_checkpoints(metadata), metadata.open("rb") as file:
             ShardMetadataUnpickler(file).load()
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """``torch.distributed.checkpoint``'s default load planner, except that the items of a shard that are
+    not tensors (an optimizer's ``param_groups``: learning rates, betas) are read with
+    ``torch.load(weights_only=True)``: DCP's own planner reads them with ``weights_only=False``, which
+    runs whatever code a crafted ``.distcp`` file names."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)  # refuses (pickle.UnpicklingError) any object but tensors and plain values
+        value.seek(0)
+        super().load_bytes(read_item, value)  # the same bytes, now known to build only those
+
+
+def load_shards(state_dict: dict[str, Any], directory: Path) -> None:
+    """``torch.distributed.checkpoint.load`` of ``state_dict`` (filled in place) from the sharded checkpoint
+    ``directory``, reading nothing that could run code: its ``.metadata`` is checked first
+    (:func:`check_shard_metadata`) and the shards' other items are read ``weights_only``
+    (:class:`WeightsOnlyLoadPlanner`). A crafted file is an :class:`UnsafeCheckpointError`, one line.
+    In a process without ``torch.distributed`` (``lit-grpo export``) this process reads every shard."""
+    from torch.distributed.checkpoint import load
+
+    check_shard_metadata(directory)
+    with refusing_unsafe_checkpoints(directory):
+        load(state_dict, checkpoint_id=str(directory), planner=WeightsOnlyLoadPlanner(),
+             no_dist=not torch.distributed.is_initialized())
 
 
 # ----------------------------------------------------------------------------------------------

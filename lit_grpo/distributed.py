@@ -32,7 +32,7 @@ from lightning.pytorch.strategies import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from lit_grpo.checkpointing import check_shard_metadata, fsync_directory
+from lit_grpo.checkpointing import fsync_directory, load_checkpoint_file, load_shards
 from lit_grpo.errors import ConfigError
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "gather_real_values",
     "gather_rows",
     "gathered_for_generation",
+    "load_sharded_checkpoint",
     "mixed_precision_policy",
     "replace_atomically",
     "reshard",
@@ -289,5 +290,31 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
         if self.is_global_zero:
             recover_interrupted_replace(path)
         self.barrier()
-        check_shard_metadata(path)  # torch.distributed.checkpoint unpickles it as it is: a crafted one refused first
-        return super().load_checkpoint(path, weights_only=True)  # meta.pt: tensors and plain values only
+        if not path.is_dir():  # a single file (save_distributed_checkpoint: false): torch.load, weights_only
+            return super().load_checkpoint(path, weights_only=True)
+        return load_sharded_checkpoint(path, self.model, self.optimizers, strict=self.lightning_module.strict_loading)
+
+
+def load_sharded_checkpoint(path: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                            strict: bool = True) -> dict[str, Any]:
+    """Lightning's resume from a directory of shards (``ModelParallelStrategy.load_checkpoint``), reading nothing
+    that could run code: fills ``model`` and ``optimizers`` from the shards (:func:`load_shards`, whose
+    non-tensor items, an optimizer's ``param_groups``, are read ``weights_only``, where DCP reads them with
+    ``weights_only=False``) and returns the rest of the checkpoint, ``meta.pt``
+    (:func:`load_checkpoint_file`). A crafted file is an ``UnsafeCheckpointError`` naming it, one line."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model_state = {"state_dict": get_model_state_dict(model)}  # the keys Lightning saves under
+    load_shards(model_state, path)
+    model.load_state_dict(model_state["state_dict"], strict=strict)
+    for index, optimizer in enumerate(optimizers):  # each loaded on its own, as Lightning does
+        optimizer_state = {f"optimizer_{index}": get_optimizer_state_dict(model, optimizer)}
+        load_shards(optimizer_state, path)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optimizer_state[f"optimizer_{index}"],
+                                 options=StateDictOptions(cpu_offload=True))
+    return load_checkpoint_file(path / "meta.pt")

@@ -43,6 +43,7 @@ from lit_grpo.checkpointing import (
     check_local_checkpoint,
     check_shard_metadata,
     load_checkpoint_file,
+    load_shards,
 )
 from lit_grpo.errors import ConfigError, FileInTheWayError, MissingFileError, ModelLoadError
 from lit_grpo.redaction import without_redacted
@@ -121,7 +122,6 @@ def load_sharded_policy_checkpoint(path: Path) -> dict[str, Any]:
     this process, with only the policy's weights in its ``state_dict``: the optimizer state and a
     reference model are never read, so this needs the memory of the policy alone."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint import load as load_shards
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta_file = path / "meta.pt"
@@ -139,7 +139,7 @@ def load_sharded_policy_checkpoint(path: Path) -> dict[str, Any]:
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
     shards = {"state_dict": policy_state}
-    load_shards(shards, checkpoint_id=str(path), no_dist=True)  # fills the tensors in place
+    load_shards(shards, path)  # fills the tensors in place; non-tensor items would be read weights_only
     checkpoint = load_checkpoint_file(meta_file)  # weights_only, as above
     checkpoint["state_dict"] = shards["state_dict"]
     return checkpoint

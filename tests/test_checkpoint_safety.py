@@ -72,6 +72,42 @@ def test_export_refuses_a_sharded_checkpoint_whose_metadata_or_meta_pt_holds_a_p
     assert str(sharded / ".metadata") in message and not marker.exists()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+def test_resume_from_shards_refuses_a_payload_in_a_distcp_file_or_meta_pt_in_one_line(tmp_path):
+    """DCP reads a shard's non-tensor items (an optimizer's learning rate) with ``weights_only=False``; a
+    resume from shards reads them ``weights_only`` and refuses a payload, naming the checkpoint."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from lit_grpo.distributed import load_sharded_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    marker = tmp_path / "marker"
+    sharded = tmp_path / "last.ckpt"
+    saved_state = get_optimizer_state_dict(model, optimizer)  # what Lightning saves as optimizer_0
+    saved_state["param_groups"][0]["lr"] = Payload(marker)
+    save({"state_dict": model.state_dict(), "optimizer_0": saved_state}, checkpoint_id=str(sharded), no_dist=True)
+    torch.save({"global_step": 7}, sharded / "meta.pt")
+    check_shard_metadata(sharded)  # the payload is in a .distcp file, not in the metadata
+    with pytest.raises(UnsafeCheckpointError) as refused:
+        load_sharded_checkpoint(sharded, model, [optimizer])
+    assert str(refused.value).startswith(f"{sharded} holds a Python object (") and "\n" not in str(refused.value)
+    assert not marker.exists()
+
+    saved_state["param_groups"][0]["lr"] = 0.25  # plain values load, and so does meta.pt
+    save({"state_dict": {"weight": torch.ones(2, 3), "bias": torch.zeros(2)}, "optimizer_0": saved_state},
+         checkpoint_id=str(sharded), no_dist=True)
+    assert load_sharded_checkpoint(sharded, model, [optimizer]) == {"global_step": 7}
+    assert optimizer.param_groups[0]["lr"] == 0.25 and torch.equal(model.weight, torch.ones(2, 3))
+
+    crafted_checkpoint(sharded / "meta.pt", marker)
+    with pytest.raises(UnsafeCheckpointError) as refused:
+        load_sharded_checkpoint(sharded, model, [optimizer])
+    assert str(refused.value).startswith(f"{sharded / 'meta.pt'} holds a Python object (")
+    assert "\n" not in str(refused.value) and not marker.exists()
+
+
 def test_checkpoint_io_of_a_resume_loads_weights_only_even_when_torch_is_told_otherwise(tmp_path, monkeypatch):
     """Lightning's resume passes ``weights_only=None``, which ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns into
     an unpickling of anything: lit-grpo's CheckpointIO loads with ``True`` all the same."""
