@@ -137,6 +137,7 @@ class FailureReports:
         if self.failed_calls < self.every:
             return None
         kinds = ", ".join(f"{count} {name}" for name, count in self.failures.most_common())
-        line = f"failed on {sum(self.failures.values())} of {self.samples} samples in the last {self.failed_calls} calls that failed ({kinds})"
+        line = (f"failed on {sum(self.failures.values())} of {self.samples} samples in the last {self.failed_calls} "
+                f"calls that failed ({kinds})")
         self.failed_calls, self.failures, self.samples = 0, Counter(), 0
         return line
