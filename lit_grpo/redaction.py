@@ -6,40 +6,64 @@ at ``_``, ``-``, ``.``, spaces and lower-to-upper case changes, so ``apiKey`` is
 
 - a name with the word ``secret``, ``password``, ``passwd``, ``passphrase``, ``credential(s)``,
   ``apikey`` or ``authorization`` in it (``client_secret``, ``db_password``, ``credentials``);
-- a name whose last word is ``token`` (``token``, ``hf_token``, ``access_token``, as Hugging Face's
-  ``TrainingArguments`` masks ``*_token``), except a tokenizer's special tokens (``pad_token``,
-  ``eos_token``, ... :data:`SPECIAL_TOKENS`); ``max_tokens``, ``tokenizer``, ``token_ids`` are kept;
-- a name whose last word is ``key`` after another word (``api_key``, ``access_key``, ``private_key``);
-  a bare ``key`` (a lookup key, a column) is kept;
+- a name whose last word is ``token`` (``token``, ``hf_token``, ``access_token``, ``refresh_token``, as
+  Hugging Face's ``TrainingArguments`` masks ``*_token``; a bare ``token`` is the Hub token of
+  ``from_pretrained``), except a tokenizer's special tokens and a chat template's markers (``pad_token``,
+  ``eos_token``, ``think_token``, ``im_start_token``, ``tool_call_token``, ... :data:`SPECIAL_TOKENS`);
+  ``max_tokens``, ``tokenizer``, ``token_ids`` are kept;
+- a name whose last word is ``key`` or ``keys`` after a word that says it is a credential (``api_key``,
+  ``api_keys``, ``access_key``, ``private_key``, ``ssh_key``, ... :data:`CREDENTIAL_KEY_WORDS`); a bare
+  ``key`` and a column's or a sort's key (``answer_key``, ``prompt_key``, ``sort_key``) are kept;
 
 and in any string, wherever it is: the credentials of a URL (``scheme://user:PASSWORD@host``, or a
-user alone, which may be a token: ``https://TOKEN@host``) and URL query parameters with a secret
-name (``?api_key=...``).
+user alone, which may be a token: ``https://TOKEN@host``), URL query parameters with a secret name or
+a signature's (``?api_key=...``, ``key=``, ``sig=``, ``signature=``, ``X-Amz-Signature=``), and the
+credentials of an HTTP authorization (``Authorization: Basic ...``, ``Bearer ...``).
 
-Under a secret name every string is redacted (a dict of credentials, a list of keys); other values
-(``use_auth_token: true``, a number) are kept. Redacted values read :data:`REDACTED`. Only what is
+Under a secret name every string is redacted (a dict of credentials, a list of keys), and so is a number
+right under one (``api_key: 123456``); other values (``use_auth_token: true``) are kept. Dataclasses
+(a ``RewardSpec`` given in Python) are written as the mappings YAML gives, ``argparse`` namespaces as
+namespaces. Redacted values read :data:`REDACTED`. Only what is
 written is redacted: the run keeps the real values. No framework imports here.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
+import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["REDACTED", "SPECIAL_TOKENS", "is_secret_name", "redact_secrets", "redact_text", "restore_redacted", "without_redacted"]
+__all__ = ["CREDENTIAL_KEY_WORDS", "REDACTED", "SPECIAL_TOKENS", "is_secret_name", "redact_secrets", "redact_text", "restore_redacted", "without_redacted"]
 
 REDACTED = "<redacted>"
 
 SECRET_WORDS = frozenset({"secret", "secrets", "password", "passwd", "passphrase", "credential", "credentials",
                           "apikey", "authorization"})
-# the words before ``token`` of a tokenizer's special tokens (transformers' SPECIAL_TOKENS_ATTRIBUTES and the
-# media placeholders of multimodal processors): settings, not secrets
-SPECIAL_TOKENS = frozenset({"bos", "eos", "unk", "sep", "pad", "cls", "mask", "image", "video", "audio"})
+# the words before ``token`` of a tokenizer's special tokens (transformers' SPECIAL_TOKENS_ATTRIBUTES, the media
+# placeholders of multimodal processors) and of a chat template's markers (think_token, im_start_token,
+# tool_call_token): settings, not secrets
+SPECIAL_TOKENS = frozenset({"bos", "eos", "unk", "sep", "pad", "cls", "mask", "image", "video", "audio", "think",
+                            "thinking", "reasoning", "answer", "stop", "end", "start", "begin", "eot", "eom", "eos",
+                            "call", "response", "placeholder", "separator", "newline", "vision"})
+# the words before ``key``/``keys`` that make it a credential (api_key, ssh_key); others are a column's or a
+# lookup's key (answer_key, sort_key): settings, not secrets
+CREDENTIAL_KEY_WORDS = frozenset({"api", "access", "secret", "private", "signing", "encryption", "decryption", "auth",
+                                  "client", "ssh", "session", "master", "license", "subscription", "service", "app",
+                                  "account", "developer", "shared", "storage", "sas", "hmac", "openai", "anthropic",
+                                  "hf", "wandb", "aws", "azure", "gcp", "google", "github", "stripe"})
+# URL query parameters that hold a secret beside the secret names: a key (Google's ``key=``), a signed URL's
+# signature (Azure's ``sig=``, S3's ``X-Amz-Signature=``, ``signature=``)
+QUERY_SECRET_NAMES = frozenset({"key", "sig", "signature"})
 
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")  # HFToken -> HF, Token; api_key -> api, key
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^\s:/?#@]*)(?::(?P<password>[^\s/?#@]*))?@")
 _QUERY_PARAMETER = re.compile(r"(?P<before>[?&;])(?P<name>[^\s=&;#]+)=(?P<value>[^\s&;#]*)")
+# an HTTP authorization: "Authorization: Basic CREDENTIALS", "Authorization: CREDENTIALS", "Bearer TOKEN"
+_AUTHORIZATION = re.compile(r"(?P<before>\b(?:proxy-)?authorization\s*[:=]\s*(?:(?:basic|bearer|digest|token)\s+)?"
+                            r"|\bbearer\s+)(?P<value>[A-Za-z0-9\-._~+/]+=*)", re.IGNORECASE)
 
 
 def name_words(name: str) -> list[str]:
@@ -56,7 +80,7 @@ def is_secret_name(name: str) -> bool:
         return True
     if words[-1] == "token":
         return len(words) == 1 or words[-2] not in SPECIAL_TOKENS
-    return words[-1] == "key" and len(words) > 1
+    return words[-1] in ("key", "keys") and len(words) > 1 and words[-2] in CREDENTIAL_KEY_WORDS
 
 
 def redact_text(text: str) -> str:
@@ -69,13 +93,15 @@ def redact_text(text: str) -> str:
         return f"{match.group('scheme')}{match.group('user')}:{REDACTED}@"
 
     def parameter(match: re.Match) -> str:
-        if not is_secret_name(match.group("name")) or not match.group("value"):
+        name = match.group("name")
+        secret = is_secret_name(name) or name.lower() in QUERY_SECRET_NAMES or name_words(name)[-1:] == ["signature"]
+        if not secret or not match.group("value"):
             return match.group(0)
-        return f"{match.group('before')}{match.group('name')}={REDACTED}"
+        return f"{match.group('before')}{name}={REDACTED}"
 
-    if "://" not in text and "=" not in text:
-        return text
-    return _QUERY_PARAMETER.sub(parameter, _URL_CREDENTIALS.sub(credentials, text))
+    if "://" in text or "=" in text:
+        text = _QUERY_PARAMETER.sub(parameter, _URL_CREDENTIALS.sub(credentials, text))
+    return _AUTHORIZATION.sub(lambda match: f"{match.group('before')}{REDACTED}", text)
 
 
 def redact_secrets(value: Any, secret: bool = False) -> Any:
@@ -86,12 +112,28 @@ def redact_secrets(value: Any, secret: bool = False) -> Any:
     if isinstance(value, str):
         return REDACTED if secret and value else redact_text(value)
     if isinstance(value, Mapping):
-        return {key: redact_secrets(item, secret or is_secret_name(str(key))) for key, item in value.items()}
+        return {key: redacted_entry(str(key), item, secret) for key, item in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # written as YAML gives it: a mapping
+        return {field.name: redacted_entry(field.name, getattr(value, field.name), secret)
+                for field in dataclasses.fields(value)}
+    if isinstance(value, argparse.Namespace):  # jsonargparse's too: the same type back
+        namespace = copy.copy(value)
+        for name, item in vars(value).items():
+            setattr(namespace, name, redacted_entry(name, item, secret))
+        return namespace
     if isinstance(value, list):
         return [redact_secrets(item, secret) for item in value]
     if isinstance(value, tuple):
         return tuple(redact_secrets(item, secret) for item in value)
     return value
+
+
+def redacted_entry(name: str, value: Any, secret: bool) -> Any:
+    """The value of the setting ``name`` (under a secret name already if ``secret``), redacted: a number right
+    under a secret name too (``api_key: 123456``)."""
+    if is_secret_name(name) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return REDACTED
+    return redact_secrets(value, secret or is_secret_name(name))
 
 
 def without_redacted(value: Any) -> Any:
@@ -110,6 +152,8 @@ def restore_redacted(written: Any, given: Any, where: str = "") -> Any:
     ``given`` (the same settings as the user gives them now) at the same place: where ``given``'s value,
     redacted, is what was written. Raises ``LookupError(where)`` for a redacted value that ``given``
     does not have (``where``: its place, ``rewards[0].args.api_key``)."""
+    if dataclasses.is_dataclass(given) and not isinstance(given, type):  # written as a mapping
+        given = {field.name: getattr(given, field.name) for field in dataclasses.fields(given)}
     if isinstance(written, str) and REDACTED in written:
         if isinstance(given, str) and redact_text(given) == written or written == REDACTED and given is not None:
             return given

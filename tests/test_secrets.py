@@ -19,10 +19,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 SECRET_NAMES = ["api_key", "token", "hf_token", "HF_TOKEN", "hubToken", "access_token", "use_auth_token", "openaiApiKey",
                 "x-api-key", "password", "db_password", "passwd", "client_secret", "secret", "credentials", "apikey",
-                "Authorization", "private_key", "aws_secret_access_key"]
+                "Authorization", "private_key", "aws_secret_access_key", "api_keys", "auth_token", "api_token",
+                "refresh_token", "bearer_token", "signing_key", "encryption_key", "ssh_key", "session_key",
+                "master_key", "license_key", "client_key", "access_keys", "openai_key"]
 KEPT_NAMES = ["max_tokens", "max_completion_tokens", "tokenizer", "tokenizer_name", "pad_token", "eos_token", "bos_token",
               "token_mask", "token_ids", "num_tokens", "special_tokens", "forward_token_budget", "key", "keys", "keyword",
-              "vllm_importance_sampling_mode", "importance_sampling_level", "model_name_or_path", "monkey", "turnkey"]
+              "vllm_importance_sampling_mode", "importance_sampling_level", "model_name_or_path", "monkey", "turnkey",
+              # column names and marker tokens: a config.yaml that redacted them would not run again
+              "answer_key", "label_key", "prompt_key", "text_key", "sort_key", "think_token", "stop_token", "end_token",
+              "start_token", "eot_token", "im_start_token", "im_end_token", "tool_call_token", "unk_token", "sep_token",
+              "cls_token", "mask_token", "image_token", "video_token", "audio_token"]
 
 
 @pytest.mark.parametrize("name", SECRET_NAMES)
@@ -59,6 +65,35 @@ def test_redacted_values_and_urls():
     assert restore_redacted(redact_secrets(settings), settings) == settings
     with pytest.raises(LookupError, match=r"^'?rewards\[0\]\.args\.api_key"):
         restore_redacted(redact_secrets(settings), {**settings, "rewards": [{"name": "judge", "args": {}}]})
+
+
+def test_secrets_in_dataclasses_namespaces_numbers_query_parameters_and_authorization_headers():
+    import argparse
+
+    from lit_grpo.scoring.specs import RewardSpec
+
+    # a RewardSpec given in Python is written as the mapping YAML gives (a checkpoint holds plain values only)
+    spec = RewardSpec("judge", args={"api_key": "sk-1", "answer_key": "answer"})
+    assert redact_secrets({"rewards": [spec]}) == {
+        "rewards": [{"name": "judge", "weight": 1.0, "args": {"api_key": REDACTED, "answer_key": "answer"},
+                     "on_error": "raise", "num_workers": 0, "timeout": None}]}
+    assert spec.args["api_key"] == "sk-1"
+    namespace = redact_secrets({"options": argparse.Namespace(token="hf_x", think_token="<think>")})["options"]
+    assert isinstance(namespace, argparse.Namespace) and vars(namespace) == {"token": REDACTED, "think_token": "<think>"}
+    assert redact_secrets({"api_key": 123456, "api_keys": ["a", "b"], "use_auth_token": True, "credentials": {"port": 5},
+                           "pin": 1234, "max_tokens": 64}) == {
+        "api_key": REDACTED, "api_keys": [REDACTED, REDACTED], "use_auth_token": True, "credentials": {"port": 5},
+        "pin": 1234, "max_tokens": 64}
+    for parameter in ("key", "sig", "signature", "X-Amz-Signature", "access_token", "X-Amz-Credential", "token"):
+        assert redact_text(f"https://h/o?a=1&{parameter}=SECRET9&b=2") == f"https://h/o?a=1&{parameter}={REDACTED}&b=2"
+    assert redact_text("https://h/o?sort_key=date&page=2") == "https://h/o?sort_key=date&page=2"
+    assert redact_text("Authorization: Bearer abc.DEF-123") == f"Authorization: Bearer {REDACTED}"
+    assert redact_text("-H 'Authorization: Basic dXNlcjpwdw=='") == f"-H 'Authorization: Basic {REDACTED}'"
+    assert redact_text("Authorization: sk-RAW") == f"Authorization: {REDACTED}"
+    assert redact_text("headers: Bearer xxx") == f"headers: Bearer {REDACTED}"
+    assert redact_text("a plain sentence with a token in it") == "a plain sentence with a token in it"
+    settings = {"rewards": [{"args": {"api_key": 123456, "header": "Bearer xyz"}}]}
+    assert restore_redacted(redact_secrets(settings), settings) == settings
 
 
 # --------------------------------------------------------------------------------------------------
