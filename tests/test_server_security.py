@@ -47,6 +47,23 @@ def test_serve_listens_on_loopback_unless_told_and_elsewhere_only_with_a_key():
         server_command(["MODEL", "--api-key", "a", "--api-key=b"], on_cpu=True, environ={})
 
 
+def test_serve_reads_the_last_host_as_vllm_does_and_refuses_abbreviations_vllm_would_expand():
+    """vLLM's parser takes the last of a repeated option and any unambiguous prefix of a name (allow_abbrev):
+    lit-grpo reads the options as vLLM will, or refuses what it cannot see, naming the full name."""
+    with pytest.raises(ConfigError, match="^lit-grpo serve --host 0.0.0.0: without an API key"):
+        server_command(["MODEL", "--host", "127.0.0.1", "--host", "0.0.0.0"], on_cpu=True, environ={})
+    command, _ = server_command(["MODEL", "--host", "0.0.0.0", "--host=::1"], on_cpu=True, environ={})
+    assert "--middleware" in command  # loopback at last: no key asked for
+    for abbreviation, full in (("--hos", "--host"), ("--api-k", "--api-key"), ("--mid", "--middleware"),
+                               ("--ud", "--uds"), ("--por", "--port")):
+        for words in ([abbreviation, "0.0.0.0"], [f"{abbreviation}=0.0.0.0"]):
+            with pytest.raises(ConfigError) as refused:
+                server_command(["MODEL", *words], on_cpu=True, environ={API_KEY_VARIABLE: KEY})
+            said = str(refused.value)
+            assert said.startswith(f"lit-grpo serve {abbreviation}: ") and f"give the full name {full}" in said
+            assert "\n" not in said and "0.0.0.0" not in said  # the value (a key, perhaps) is not repeated
+
+
 def test_serve_prints_no_secret_of_its_command_line():
     shown = shown_command(["-m", "vllm", "--model", "M", "--api-key", KEY, "--hf-token=hf_abcdef", "--ssl-keyfile", "k.pem",
                            "--served-model-name", "https://user:pa55@example.com/path", "--port", "8000"])

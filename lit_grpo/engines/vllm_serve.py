@@ -17,6 +17,8 @@ by default; this command starts that server with them on, and passes every other
   user of the machine), which :mod:`lit_grpo.engines.vllm_auth` asks for on every endpoint but
   ``/health`` (vLLM's own key guards only ``/v1`` and ``/inference``); the trainer sends the same
   variable;
+* the options lit-grpo reads (``--host``, ``--api-key``, ...) are read as vLLM's parser reads them, the
+  last of a repeated one; an abbreviation that vLLM would expand to one of them (``--hos``) is refused;
 * on the CPU: an explicit KV cache (256 MiB unless ``--kv-cache-memory-bytes`` or
   ``VLLM_CPU_KVCACHE_SPACE`` says otherwise: vLLM would otherwise reserve most of the machine's
   memory) and ``--enforce-eager`` (compiling costs minutes on a few cores).
@@ -43,6 +45,10 @@ KEY_MIDDLEWARE = "lit_grpo.engines.vllm_auth.KeyRequired"
 LOOPBACK = "127.0.0.1"
 # options whose value is a secret (--api-key, --hf-token, ...), and credentials in a URL (scheme://user:password@)
 SECRET_OPTION = re.compile(r"^--[\w-]*(key|token|secret|password|passwd|credential)[\w-]*$", re.IGNORECASE)
+# the options lit-grpo reads or adds; vLLM's parser (allow_abbrev) would also take any unambiguous prefix of
+# their names, which lit-grpo would not see (--hos 0.0.0.0 without a key): such a prefix is refused
+READ_OPTIONS = ("--host", "--port", "--uds", "--api-key", "--middleware", "--logprobs-mode", "--enable-scale-out",
+                "--weight-transfer-config", "--kv-cache-memory-bytes", "--enforce-eager", "--no-enforce-eager")
 URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
 
 USAGE = """usage: lit-grpo serve MODEL [vLLM server options]
@@ -65,6 +71,7 @@ def server_command(argv: list[str], on_cpu: bool, environ: dict[str, str]) -> tu
     if not argv or argv[0].startswith("-"):
         raise ConfigError("lit-grpo serve: give the model first: lit-grpo serve MODEL [vLLM server options]")
     model, options = argv[0], list(argv[1:])
+    _refuse_abbreviations(options)
     given = {option.split("=", 1)[0] for option in options if option.startswith("--")}
     if "--logprobs-mode" in given:
         mode = _value_of("--logprobs-mode", options)
@@ -96,6 +103,21 @@ def server_command(argv: list[str], on_cpu: bool, environ: dict[str, str]) -> tu
     # runs as vLLM runs it, its engine in a process of its own
     environ = {name: value for name, value in environ.items() if name != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     return command, {**environ, "VLLM_SERVER_DEV_MODE": "1"}
+
+
+def _refuse_abbreviations(options: list[str]) -> None:
+    """Refuse an option that vLLM's parser would expand to one of :data:`READ_OPTIONS` (``--hos``: ``--host``),
+    naming the full name; the value is not repeated (it may be a key)."""
+    from lit_grpo.errors import ConfigError
+
+    for word in options:
+        name = word.split("=", 1)[0]
+        if not name.startswith("--") or name == "--" or name in READ_OPTIONS:
+            continue
+        expanded = [option for option in READ_OPTIONS if option.startswith(name)]
+        if expanded:
+            raise ConfigError(f"lit-grpo serve {name}: vLLM would read it as {' or '.join(expanded)}, which lit-grpo "
+                              f"checks under its full name only: give the full name {expanded[0]}")
 
 
 def _key_into_environment(options: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -146,12 +168,14 @@ def shown_command(command: list[str]) -> str:
 
 
 def _value_of(option: str, options: list[str]) -> str | None:
+    """The value of the last ``option`` (``--host H`` or ``--host=H``) in ``options``: vLLM's parser keeps the last."""
+    value = None
     for index, word in enumerate(options):
         if word == option and index + 1 < len(options):
-            return options[index + 1]
-        if word.startswith(option + "="):
-            return word.split("=", 1)[1]
-    return None
+            value = options[index + 1]
+        elif word.startswith(option + "="):
+            value = word.split("=", 1)[1]
+    return value
 
 
 def serve_main(argv: list[str]) -> None:
