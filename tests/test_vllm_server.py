@@ -822,6 +822,17 @@ def test_the_weight_rendezvous_listens_only_on_the_address_asked_for_and_pushes_
         server.engine.shutdown()
 
 
+def test_gloo_listens_on_loopback_toward_a_loopback_rendezvous_even_with_vllm_host_ip(monkeypatch):
+    """Issue 50.2 (review D): VLLM_HOST_IP names this machine's address toward other machines; with every server
+    on loopback, gloo still listens on loopback, not on that (external) interface."""
+    from lit_grpo.engines.vllm_gloo import local_address_toward
+
+    monkeypatch.setenv("VLLM_HOST_IP", "192.0.2.7")
+    assert local_address_toward("127.0.0.1") == "127.0.0.1" and local_address_toward("::1") == "::1"
+    assert local_address_toward("localhost") in ("127.0.0.1", "::1")  # a name: resolved first
+    assert local_address_toward("198.51.100.1") == "192.0.2.7"  # toward another machine: the address given
+
+
 def test_a_stranger_at_the_rendezvous_cannot_join_in_place_of_a_server_or_push_weights():
     """Issue 50.1: someone who reaches the rendezvous port and knows lit-grpo's protocol, but not the secret the
     trainer gave its servers in the (key-guarded) init call: (1) joining in the server's place ends the

@@ -171,17 +171,20 @@ def rendezvous_socket(address: str, port: int = 0) -> socket.socket:
 
 
 def local_address_toward(address: str) -> str:
-    """This machine's address on the route to ``address`` (``VLLM_HOST_IP`` when set): where its
-    end of the group listens. No packet is sent."""
+    """This machine's address on the route to ``address``: where its end of the group listens. Toward a
+    loopback address, that address (every member is on this machine: nothing listens beyond it, whatever
+    ``VLLM_HOST_IP`` says); toward another machine, ``VLLM_HOST_IP`` when set, else the address of the
+    interface the route leaves by. No packet is sent."""
     from vllm.envs import VLLM_HOST_IP
 
-    if VLLM_HOST_IP:
-        return VLLM_HOST_IP
     try:
-        if ipaddress.ip_address(address).is_loopback:
-            return address
+        ipaddress.ip_address(address)
     except ValueError:  # a host name
         address = socket.getaddrinfo(address, None, proto=socket.IPPROTO_TCP)[0][4][0]
+    if ipaddress.ip_address(address).is_loopback:
+        return address
+    if VLLM_HOST_IP:
+        return VLLM_HOST_IP
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect((address, 9))
