@@ -45,11 +45,12 @@ What the program prints while it serves the tests (``print``, ``sys.stdout.write
 in the judge, with the judge's ``builtins.print`` and to its ``sys.stdout`` as the test has them: a
 test that redirects ``sys.stdout`` or patches ``builtins.print`` sees what the program printed.
 
-A test that may run the program's text as code in the judge (it names ``eval``, ``exec``,
-``pickle``, ``getattr``...: :func:`may_run_the_programs_text`) runs in a child of the judge forked
-for it, which reports its verdict to the judge and holds no result descriptor: the program's code,
-once it runs there, decides that test only. (The last test runs in the judge itself: every other
-verdict is written by then.)
+A test that may run the program's text as code in the judge (its syntax tree reads ``eval``,
+``getattr``, ``vars``, a dunder, a module off :data:`PLAIN_MODULES` such as ``pickle``, ``operator``
+or ``sympy``, or a name an earlier test bound to one: :func:`judged_apart`) runs in a child of the
+judge forked for it, which reports its verdict to the judge and holds no result descriptor: the
+program's code, once it runs there, decides that test only. (The last test runs in the judge
+itself: every other verdict is written by then.)
 
 What the judge hands to the program (the arguments a test passes, the values its callbacks return)
 leads nowhere into the judge's interpreter (:func:`leads_into_the_interpreter`): plain data goes
@@ -1270,21 +1271,262 @@ def handing_over_the_programs_task(test, functions):
     return "\n".join(lines) if changed else test
 
 
-#: What a test names when it may run text or bytes of the program's as code in the judge: evaluating
-#: or compiling it, unpickling it, importing or looking up a name it chose, running it as a doctest,
-#: a timing statement or a shell command. Matched as plain substrings (``re.compile`` counts too:
-#: a test judged apart costs ~2 ms, a test let through could forge every other test).
-TRUSTING_WORDS = (
-    "eval", "exec", "compile", "__import__", "import_module", "load", "pickle", "marshal", "shelve", "dill",
-    "getattr", "setattr", "__dict__", "doctest", "timeit", "runpy", "system", "popen", "spawn", "subprocess",
-    "breakpoint", "pdb", "ctypes", "FunctionType", "CodeType", "interact",
-)
+#: Standard-library modules whose functions compute on the data they are given: none of them runs,
+#: imports or unpickles a text or bytes it is handed, or reaches an attribute, a name or a
+#: descriptor the text chooses (what their attributes lead to is checked too: ``typing.sys`` is
+#: ``sys``). A test using any other module (a site-package's, ``operator``, ``os``, ``pickle``...)
+#: is judged apart.
+PLAIN_MODULES = frozenset({
+    "__future__", "abc", "array", "ast", "base64", "binascii", "bisect", "calendar", "cmath", "collections",
+    "collections.abc", "colorsys", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib",
+    "enum", "errno", "fnmatch", "fractions", "functools", "graphlib", "hashlib", "heapq", "hmac", "html",
+    "ipaddress", "itertools", "json", "keyword", "math", "numbers", "pprint", "queue", "random", "re", "reprlib",
+    "secrets", "statistics", "string", "struct", "textwrap", "time", "typing", "unicodedata", "uuid", "zlib",
+})
+#: Functions of those modules that evaluate a text as code (string annotations).
+_EVALUATING_MODULE_FUNCTIONS = frozenset({"get_type_hints", "ForwardRef"})
+#: Builtins that compute on the values they are given (the exceptions besides); the others reach
+#: attributes, namespaces or code by a name or a text (``getattr``, ``vars``, ``globals``, ``eval``,
+#: ``__import__``), or files and descriptors (``open``).
+SAFE_BUILTINS = frozenset({
+    "abs", "all", "any", "ascii", "bin", "bool", "bytearray", "bytes", "callable", "chr", "classmethod",
+    "complex", "dict", "dir", "divmod", "enumerate", "filter", "float", "format", "frozenset", "hasattr", "hash",
+    "hex", "id", "int", "isinstance", "issubclass", "iter", "len", "list", "map", "max", "memoryview", "min",
+    "next", "object", "oct", "ord", "pow", "print", "property", "range", "repr", "reversed", "round", "set",
+    "slice", "sorted", "staticmethod", "str", "sum", "super", "tuple", "type", "zip", "True", "False", "None",
+    "Ellipsis", "NotImplemented", "aiter", "anext",
+}) | frozenset(name for name, value in vars(builtins).items()
+                if isinstance(value, type) and issubclass(value, BaseException))
+#: Dunder names and attributes a plain test may use (``if __name__ == "__main__":``,
+#: ``super().__init__()``, ``type(x).__name__``, the program's task handed over by name).
+_PLAIN_DUNDERS = SAFE_DUNDERS | {"__init__", "__class__", "__program_global__"}
+#: Methods that evaluate a text or bytes as code, reached through an object rather than a module a
+#: test names (a program's global or return value may be the judge's ``sympy`` or ``pandas``).
+EVALUATING_METHODS = frozenset({
+    "eval", "exec", "query", "sympify", "parse_expr", "lambdify", "simplify", "load", "loads", "read_pickle",
+    "compile", "attrgetter", "methodcaller", "import_module", "system", "popen", "runsource", "runcode",
+})
+_TRUSTING = "trusting"  # a binding through which a test may run the program's text
 
 
-def may_run_the_programs_text(test):
-    """Whether ``test`` names an operation through which the program's text could run in the judge
-    (see ``TRUSTING_WORDS``): such a test is judged in a process of its own."""
-    return any(word in test for word in TRUSTING_WORDS)
+def _syntax():
+    """The ``_ast`` module: the node classes of ``ast`` without importing ``ast`` (with ``enum`` and
+    ``contextlib``, ~5 ms of a fresh judge's start-up; ``_ast`` ~1 ms, and only for tests read)."""
+    import _ast
+
+    return _ast
+
+
+def _walk(node):
+    """``node`` and every node under it (``ast.walk``, in another order)."""
+    ast = _syntax()
+    todo = [node]
+    while todo:
+        node = todo.pop()
+        yield node
+        for field in node._fields:
+            value = getattr(node, field, None)
+            if isinstance(value, list):
+                todo.extend(item for item in value if isinstance(item, ast.AST))
+            elif isinstance(value, ast.AST):
+                todo.append(value)
+
+
+def _is_dunder(name):
+    return name.startswith("__") and name.endswith("__")
+
+
+def _plain_module_attribute(module_name, attribute):
+    """Whether ``module_name.attribute`` (a plain module's) is plain: public, no text evaluator, and
+    not itself a module off the list (``typing.sys``, ``json.codecs``) or a reflective builtin."""
+    if attribute.startswith("_") or attribute in _EVALUATING_MODULE_FUNCTIONS:
+        return False
+    try:
+        value = getattr(import_for_the_tests(module_name), attribute, None)
+    except Exception:  # noqa: BLE001 - not importable here: the test fails without running anything
+        return True
+    if isinstance(value, type(sys)):
+        return getattr(value, "__name__", None) in PLAIN_MODULES
+    return not any(value is reflective for reflective in _REFLECTIVE_BUILTINS)
+
+
+class _PlainTestReader:
+    """Reads a test's syntax tree for what may run the program's text (see :func:`judged_apart`).
+
+    ``bindings`` maps the tests' top-level names to what they hold: a plain module's name
+    (``("module", "json")``), :data:`_TRUSTING`, or the names its value reads (a function's free
+    names: ``check`` is as trusting as what its body calls, whenever it is called).
+    """
+
+    def __init__(self, bindings, stored):
+        self.bindings = bindings
+        self.stored = stored  # every name the test binds anywhere: its locals are its own
+
+    def name_is_trusting(self, name, seen=()):
+        entry = self.bindings.get(name)
+        if entry is _TRUSTING or self.bindings.get("*") is _TRUSTING:
+            return True
+        if type(entry) is tuple:
+            return False
+        if type(entry) is frozenset:
+            seen = set(seen) | {name}
+            return any(self.name_is_trusting(read, seen) for read in entry if read not in seen)
+        if name in self.stored or name in _PLAIN_DUNDERS:
+            return False
+        if _is_dunder(name):  # __builtins__, __import__, __loader__...
+            return True
+        if hasattr(builtins, name):
+            return name not in SAFE_BUILTINS
+        # a free name: the program's global, or the judge's module of that name in its place
+        return name not in PLAIN_MODULES and may_import(name, site_packages=True)
+
+    def module_named(self, node):
+        """The plain module that ``node`` (a name or an attribute chain) is, or None."""
+        ast = _syntax()
+        if isinstance(node, ast.Name):
+            entry = self.bindings.get(node.id)
+            if type(entry) is tuple:
+                return entry[1]
+            if entry is None and node.id not in self.stored and node.id in PLAIN_MODULES:
+                return node.id
+            return None
+        if isinstance(node, ast.Attribute):
+            base = self.module_named(node.value)
+            if base is not None and "%s.%s" % (base, node.attr) in PLAIN_MODULES:
+                return "%s.%s" % (base, node.attr)
+        return None
+
+    def is_trusting(self, nodes):
+        """Whether any of ``nodes`` (and what they contain) may run the program's text."""
+        ast = _syntax()
+        for root in nodes:
+            for node in _walk(root):
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                    if self.name_is_trusting(node.id):
+                        return True
+                elif isinstance(node, ast.Attribute):
+                    if _is_dunder(node.attr) and node.attr not in _PLAIN_DUNDERS:
+                        return True
+                    module = self.module_named(node.value)
+                    if module is not None:
+                        if not _plain_module_attribute(module, node.attr):
+                            return True
+                    elif node.attr in EVALUATING_METHODS:
+                        return True
+                elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                    if any(binding is _TRUSTING for _, binding in self.imported(node)):
+                        return True
+        return False
+
+    def imported(self, statement):
+        """(name, binding) for each name an import statement binds."""
+        ast = _syntax()
+        if isinstance(statement, ast.Import):
+            for alias in statement.names:
+                plain = alias.name in PLAIN_MODULES
+                if alias.asname:
+                    yield alias.asname, ("module", alias.name) if plain else _TRUSTING
+                else:  # import collections.abc binds collections
+                    top = alias.name.partition(".")[0]
+                    yield top, ("module", top) if plain and top in PLAIN_MODULES else _TRUSTING
+            return
+        module = statement.module or ""
+        plain = statement.level == 0 and module in PLAIN_MODULES
+        for alias in statement.names:
+            name = alias.asname or alias.name
+            if alias.name == "*":  # a plain module's names stay plain; any other's make every name trusting
+                if not plain:
+                    yield "*", _TRUSTING
+            elif not plain or not _plain_module_attribute(module, alias.name):
+                yield name, _TRUSTING
+            elif "%s.%s" % (module, alias.name) in PLAIN_MODULES:
+                yield name, ("module", "%s.%s" % (module, alias.name))
+            else:
+                yield name, frozenset()
+
+    def names_read(self, node, top_level):
+        """The names ``node`` reads that may change after it ran: the free ones, and the tests' top-level names."""
+        ast = _syntax()
+        return frozenset(n.id for n in _walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                         and (n.id not in self.stored or n.id in top_level))
+
+
+def _run_at_definition(definition):
+    """What of a ``def`` or ``class`` statement runs when it runs: decorators, defaults, annotations,
+    bases, and a class's body but its methods' bodies."""
+    ast = _syntax()
+    parts = list(definition.decorator_list)
+    if isinstance(definition, ast.ClassDef):
+        parts += definition.bases + [argument.value for argument in definition.keywords]
+        for statement in definition.body:
+            if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                parts += _run_at_definition(statement)
+            else:
+                parts.append(statement)
+        return parts
+    arguments = definition.args
+    parts += [d for d in arguments.defaults + arguments.kw_defaults if d is not None]
+    parts += [a.annotation for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs
+              + [arguments.vararg, arguments.kwarg] if a is not None and a.annotation is not None]
+    if definition.returns is not None:
+        parts.append(definition.returns)
+    return parts
+
+
+def judged_apart(test, bindings):
+    """Whether ``test`` may run a text or bytes of the program's as code in the judge, read from its
+    syntax tree (comments and strings say nothing): it reads a builtin off :data:`SAFE_BUILTINS`
+    (``eval``, ``getattr``, ``vars``, ``open``...), a dunder name or attribute (``__builtins__``,
+    ``__globals__``), a module off :data:`PLAIN_MODULES` (any site-package's: ``sympy.sympify``,
+    ``pandas.DataFrame.query``; ``operator``, ``pickle``, ``importlib``, ``os``, ``sys``...), a
+    private or module attribute of a plain module (``typing.sys``), a method named like a text
+    evaluator (:data:`EVALUATING_METHODS`), or a name an earlier test bound to any of these
+    (``check``, whose body calls ``sympy.sympify``). What only runs later (a function's body) and
+    imports are allowed in a test judged in the judge itself: ``import numpy as np`` or ``def
+    check(...)`` using it is judged there, and the test that calls ``check`` or reads ``np`` apart.
+
+    ``bindings`` (the tests' top-level names so far, see :class:`_PlainTestReader`) is updated with
+    what ``test`` binds when it is judged in the judge (False is returned).
+    """
+    ast = _syntax()
+    try:
+        tree = compile(test, "<test>", "exec", ast.PyCF_ONLY_AST)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False  # it will not run
+    stored = set()
+    for node in _walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            stored.add(node.id)
+        elif isinstance(node, ast.arg):
+            stored.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            stored.add(node.name)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            stored.add(node.name)
+    top_level = {n.id for statement in tree.body for n in _walk(statement)
+                 if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    top_level |= {s.name for s in tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    updated = dict(bindings)
+    reader = _PlainTestReader(updated, stored)
+    for statement in tree.body:
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            for name, binding in reader.imported(statement):
+                updated[name] = binding
+        elif isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if reader.is_trusting(_run_at_definition(statement)):
+                return True
+            updated[statement.name] = (_TRUSTING if reader.is_trusting([statement])
+                                       else reader.names_read(statement, top_level))
+        else:
+            if reader.is_trusting([statement]):
+                return True
+            read = reader.names_read(statement, top_level)
+            for node in _walk(statement):
+                if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id in top_level:
+                    updated[node.id] = read
+    bindings.clear()
+    bindings.update(updated)
+    return False
 
 
 def _run_one(test, i, namespace, endpoint):
@@ -1366,7 +1608,7 @@ def judge_tests(endpoint, tests, report, when_ready=None, trusting_tests_apart=F
     ``report(i, passed)`` is called once per test that ran. A test passes when it runs to the end
     without raising and the program is still answering. ``when_ready()`` is called once the program
     has run (its sandbox is set up). With ``trusting_tests_apart``, a test that may run the
-    program's text as code (:func:`may_run_the_programs_text`: ``eval``, ``pickle.loads``, ...) runs
+    program's text as code (:func:`judged_apart`: ``eval``, ``pickle.loads``, ``sympy``, ...) runs
     in a child of the judge forked for it (:func:`_run_one_in_a_child`), unless it is the last (it
     runs after every other verdict is written: it can forge nothing but its own either): whatever
     the program's code does there, it decides that test only. Such a test starts from the namespace
@@ -1403,6 +1645,7 @@ def judge_tests(endpoint, tests, report, when_ready=None, trusting_tests_apart=F
     namespace["__program_global__"] = program_global
     functions = _functions_defined(tests)
     tests = [handing_over_the_programs_task(test, functions) for test in tests]
+    bindings = {}  # the tests' top-level names, for judged_apart
     if when_ready is not None:
         when_ready()
     for i, test in enumerate(tests):
@@ -1411,7 +1654,7 @@ def judge_tests(endpoint, tests, report, when_ready=None, trusting_tests_apart=F
         if not announced:  # an empty program passes no test, whatever the tests answer by themselves
             report(i, False)
             continue
-        if trusting_tests_apart and i < len(tests) - 1 and may_run_the_programs_text(test):
+        if trusting_tests_apart and i < len(tests) - 1 and judged_apart(test, bindings):
             passed, channel_up = _run_one_in_a_child(test, i, namespace, endpoint, close_in_child)
             if not channel_up:
                 endpoint.dead = True

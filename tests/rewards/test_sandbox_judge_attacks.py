@@ -272,3 +272,57 @@ def test_a_trusting_test_runs_even_when_the_program_holds_all_its_processes():
                "def double(x):\n    return 2 * x\n")
     tests = ["assert eval('double(2)') == 4", "assert double(3) == 6"]
     assert run(program, tests, max_processes=4).test_results == [True, True]
+
+
+# --------------------------------------------------------------------------------------------------
+# 50.9, second round. Which tests are judged apart was decided by words in the test's text: a
+# comment ("evaluate") or json.loads sent a test defining check() to a child, where its definition
+# was lost to the next test; and evaluators not on the list (sympy.sympify, vars(builtins)[name],
+# operator.methodcaller) ran the program's text in the judge itself, which then forged every test.
+# --------------------------------------------------------------------------------------------------
+
+HONEST_DEFINITIONS = {  # a test defining what the next one uses -> (its tests, run_in_sandbox options)
+    "a comment naming 'evaluate'": (
+        ["def check(candidate):\n    # evaluate the candidate\n    assert candidate(1) == 2\n", "check(f)"], {}),
+    "json.loads": (["import json\nexpected = json.loads('[2]')", "assert [f(1)] == expected"], {}),
+    "ast.literal_eval": (["import ast\nexpected = ast.literal_eval('[2]')", "assert [f(1)] == expected"], {}),
+    "a loop variable named input": (
+        ["def check(candidate):\n    for input, output in [(1, 2), (2, 3)]:\n"
+         "        assert candidate(input) == output\n", "check(f)"], {}),
+    "numpy imported by one test": (["import numpy as np", "assert np.isclose(f(1), 2)"], {"site_packages": True}),
+    "a check that uses numpy": (
+        ["import numpy as np\ndef check(candidate):\n    assert np.isclose(candidate(1), 2)\n", "check(f)"],
+        {"site_packages": True}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HONEST_DEFINITIONS))
+def test_what_a_test_defines_reaches_the_next_test(name):
+    tests, options = HONEST_DEFINITIONS[name]
+    if options.get("site_packages"):
+        pytest.importorskip("numpy")
+    results = run("def f(x):\n    return x + 1\n", tests, **options).test_results
+    assert results == [True, True], f"{name}: a correct program lost the next test ({results}): judged apart?"
+
+
+EVALUATED_ELSEWHERE = {  # how a test evaluates a text the program chose -> (its three tests, options)
+    "sympy.sympify": (["import sympy\nassert sympy.sympify(f()) == 2", "assert g() == 'right'",
+                       "assert g() == 'also right'"], {"site_packages": True}),
+    "vars(builtins)[name]": (["import builtins\nassert vars(builtins)[name()](f()) == 2", "assert g() == 'right'",
+                              "assert g() == 'also right'"], {}),
+    "operator.methodcaller": (["import builtins, operator\nassert operator.methodcaller(name(), f())(builtins) == 2",
+                               "assert g() == 'right'", "assert g() == 'also right'"], {}),
+}
+
+
+@pytest.mark.parametrize("how", sorted(EVALUATED_ELSEWHERE))
+def test_a_test_that_evaluates_the_programs_text_forges_only_itself(how):
+    tests, options = EVALUATED_ELSEWHERE[how]
+    if options.get("site_packages"):
+        pytest.importorskip("sympy")
+    code = (f"CODE = {REPORT_EVERY_TEST!r}\n"
+            "def name():\n    return 'eval'\n"
+            "def f():\n    return 'exec(%r) or 2' % (CODE,)\n"
+            "def g():\n    return 'wrong'\n")
+    results = run(code, tests, **options).test_results
+    assert results[1:] == [False, False], f"a test evaluating the program's text with {how} forged the others: {results}"
