@@ -46,7 +46,7 @@ SECRET_WORDS = frozenset({"secret", "secrets", "password", "passwd", "passphrase
 # placeholders of multimodal processors) and of a chat template's markers (think_token, im_start_token,
 # tool_call_token): settings, not secrets
 SPECIAL_TOKENS = frozenset({"bos", "eos", "unk", "sep", "pad", "cls", "mask", "image", "video", "audio", "think",
-                            "thinking", "reasoning", "answer", "stop", "end", "start", "begin", "eot", "eom", "eos",
+                            "thinking", "reasoning", "answer", "stop", "end", "start", "begin", "eot", "eom",
                             "call", "response", "placeholder", "separator", "newline", "vision"})
 # the words before ``key``/``keys`` that make it a credential (api_key, ssh_key); others are a column's or a
 # lookup's key (answer_key, sort_key): settings, not secrets
