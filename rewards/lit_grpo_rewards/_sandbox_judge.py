@@ -1317,19 +1317,51 @@ def _syntax():
     return _ast
 
 
-def _walk(node):
-    """``node`` and every node under it (``ast.walk``, in another order)."""
+def _walk(node, local=frozenset()):
+    """``node`` and every node under it (``ast.walk``, in another order), each with the names local
+    to the functions and lambdas it is in (their parameters and what they bind)."""
     ast = _syntax()
-    todo = [node]
+    todo = [(node, local)]
+    while todo:
+        node, local = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            arguments = node.args
+            local = local | {a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs
+                             + [arguments.vararg, arguments.kwarg] if a is not None}
+            local = local | _names_bound(node.body if isinstance(node.body, list) else [node.body])
+        yield node, local
+        for field in node._fields:
+            value = getattr(node, field, None)
+            if isinstance(value, list):
+                todo.extend((item, local) for item in value if isinstance(item, ast.AST))
+            elif isinstance(value, ast.AST):
+                todo.append((value, local))
+
+
+def _names_bound(statements):
+    """The names ``statements`` bind in their own scope (not inside the functions they define)."""
+    ast = _syntax()
+    bound = set()
+    todo = list(statements)
     while todo:
         node = todo.pop()
-        yield node
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).partition(".")[0] for alias in node.names)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue  # its body is its own scope (its decorators and defaults are not: rarely binding)
         for field in node._fields:
             value = getattr(node, field, None)
             if isinstance(value, list):
                 todo.extend(item for item in value if isinstance(item, ast.AST))
             elif isinstance(value, ast.AST):
                 todo.append(value)
+    return bound
 
 
 def _is_dunder(name):
@@ -1360,9 +1392,10 @@ class _PlainTestReader:
 
     def __init__(self, bindings, stored):
         self.bindings = bindings
-        self.stored = stored  # every name the test binds anywhere: its locals are its own
+        self.stored = stored  # the names the test binds at its top level: its own
 
     def name_is_trusting(self, name, seen=()):
+        """Whether ``name``, read at the test's top level, may hold what runs the program's text."""
         entry = self.bindings.get(name)
         if entry is _TRUSTING or self.bindings.get("*") is _TRUSTING:
             return True
@@ -1380,10 +1413,12 @@ class _PlainTestReader:
         # a free name: the program's global, or the judge's module of that name in its place
         return name not in PLAIN_MODULES and may_import(name, site_packages=True)
 
-    def module_named(self, node):
+    def module_named(self, node, local):
         """The plain module that ``node`` (a name or an attribute chain) is, or None."""
         ast = _syntax()
         if isinstance(node, ast.Name):
+            if node.id in local:  # a function's own import of a plain module (one of another is judged apart)
+                return node.id if node.id in PLAIN_MODULES else None
             entry = self.bindings.get(node.id)
             if type(entry) is tuple:
                 return entry[1]
@@ -1391,7 +1426,7 @@ class _PlainTestReader:
                 return node.id
             return None
         if isinstance(node, ast.Attribute):
-            base = self.module_named(node.value)
+            base = self.module_named(node.value, local)
             if base is not None and "%s.%s" % (base, node.attr) in PLAIN_MODULES:
                 return "%s.%s" % (base, node.attr)
         return None
@@ -1400,14 +1435,14 @@ class _PlainTestReader:
         """Whether any of ``nodes`` (and what they contain) may run the program's text."""
         ast = _syntax()
         for root in nodes:
-            for node in _walk(root):
+            for node, local in _walk(root):
                 if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-                    if self.name_is_trusting(node.id):
+                    if node.id not in local and self.name_is_trusting(node.id):
                         return True
                 elif isinstance(node, ast.Attribute):
                     if _is_dunder(node.attr) and node.attr not in _PLAIN_DUNDERS:
                         return True
-                    module = self.module_named(node.value)
+                    module = self.module_named(node.value, local)
                     if module is not None:
                         if not _plain_module_attribute(module, node.attr):
                             return True
@@ -1444,11 +1479,13 @@ class _PlainTestReader:
             else:
                 yield name, frozenset()
 
-    def names_read(self, node, top_level):
-        """The names ``node`` reads that may change after it ran: the free ones, and the tests' top-level names."""
+    @staticmethod
+    def names_read(node):
+        """The names ``node`` reads outside its functions' locals: the top-level and free ones, which
+        may hold something else by the time it runs (``check`` calls ``helper``, bound later)."""
         ast = _syntax()
-        return frozenset(n.id for n in _walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
-                         and (n.id not in self.stored or n.id in top_level))
+        return frozenset(n.id for n, local in _walk(node)
+                         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in local)
 
 
 def _run_at_definition(definition):
@@ -1493,21 +1530,8 @@ def judged_apart(test, bindings):
         tree = compile(test, "<test>", "exec", ast.PyCF_ONLY_AST)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return False  # it will not run
-    stored = set()
-    for node in _walk(tree):
-        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-            stored.add(node.id)
-        elif isinstance(node, ast.arg):
-            stored.add(node.arg)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            stored.add(node.name)
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            stored.add(node.name)
-    top_level = {n.id for statement in tree.body for n in _walk(statement)
-                 if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-    top_level |= {s.name for s in tree.body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     updated = dict(bindings)
-    reader = _PlainTestReader(updated, stored)
+    reader = _PlainTestReader(updated, _names_bound(tree.body))
     for statement in tree.body:
         if isinstance(statement, (ast.Import, ast.ImportFrom)):
             for name, binding in reader.imported(statement):
@@ -1515,15 +1539,13 @@ def judged_apart(test, bindings):
         elif isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             if reader.is_trusting(_run_at_definition(statement)):
                 return True
-            updated[statement.name] = (_TRUSTING if reader.is_trusting([statement])
-                                       else reader.names_read(statement, top_level))
+            updated[statement.name] = _TRUSTING if reader.is_trusting([statement]) else reader.names_read(statement)
         else:
             if reader.is_trusting([statement]):
                 return True
-            read = reader.names_read(statement, top_level)
-            for node in _walk(statement):
-                if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id in top_level:
-                    updated[node.id] = read
+            read = reader.names_read(statement)
+            for name in _names_bound([statement]):
+                updated[name] = read
     bindings.clear()
     bindings.update(updated)
     return False

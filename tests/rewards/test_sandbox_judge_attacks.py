@@ -312,6 +312,8 @@ EVALUATED_ELSEWHERE = {  # how a test evaluates a text the program chose -> (its
                               "assert g() == 'also right'"], {}),
     "operator.methodcaller": (["import builtins, operator\nassert operator.methodcaller(name(), f())(builtins) == 2",
                                "assert g() == 'right'", "assert g() == 'also right'"], {}),
+    "eval beside a parameter named eval": (["def apply(eval, x):\n    return eval(x)\nassert eval(f()) == 2",
+                                            "assert g() == 'right'", "assert g() == 'also right'"], {}),
 }
 
 
