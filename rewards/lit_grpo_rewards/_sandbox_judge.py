@@ -1274,14 +1274,16 @@ def handing_over_the_programs_task(test, functions):
 #: Standard-library modules whose functions compute on the data they are given: none of them runs,
 #: imports or unpickles a text or bytes it is handed, or reaches an attribute, a name or a
 #: descriptor the text chooses (what their attributes lead to is checked too: ``typing.sys`` is
-#: ``sys``). A test using any other module (a site-package's, ``operator``, ``os``, ``pickle``...)
-#: is judged apart.
+#: ``sys``); of ``operator``, only the plain operations (``operator.add``, ``itemgetter``; not
+#: ``attrgetter`` or ``methodcaller``, which reach attributes by a name). A test using any other
+#: module (a site-package's, ``os``, ``sys``, ``pickle``, ``importlib``...) is judged apart.
 PLAIN_MODULES = frozenset({
     "__future__", "abc", "array", "ast", "base64", "binascii", "bisect", "calendar", "cmath", "collections",
     "collections.abc", "colorsys", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib",
     "enum", "errno", "fnmatch", "fractions", "functools", "graphlib", "hashlib", "heapq", "hmac", "html",
-    "ipaddress", "itertools", "json", "keyword", "math", "numbers", "pprint", "queue", "random", "re", "reprlib",
-    "secrets", "statistics", "string", "struct", "textwrap", "time", "typing", "unicodedata", "uuid", "zlib",
+    "ipaddress", "itertools", "json", "keyword", "math", "numbers", "operator", "pprint", "queue", "random", "re",
+    "reprlib", "secrets", "statistics", "string", "struct", "textwrap", "time", "typing", "unicodedata", "uuid",
+    "zlib",
 })
 #: Functions of those modules that evaluate a text as code (string annotations).
 _EVALUATING_MODULE_FUNCTIONS = frozenset({"get_type_hints", "ForwardRef"})
@@ -1373,6 +1375,8 @@ def _plain_module_attribute(module_name, attribute):
     not itself a module off the list (``typing.sys``, ``json.codecs``) or a reflective builtin."""
     if attribute.startswith("_") or attribute in _EVALUATING_MODULE_FUNCTIONS:
         return False
+    if module_name == "operator":
+        return attribute in _PLAIN_OPERATIONS
     try:
         value = getattr(import_for_the_tests(module_name), attribute, None)
     except Exception:  # noqa: BLE001 - not importable here: the test fails without running anything
