@@ -363,10 +363,6 @@ def _source_for(reg: _Registry, plugin_name: str, plugin: Any) -> _Source:
     return source
 
 
-def _collect_rewards(reg: _Registry) -> dict[str, RewardInfo]:
-    return _collect(reg, "reward")
-
-
 def _collect(reg: _Registry, kind: str) -> dict[str, RewardInfo]:
     """Call every plugin's ``register_<kind>s`` hook (once per set of plugins) and index what they
     registered by name; ``kind`` is ``reward``, ``environment`` or ``dataset``."""
@@ -524,7 +520,7 @@ def get_rewards() -> dict[str, RewardInfo]:
     """Every installed reward, by name (sorted)."""
     with _lock:
         load_plugins()
-        return dict(_collect_rewards(_get_registry()))
+        return dict(_collect(_get_registry(), "reward"))
 
 
 def get_environments() -> dict[str, RewardInfo]:

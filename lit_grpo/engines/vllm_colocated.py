@@ -119,11 +119,6 @@ def is_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
-def supported_head_sizes() -> tuple[int, ...] | None:
-    """Head sizes the attention backend accepts on the CPU, None when not on the CPU."""
-    return CPU_ATTENTION_HEAD_SIZES if is_cpu_platform() else None
-
-
 @contextlib.contextmanager
 def preserved_random_state() -> Iterator[None]:
     """Restore torch's (CPU and current CUDA device), Python's and numpy's global random state on exit.

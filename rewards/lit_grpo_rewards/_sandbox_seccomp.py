@@ -345,12 +345,6 @@ def filter_for_machine(machine=None):
     return build_filter(audit_arch, numbers)
 
 
-def allowed_numbers(machine=None):
-    """Syscall numbers the filter allows unconditionally (for the tests)."""
-    _, numbers = MACHINES[(machine or os.uname().machine).lower()]
-    return {numbers[n] for n in ALLOWED if n in numbers}
-
-
 def install(program):
     """Load ``program`` into the kernel for this process (its threads and children inherit it).
 
