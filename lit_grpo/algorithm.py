@@ -6,7 +6,7 @@ prompt the policy samples a *group* of G completions, and a completion's advanta
 relative to the other members of its group. The update is PPO's clipped surrogate against the policy
 that sampled, optionally with a KL penalty to a frozen reference model.
 
-Everything here follows TRL 1.16's ``GRPOTrainer`` semantics (see the design brief, section 4), so
+Everything here follows TRL 1.16's ``GRPOTrainer`` semantics (``trl/trainer/grpo_trainer.py``), so
 numbers are comparable with TRL runs. Notation used in the shape comments:
 
     N = B * G   completions in a generation batch (B prompts, G completions per prompt)

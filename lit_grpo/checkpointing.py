@@ -12,9 +12,8 @@ weights and the optimizer are not enough to continue a run exactly. A lit-grpo c
   :class:`lit_grpo.data.PromptSampler`). Lightning's fit loop saves the ``state_dict`` of every
   training dataloader that has one and restores it on resume;
 - the reference model: its weights are part of the module's ``state_dict`` (``ref_model`` is a
-  submodule). A TRL-style reference sync (``ref_model_sync_steps``, not implemented) depends only on
-  those weights and ``global_step``; any further state of its own belongs in
-  ``GRPOModule.on_save_checkpoint`` / ``on_load_checkpoint``.
+  submodule). The reference sync (``model.sync_ref_model``, :mod:`lit_grpo.reference`) depends only on
+  those weights and ``global_step``, so it saves nothing of its own.
 
 Checkpoints are written by :class:`AtomicCheckpointIO`, so a crash while writing leaves the previous
 checkpoint intact, and a write that fails (a full disk) ends the run with one line naming the file.
