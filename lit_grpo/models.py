@@ -49,7 +49,7 @@ __all__ = [
     "cache_argument",
     "drop_frozen_weights",
     "enable_gradient_checkpointing",
-    "eos_token_ids",
+    "completion_end_token_ids",
     "load_causal_lm",
     "load_tokenizer",
     "lora_config",
@@ -159,7 +159,7 @@ def check_trainable_dtype(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return message
 
 
-def eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
+def completion_end_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
     """Every token id that ends a completion: the model's ``generation_config.eos_token_id`` (a
     list for chat models: Qwen2.5 ends a turn with ``<|im_end|>`` or ``<|endoftext|>``) and the
     tokenizer's EOS, in that order, without repeats."""

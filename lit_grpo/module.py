@@ -312,7 +312,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
             self.ref_model = models.build_reference(self.model_source, hp.model_init_kwargs, precision)
         self.policy = models.build_policy(self.model_source, models.model_init_kwargs(hp.model_init_kwargs), lora=hp.lora,
                                           gradient_checkpointing=hp.gradient_checkpointing)
-        eos_token_ids = models.eos_token_ids(self.policy, self.tokenizer)
+        eos_token_ids = models.completion_end_token_ids(self.policy, self.tokenizer)
         self.generation_config, self.eval_generation_config = run_generation_configs(hp, self.tokenizer, eos_token_ids)
         if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: shard with FSDP2
             mesh = data_parallel_mesh(self.device_mesh)

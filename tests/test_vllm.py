@@ -38,7 +38,7 @@ import yaml  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
 from lit_grpo.engines import vllm_colocated  # noqa: E402
-from lit_grpo.engines.lit_sampler import eos_token_ids  # noqa: E402
+from lit_grpo.engines.lit_sampler import generation_config_eos_ids  # noqa: E402
 from lit_grpo.engines.policy import generate_completions  # noqa: E402
 from lit_grpo.engines.vllm_colocated import build_engine, push_weights, sample  # noqa: E402
 from lit_grpo.errors import ConfigError  # noqa: E402
@@ -114,7 +114,7 @@ def hf_greedy(model, ids: list[list[int]], config: GenerationConfig) -> list[lis
             input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             generation_config=config,
         )[0, len(prompt):].tolist()
-        eos = set(eos_token_ids(config))
+        eos = set(generation_config_eos_ids(config))
         for position, token in enumerate(tokens):
             if token in eos:
                 tokens = tokens[: position + 1]
@@ -168,7 +168,7 @@ def test_greedy_equals_transformers_and_lit_backends(setup, engine):
     tokenizer, model = setup["tokenizer"], setup["base"]
     config = generation_config(tokenizer)
     ids = prompt_ids(tokenizer)
-    out = sample(engine, ids, 1, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=eos_token_ids(config))
+    out = sample(engine, ids, 1, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=generation_config_eos_ids(config))
     expected = hf_greedy(model, ids, config)
     assert out.completion_ids == expected
     assert out.completion_ids == backend_tokens(model, tokenizer, config, "transformers")
@@ -178,7 +178,7 @@ def test_greedy_equals_transformers_and_lit_backends(setup, engine):
     for completion, reason in zip(out.completion_ids, out.finish_reasons):
         assert reason == ("stop" if completion[-1] == tokenizer.eos_token_id else "length")
     # greedy with G > 1 (vLLM refuses n > 1 when greedy: sample() sends G requests instead)
-    repeated = sample(engine, ids[:2], 3, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=eos_token_ids(config))
+    repeated = sample(engine, ids[:2], 3, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=generation_config_eos_ids(config))
     assert repeated.completion_ids == [expected[0]] * 3 + [expected[1]] * 3
 
 
@@ -186,11 +186,11 @@ def test_greedy_equals_transformers_after_training_steps_and_push(setup, engine)
     tokenizer = setup["tokenizer"]
     config = generation_config(tokenizer)
     ids = prompt_ids(tokenizer)
-    before = sample(engine, ids, 1, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=eos_token_ids(config))
+    before = sample(engine, ids, 1, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=generation_config_eos_ids(config))
     model = train_a_little(setup["base"], tokenizer)
 
     push_weights(engine, hf_named_weights(model))
-    after = sample(engine, ids, 1, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=eos_token_ids(config))
+    after = sample(engine, ids, 1, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=generation_config_eos_ids(config))
     expected = hf_greedy(model, ids, config)
     assert after.completion_ids == expected
     assert after.completion_ids != before.completion_ids  # the push changed the engine
@@ -218,7 +218,7 @@ def test_lora_merged_into_pushed_weights(setup, engine):
     model = with_an_adapter(setup["base"])
     base_weight = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.clone()
     push_weights(engine, hf_named_weights(model))
-    out = sample(engine, ids, 1, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=eos_token_ids(config))
+    out = sample(engine, ids, 1, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=generation_config_eos_ids(config))
     assert out.completion_ids == hf_greedy(model.eval(), ids, config)
     assert out.completion_ids != hf_greedy(setup["base"], ids, config)
     # merged on the fly: the adapters stay unmerged and the base weights untouched
@@ -404,7 +404,7 @@ def test_stops_at_every_eos_id_of_the_generation_config(setup, engine):
     longest = max(free, key=len)
     second = next(token for token in longest[2:] if token != tokenizer.eos_token_id)
     config = generation_config(tokenizer, eos=[tokenizer.eos_token_id, second])
-    stop_ids = eos_token_ids(config)
+    stop_ids = generation_config_eos_ids(config)
     out = sample(engine, ids, 1, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=stop_ids)
     assert out.completion_ids == hf_greedy(model, ids, config)
     assert out.completion_ids == backend_tokens(model, tokenizer, config, "transformers")

@@ -33,7 +33,7 @@ from transformers.generation import (
 from lit_grpo import cpu
 from lit_grpo.models import cache_argument, partial_kv_cache_reason, text_config
 
-__all__ = ["LIT_SAMPLER_OPTIONS", "PreallocatedKVLayer", "eos_token_ids", "lit_sampler_unsupported", "penalty_skips_left_padding",
+__all__ = ["LIT_SAMPLER_OPTIONS", "PreallocatedKVLayer", "generation_config_eos_ids", "lit_sampler_unsupported", "penalty_skips_left_padding",
            "sample_groups"]
 
 # GenerationConfig fields the "lit" sampler implements; any other non-default field goes to generate
@@ -157,7 +157,7 @@ def logits_processors(generation_config: GenerationConfig, prompt_mask: torch.Te
     (processors, then the sampling warpers), for the rows of the left-padded ``prompt_mask`` ``[N, P]``."""
     config, device = generation_config, prompt_mask.device
     prompt_length = prompt_mask.size(1)
-    eos = torch.tensor(eos_token_ids(config), device=device)
+    eos = torch.tensor(generation_config_eos_ids(config), device=device)
     processors = LogitsProcessorList()
     if config.sequence_bias is not None:
         processors.append(SequenceBiasLogitsProcessor(sequence_bias=config.sequence_bias))
@@ -201,7 +201,8 @@ def select_rows(processors: LogitsProcessorList, keep: torch.Tensor) -> None:
             processor.prompt_ignore_length = processor.prompt_ignore_length[keep]
 
 
-def eos_token_ids(generation_config: GenerationConfig) -> list[int]:
+def generation_config_eos_ids(generation_config: GenerationConfig) -> list[int]:
+    """``generation_config.eos_token_id`` as a list (it may be None, one id or several)."""
     eos = generation_config.eos_token_id
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
@@ -230,7 +231,7 @@ def sample_groups(
     B, P = prompt_ids.shape
     N, device = B * G, prompt_ids.device
     pad_token_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
-    eos = torch.tensor(eos_token_ids(generation_config), device=device, dtype=torch.long)
+    eos = torch.tensor(generation_config_eos_ids(generation_config), device=device, dtype=torch.long)
     repeated_mask = prompt_mask.repeat_interleave(G, dim=0)  # [N, P]
     processors = logits_processors(generation_config, repeated_mask)
     block = cpu.kv_cache_block(model, device)  # see PreallocatedKVLayer
