@@ -55,7 +55,7 @@ from lit_grpo.data import PromptBatch
 from lit_grpo.dynamic_sampling import dynamic_sampling
 from lit_grpo.distributed import clip_grad_norm, data_parallel_mesh, gather_rows, mixed_precision_policy, shard_model
 from lit_grpo.engines import GENERATION_BACKENDS, check_backend, engine_for_run
-from lit_grpo.engines.base import GenerationEngine
+from lit_grpo.engines.base import GenerationEngine, agreeing_on_failure
 from lit_grpo.engines.server_lost import CheckpointWhenServerLost
 from lit_grpo.errors import ConfigError
 from lit_grpo.evaluation import ValidationMetrics
@@ -573,7 +573,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
 
         # 2. Score them: every reward sees one prompt, one completion and one value of each column.
         start = time.perf_counter()
-        completions, rewards_per_func = self._score(self.scorer, batch, rollout, G)  # [N, K]
+        with agreeing_on_failure(self.device):  # a reward failing on one rank stops every rank with its message
+            completions, rewards_per_func = self._score(self.scorer, batch, rollout, G)  # [N, K]
         timings["rewards"] += time.perf_counter() - start
 
         # 3. Group-relative advantages. Groups never straddle ranks, but the rewards of every rank

@@ -20,6 +20,8 @@ import yaml
 
 from lit_grpo.data import PromptSampler
 
+REPO = Path(__file__).resolve().parents[1]
+
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 # Everything that matters for the comparison: KL to a sharded reference model (beta > 0), a
@@ -468,3 +470,30 @@ def test_validation_metrics_reduce_over_ranks_like_one_process(run_dir):
     for name, value in one.items():
         assert two[name] == pytest.approx(value, rel=1e-6), name
     assert 0 < one["val/pass@1"] < one["val/pass@4"] < 1  # not vacuous: some prompts pass, some do not
+
+
+def test_a_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message(tiny_model_dir, tmp_path):
+    """2 processes (gloo DDP), synchronous sampling, the quickstart as a user runs it (logger on): rank
+    1's reward raises in the first step. Both ranks end with the reward's own error (rank 0 used to
+    die in the next collective with gloo's 'Connection closed by peer' traceback), and the run that
+    failed before its first step leaves no run directory."""
+    (tmp_path / "flaky.py").write_text(
+        "import os\n\ndef broken_on_rank_1(completions, **kwargs):\n"
+        "    if os.environ['RANK'] == '1':\n        raise ValueError(\"rank 1's reward broke\")\n"
+        "    return [0.0] * len(completions)\n")
+    config = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
+    config["model"].update(model_name_or_path=str(tiny_model_dir), rewards=[{"name": "flaky.py:broken_on_rank_1"}])
+    config["data"]["data_files"] = str(REPO / config["data"]["data_files"])
+    config["trainer"].update(max_steps=2, devices=2, strategy="ddp")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "lit_grpo.cli", "fit", "--config", "config.yaml"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    stopped = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)  # a hang fails here
+    assert stopped.returncode != 0
+    assert "Connection closed by peer" not in stopped.stderr, stopped.stderr[-3000:]
+    errors = stopped.stderr.split("\nerror: ")[1:]
+    assert len(errors) == 2, stopped.stderr[-3000:]  # one per rank
+    for message in errors:
+        assert message.startswith("Reward 'flaky.py:broken_on_rank_1'") and "rank 1's reward broke" in message, message
+    assert not list((tmp_path / "runs").glob("*/version_*")), "the failed run's directory was left behind"

@@ -11,14 +11,15 @@ them (``Rollout.sampling_logps``: vLLM's, for the importance-sampling correction
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from transformers import GenerationConfig
 
 from lit_grpo.rollout import Rollout
 
-__all__ = ["GenerationEngine", "agreed_failure", "any_rank"]
+__all__ = ["GenerationEngine", "agreed_failure", "agreeing_on_failure", "any_rank"]
 
 
 class GenerationEngine:
@@ -91,3 +92,16 @@ def agreed_failure(error: BaseException | None, device: torch.device) -> None:
     if type(error) is kind:
         raise error
     raise kind(message) from error
+
+
+@contextmanager
+def agreeing_on_failure(device: torch.device) -> Iterator[None]:
+    """Run a block every rank runs, then agree on how it ended (:func:`agreed_failure`): an exception
+    on one rank is raised on every rank, with that rank's class and message, at the block's end,
+    instead of leaving the others to fail in the next collective with the transport's error."""
+    try:
+        yield
+    except Exception as error:
+        agreed_failure(error, device)
+        raise
+    agreed_failure(None, device)
