@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["ConfigError", "DataError", "FileInTheWayError", "MissingFileError", "ModelLoadError", "UserError", "WriteError",
+__all__ = ["CheckpointedError", "ConfigError", "DataError", "FileInTheWayError", "MissingFileError", "ModelLoadError", "UserError", "WriteError",
            "os_error_in", "writing"]
 
 
@@ -39,6 +39,13 @@ class FileInTheWayError(UserError, FileExistsError):
 
 class ModelLoadError(UserError, OSError):
     """A model, tokenizer or checkpoint path that exists but does not hold what is needed."""
+
+
+class CheckpointedError(UserError):
+    """An error the run stops on after writing a checkpoint to resume from, in an ``on_exception`` callback
+    (a failed or lost generation server: :mod:`lit_grpo.engines.server_lost`); ``checkpoint``: its path."""
+
+    checkpoint: str | None = None
 
 
 class WriteError(UserError, OSError):

@@ -62,7 +62,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 from lit_grpo.checkpointing import check_local_checkpoint, is_class_config
-from lit_grpo.errors import ConfigError, FileInTheWayError, MissingFileError, WriteError, writing
+from lit_grpo.errors import CheckpointedError, ConfigError, FileInTheWayError, MissingFileError, WriteError, writing
 
 __all__ = ["CSVLogger", "RemoveRunWithoutSteps", "Runs", "TensorBoardLogger", "find_last_checkpoint", "place_run", "resume_config_name", "run_directory"]
 
@@ -280,6 +280,8 @@ class RemoveRunWithoutSteps(pl.Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # the logger's own log_dir: the trainer's is a collective, which ranks that did not fail would never join
         if trainer.global_step > 0 or not trainer.is_global_zero or trainer.logger is None or trainer.logger.log_dir is None:
+            return
+        if isinstance(exception, CheckpointedError):  # its checkpoint is written by a callback that may come after this one
             return
         run = Path(trainer.logger.log_dir)
         if not run.is_dir() or any(run.rglob("*.ckpt")):

@@ -174,3 +174,24 @@ def test_a_command_that_trains_nothing_imports_neither_torch_nor_lightning(comma
               "print(sorted(name for name in ('torch', 'lightning', 'transformers') if name in sys.modules))")
     shown = subprocess.run([sys.executable, "-c", script, *command], capture_output=True, text=True, timeout=60)
     assert shown.stdout.strip().splitlines()[-1] == "[]", shown.stdout[-500:] + shown.stderr[-500:]
+
+
+def test_a_run_stopping_on_an_error_that_writes_its_checkpoint_keeps_its_directory(tmp_path):
+    """A failed generation server's error (a CheckpointedError) gets its last.ckpt from a callback that
+    Lightning may call after RemoveRunWithoutSteps: the run directory, still without a .ckpt, stays
+    (removing it lost the asynchronous pipeline's checkpoint on 2 processes); any other error before
+    the first step still removes it."""
+    from types import SimpleNamespace
+
+    from lit_grpo.engines.server_lost import GenerationFailed
+    from lit_grpo.runs import RemoveRunWithoutSteps
+
+    run = tmp_path / "runs" / "quickstart" / "version_0"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("seed_everything: 0\n")
+    logger = SimpleNamespace(log_dir=str(run), finalize=lambda status: None)
+    trainer = SimpleNamespace(global_step=0, is_global_zero=True, logger=logger, loggers=[logger])
+    RemoveRunWithoutSteps().on_exception(trainer, None, GenerationFailed("the server at http://127.0.0.1:8000 refused"))
+    assert run.is_dir()
+    RemoveRunWithoutSteps().on_exception(trainer, None, ValueError("a reward broke"))
+    assert not run.exists()

@@ -28,13 +28,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lit_grpo.checkpointing import ResumableDataLoader, capture_rng_states, restore_rng_states
-from lit_grpo.errors import UserError
+from lit_grpo.errors import CheckpointedError
 from lit_grpo.preemption import last_checkpoint_keeper, save_checkpoint_now
 
 __all__ = ["CheckpointWhenServerLost", "GenerationFailed", "GenerationServerLost"]
 
 
-class GenerationFailed(UserError):
+class GenerationFailed(CheckpointedError):
     """A sampling call that failed on a generation server (a request it refused, an answer cut off or
     not what was asked for). Raised on every rank at the same point, with the failing rank's message;
     ``checkpoint``: the checkpoint written before the run stopped (None: none could be)."""
