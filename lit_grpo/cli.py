@@ -329,7 +329,9 @@ def main(argv: list[str] | None = None) -> None:
             raise
         # an error that stopped a run after a checkpoint says how to resume it (a lost generation server)
         describe = getattr(error, "describe", None)
-        print(f"error: {describe(resume_command(words)) if describe else error}", file=sys.stderr, flush=True)
+        # one write, so that two ranks' messages through one pipe do not interleave mid-line
+        sys.stderr.write(f"error: {describe(resume_command(words)) if describe else error}\n")
+        sys.stderr.flush()
         sys.exit(2)
 
 
