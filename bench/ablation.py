@@ -47,6 +47,7 @@ from pathlib import Path
 import yaml
 
 from bench.harness import (
+    REPO_DIR,
     add_contention_options,
     add_work_options,
     build_models,
@@ -55,7 +56,6 @@ from bench.harness import (
     load_line,
     machine_description,
     markdown_table,
-    REPO_DIR,
     matmul_rates,
     run_measured,
     summarize_runs,

@@ -27,7 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import QUICKSTART_DATA, build_models, command_line, machine_description, markdown_table, write_outputs
+from bench.harness import (
+    QUICKSTART_DATA,
+    build_models,
+    command_line,
+    machine_description,
+    markdown_table,
+    write_outputs,
+)
 
 
 def median_seconds(function, repeats: int) -> float:
@@ -101,7 +108,7 @@ def sampler_rows(size: str, model_dir: str, length: int, repeats: int) -> list[d
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     import lit_grpo.cpu as cpu
-    import lit_grpo.engines.policy as generation
+    import lit_grpo.rollout.engines.policy as generation
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

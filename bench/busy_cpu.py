@@ -26,7 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import command_line, fmt, load_line, machine_description, markdown_table, wait_for_idle_cpu, write_outputs
+from bench.harness import (
+    command_line,
+    fmt,
+    load_line,
+    machine_description,
+    markdown_table,
+    wait_for_idle_cpu,
+    write_outputs,
+)
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 LIT_GRPO = str(Path(sys.executable).with_name("lit-grpo"))

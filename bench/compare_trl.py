@@ -46,24 +46,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.harness import (
-    add_contention_options,
-    RESULTS_DIR,
     QUICKSTART_DATA,
+    RESULTS_DIR,
     RunSpec,
+    add_contention_options,
     build_models,
     check_num_iterations,
     command_arguments,
     command_line,
-    long_prompt_data,
     fmt,
     load_line,
+    long_prompt_data,
     machine_description,
     markdown_table,
     matmul_rates,
     per_pair_ratios,
     run_measured,
-    wait_for_idle_cpu,
     summarize_runs,
+    wait_for_idle_cpu,
     write_outputs,
 )
 

@@ -4,7 +4,7 @@
 
 For each model (``--sizes``) and mode, a fresh process (and an empty inductor cache, so the first
 batch pays the whole compile) samples ``--batches`` generation batches with the group sampler
-(``lit_grpo.engines.policy``), 8 quickstart prompts x G = 8, up to ``--length`` tokens, under bf16 autocast
+(``lit_grpo.rollout.engines.policy``), 8 quickstart prompts x G = 8, up to ``--length`` tokens, under bf16 autocast
 as Lightning's ``bf16-mixed`` (``--precision fp32`` for none):
 
 * ``eager``: the sampler as shipped;
@@ -30,7 +30,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import QUICKSTART_DATA, REPO_DIR, build_models, command_line, machine_description, markdown_table, module_env, write_outputs
+from bench.harness import (
+    QUICKSTART_DATA,
+    REPO_DIR,
+    build_models,
+    command_line,
+    machine_description,
+    markdown_table,
+    module_env,
+    write_outputs,
+)
 
 MODES = ("eager", "compiled")
 
@@ -42,7 +51,7 @@ def sample_batches(model_dir: str, mode: str, length: int, batches: int, precisi
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    import lit_grpo.engines.policy as generation
+    import lit_grpo.rollout.engines.policy as generation
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -1,7 +1,7 @@
 """A first check of lit-grpo on one GPU, in one command, with nothing from a hub or a package index.
 
     python -m bench.gpu_check                                  # CUDA: Qwen2.5-0.5B and 1.5B shapes
-    python -m bench.gpu_check --device cpu --shapes tiny       # the same checks at toy size (tests/test_bench_gpu_check.py)
+    python -m bench.gpu_check --device cpu --shapes tiny       # the same checks at toy size (tests/bench/test_bench_gpu_check.py)
 
 The models have random weights and the shapes of Qwen2.5-0.5B and 1.5B (``lit_grpo.tiny``,
 ``architecture="qwen2"``: Qwen2's model class, the real hidden sizes, layers, heads and vocabulary,
@@ -203,7 +203,7 @@ def greedy_agreement(model, tokenizer, texts: list[str], new_tokens: int) -> dic
     """The ``lit`` sampler's greedy tokens against ``generate``'s."""
     from transformers import GenerationConfig
 
-    from lit_grpo.engines.policy import generate_completions
+    from lit_grpo.rollout.engines.policy import generate_completions
 
     config = GenerationConfig(
         do_sample=False, max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
@@ -228,7 +228,7 @@ def greedy_agreement(model, tokenizer, texts: list[str], new_tokens: int) -> dic
 def teacher_forced_logps(model, rollout) -> torch.Tensor:
     """``[N, C]`` log-probs of the rollout's completion tokens from one forward of prompt + completion."""
     from lit_grpo.algorithm import selective_log_softmax
-    from lit_grpo.rollout import position_ids_from_mask
+    from lit_grpo.rollout.records import position_ids_from_mask
 
     ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask], dim=1)
@@ -251,7 +251,7 @@ def logprob_differences(sampler_logps: torch.Tensor, reference_logps: torch.Tens
 
 @torch.no_grad()
 def sampled_logprob_check(model, tokenizer, texts: list[str], new_tokens: int, backend: str) -> dict:
-    """Sample one completion per prompt with ``backend`` (a name in ``lit_grpo.engines.policy.SAMPLERS``)
+    """Sample one completion per prompt with ``backend`` (a name in ``lit_grpo.rollout.engines.policy.SAMPLERS``)
     and compare the log-prob of each sampled token under the logits the sampler's own forwards
     returned with a teacher-forced forward of the finished sequence.
 
@@ -259,7 +259,7 @@ def sampled_logprob_check(model, tokenizer, texts: list[str], new_tokens: int, b
     prefill and every decode step but the last), every row in each (no completion may end early:
     EOS is held back), so call t's logits predicted token t."""
     from lit_grpo.algorithm import selective_log_softmax
-    from lit_grpo.engines.policy import generate_completions
+    from lit_grpo.rollout.engines.policy import generate_completions
 
     calls: list[torch.Tensor] = []
     hook = model.register_forward_hook(lambda module, args, output: calls.append(output.logits[:, -1]))
@@ -514,7 +514,7 @@ def decode_speed(model, tokenizer, device: str, rows: int, new_tokens: int, hard
     backends, and the floor."""
     from transformers import GenerationConfig
 
-    from lit_grpo.engines.policy import generate_completions
+    from lit_grpo.rollout.engines.policy import generate_completions
 
     config = sampling_config(model.generation_config, new_tokens)
     texts = prompts(rows)
@@ -545,15 +545,15 @@ def decode_rows(checkpoint: Path, shape_names: list[str], device: str, sizes: Si
 
 
 def vllm_rows(checkpoint: Path, device: str, sizes: Sizes, hardware: Hardware) -> dict:
-    """The ``vllm`` backend (``lit_grpo.engines.vllm_colocated.ColocatedVLLMEngine``, as a run builds it) on the first
+    """The ``vllm`` backend (``lit_grpo.rollout.engines.vllm_colocated.ColocatedVLLMEngine``, as a run builds it) on the first
     shape: its log-probs of its own samples against a teacher-forced forward (bf16), and its decoding
     speed (a completion may stop at EOS here: vLLM's sampler is not told to hold it back, and ms per
     step divides by the longest completion). The engine is built before the model of the forward is
     loaded, as a run builds it before its policy."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from lit_grpo.engines.vllm_colocated import ColocatedVLLMEngine, VLLMSettings
-    from lit_grpo.generation import tokenize_prompts
+    from lit_grpo.rollout.engines.requests import tokenize_prompts
+    from lit_grpo.rollout.engines.vllm_colocated import ColocatedVLLMEngine, VLLMSettings
 
     tokenizer, generation_config = AutoTokenizer.from_pretrained(checkpoint), GenerationConfig.from_pretrained(checkpoint)
     sampler = ColocatedVLLMEngine(str(checkpoint), torch.bfloat16, VLLMSettings(), None, sizes.decode_tokens)
@@ -762,7 +762,7 @@ def vllm_server_push_bound(model_dir: Path, timeout: float = 30.0) -> dict:
     abandoned and its NCCL communicator aborted), where vLLM's broadcast alone never returns; the GPU
     then still computes. On one GPU: ``lit-grpo serve`` on a share of its memory, the trainer's policy
     beside it; a first push, then a second during which the server is killed (once the push has taken
-    two tensors). Without CUDA or vLLM: ``{"skipped": why}`` (tests/test_vllm_server.py checks the same
+    two tensors). Without CUDA or vLLM: ``{"skipped": why}`` (tests/rollout/test_vllm_server.py checks the same
     bound on the CPU, with gloo and a stalled push)."""
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device: the NCCL push needs one"}
@@ -776,8 +776,8 @@ def vllm_server_push_bound(model_dir: Path, timeout: float = 30.0) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from lit_grpo.engines import vllm_server
-    from lit_grpo.engines.server_lost import GenerationServerLost
+    from lit_grpo.rollout.engines import vllm_server
+    from lit_grpo.rollout.engines.server_lost import GenerationServerLost
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -868,7 +868,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["fit"] = part("trainers", lambda: trainer_comparison(checkpoint, args.device, sizes, trainers, hardware))
         report["notes"] += [f"{label} failed: {last_line(error)}" for label, error in report["fit"]["failures"].items()]
         report["decode"] = part("decode", lambda: decode_rows(checkpoint, args.shapes, args.device, sizes, hardware))
-        if args.device == "cuda":  # on the CPU: tests/test_async_rollouts.py
+        if args.device == "cuda":  # on the CPU: tests/rollout/test_async_rollouts.py
             report["async_scoring"] = part("async scoring", lambda: scoring_thread_devices(checkpoint, args.device))
             if not report["async_scoring"]["cpu_only"]:
                 report["notes"].append(f"the asynchronous pipeline's scoring thread read tensors on "
@@ -882,7 +882,7 @@ def main(argv: list[str] | None = None) -> dict:
                 vllm["logprobs"]["like_generate"] = like_generate(vllm["logprobs"], report["samplers"]["logprobs"]["transformers"])
                 report["samplers"]["logprobs"]["vllm"] = vllm["logprobs"]
                 report["decode"][args.shapes[0]].update(vllm["decode"])
-        if with_vllm and args.device == "cuda":  # on the CPU: tests/test_vllm_server.py (gloo, a stalled push)
+        if with_vllm and args.device == "cuda":  # on the CPU: tests/rollout/test_vllm_server.py (gloo, a stalled push)
             report["vllm_server_push"] = part("vllm server push", lambda: vllm_server_push_bound(checkpoint))
             if not report["vllm_server_push"].get("bounded"):
                 report["notes"].append(f"a vLLM server killed during an NCCL weight push: {report['vllm_server_push']} (issue 49.4)")

@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 from bench.harness import (
-    TRAINERS,
     QUICKSTART_DATA,
+    TRAINERS,
     RunSpec,
     build_models,
     check_num_iterations,
@@ -48,7 +48,6 @@ from bench.harness import (
     run_in_subprocess,
     write_outputs,
 )
-
 
 _RUN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunSpec)}
 COMPLETIONS_PER_STEP = _RUN_DEFAULTS["num_generations"] * _RUN_DEFAULTS["prompts_per_step"]  # G 8 x 8 prompts

@@ -30,9 +30,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.harness import (
-    add_contention_options,
     QUICKSTART_DATA,
     RunSpec,
+    add_contention_options,
     build_models,
     command_line,
     fmt,

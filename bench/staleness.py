@@ -3,7 +3,7 @@
 ``configs/quickstart.yaml`` as it is (the ``lit-grpo init-tiny`` model, 300 optimizer steps, AdamW lr
 3e-3, the ``lit`` sampler) at ``model.max_staleness: 0`` (synchronous) and ``1`` (each batch trained
 one optimizer step after the weights that sampled it), with the importance-sampling correction of
-the staleness (``model.vllm_importance_sampling_*``, :mod:`lit_grpo.sampling_correction`) in each of
+the staleness (``model.vllm_importance_sampling_*``, :mod:`lit_grpo.algorithm.sampling_correction`) in each of
 the forms compared:
 
 - ``sequence_mask``: TRL's vLLM-mismatch default (one weight per sequence, the product of its tokens'
@@ -41,7 +41,15 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from bench.harness import REPO_DIR, RESULTS_DIR, command_line, load_line, machine_description, markdown_table, write_outputs
+from bench.harness import (
+    REPO_DIR,
+    RESULTS_DIR,
+    command_line,
+    load_line,
+    machine_description,
+    markdown_table,
+    write_outputs,
+)
 
 QUICKSTART = REPO_DIR / "configs" / "quickstart.yaml"
 

@@ -342,8 +342,8 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
 
     import lit_grpo
     from lit_grpo.data import GRPODataModule
-    from lit_grpo.module import GRPOModule
     from lit_grpo.plugins import register_plugin
+    from lit_grpo.train.module import GRPOModule
 
     reward = RECORDED_REWARDS[spec.reward]
 

@@ -35,7 +35,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import QUICKSTART_DATA, build_models, command_line, fmt, load_line, machine_description, markdown_table, steps_per_generation_problem, write_outputs
+from bench.harness import (
+    QUICKSTART_DATA,
+    build_models,
+    command_line,
+    fmt,
+    load_line,
+    machine_description,
+    markdown_table,
+    steps_per_generation_problem,
+    write_outputs,
+)
 
 G = 8
 PROMPTS = 8
@@ -47,7 +57,7 @@ def sampled_batch(model_dir: str, length: int, precision: str):
     import lightning.pytorch as pl
 
     from lit_grpo.data import PromptBatch
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.train.module import GRPOModule
 
     rows = [json.loads(line) for line in QUICKSTART_DATA.read_text().splitlines()[:PROMPTS]]
     batch = PromptBatch(prompts=[row["prompt"] for row in rows], columns={"target": [row["target"] for row in rows]})

@@ -12,10 +12,12 @@ authors need only the two pluggy markers exported here::
 
 import pluggy
 
-from lit_grpo import openmp
+from lit_grpo import former_paths, openmp
 
 # Before anything of lit-grpo imports torch: how its OpenMP threads wait (lit_grpo.openmp).
 openmp.choose_wait_policy()
+# ``lit_grpo.module`` and the other paths of the modules before they moved into packages
+former_paths.install()
 
 __version__ = "0.1.0"
 
@@ -38,7 +40,7 @@ def __getattr__(name: str):
     """``from lit_grpo import GRPOModule, GRPODataModule``, imported on first use: a plugin's
     ``import lit_grpo`` (for the markers) stays cheap."""
     if name == "GRPOModule":
-        from lit_grpo.module import GRPOModule
+        from lit_grpo.train.module import GRPOModule
 
         return GRPOModule
     if name == "GRPODataModule":

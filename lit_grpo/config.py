@@ -19,7 +19,7 @@ from __future__ import annotations
 from jsonargparse.typing import register_type
 
 from lit_grpo import algorithm
-from lit_grpo.sampling_correction import SAMPLING_CORRECTION_SETTINGS, correction_settings
+from lit_grpo.algorithm.sampling_correction import SAMPLING_CORRECTION_SETTINGS, correction_settings
 from lit_grpo.errors import ConfigError
 
 __all__ = ["AsWritten", "check_batch_sizes", "check_reference_sync", "check_settings"]
@@ -40,7 +40,7 @@ register_type(AsWritten, serializer=_unchanged, deserializer=_unchanged)
 
 
 def check_reference_sync(sync_steps: int, alpha: float) -> None:
-    """``model.ref_model_sync_steps`` and ``model.ref_model_mixup_alpha`` (``lit_grpo.reference``)."""
+    """``model.ref_model_sync_steps`` and ``model.ref_model_mixup_alpha`` (``lit_grpo.train.reference``)."""
     if sync_steps < 1:
         raise ConfigError(f"model.ref_model_sync_steps must be at least 1, got {sync_steps}")
     if not 0.0 < alpha <= 1.0:

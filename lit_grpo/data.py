@@ -33,9 +33,9 @@ from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_grpo import plugins
-from lit_grpo.checkpointing import ResumableDataLoader
 from lit_grpo.config import AsWritten
 from lit_grpo.errors import DataError, MissingFileError
+from lit_grpo.run.checkpointing import ResumableDataLoader
 
 __all__ = ["RESERVED_COLUMNS", "GRPODataModule", "PromptBatch", "PromptFormat", "PromptSampler", "collate_prompt_batch"]
 

@@ -43,7 +43,7 @@ class ModelLoadError(UserError, OSError):
 
 class CheckpointedError(UserError):
     """An error the run stops on after writing a checkpoint to resume from, in an ``on_exception`` callback
-    (a failed or lost generation server: :mod:`lit_grpo.engines.server_lost`); ``checkpoint``: its path."""
+    (a failed or lost generation server: :mod:`lit_grpo.rollout.engines.server_lost`); ``checkpoint``: its path."""
 
     checkpoint: str | None = None
 

@@ -41,7 +41,7 @@ class Hookspecs:
 
     @hookspec
     def register_environments(self, register: Callable[..., None]) -> None:
-        """Register environment classes for multi-turn rollouts (:mod:`lit_grpo.environments`).
+        """Register environment classes for multi-turn rollouts (:mod:`lit_grpo.rollout.tools.environments`).
 
         Call ``register(cls, name=None)`` once per environment. Each rollout gets its own instance,
         built from ``model.environment.args`` and the sample's columns its constructor names; its

@@ -1,7 +1,7 @@
 """Building the policy: loading a causal LM, gradient checkpointing, and LoRA adapters through peft.
 
-:class:`~lit_grpo.module.GRPOModule` calls :func:`build_policy` from ``configure_model`` and the
-export (:mod:`lit_grpo.export`) calls it to rebuild the same policy from a checkpoint's
+:class:`~lit_grpo.train.module.GRPOModule` calls :func:`build_policy` from ``configure_model`` and the
+export (:mod:`lit_grpo.run.export`) calls it to rebuild the same policy from a checkpoint's
 hyperparameters, so a trained policy is assembled the same way wherever it is used.
 
 With LoRA (``model.lora``) the base weights are frozen and only the adapter trains. That gives two

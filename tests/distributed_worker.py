@@ -1,4 +1,4 @@
-"""A short `lit-grpo fit` on one or several processes, for tests/test_distributed.py.
+"""A short `lit-grpo fit` on one or several processes, for tests/train/test_distributed.py.
 
 Run directly (one process) or under ``python -m torch.distributed.run --nproc_per_node W``; the
 trainer comes from a YAML config through the CLI, exactly as a user runs it. Rank 0 writes a
@@ -30,7 +30,7 @@ def fixed_generate_from_ids(model, prompt_ids, prompt_mask, prompt_truncated, nu
     """Completions that depend only on (prompt, index in the group): random tokens from a generator
     seeded by both, of a seeded length; those shorter than the maximum end with EOS."""
     from lit_grpo.algorithm import completion_mask_from_ids
-    from lit_grpo.rollout import Rollout
+    from lit_grpo.rollout.records import Rollout
 
     max_new = generation_config.max_new_tokens
     vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
@@ -113,15 +113,15 @@ def main() -> None:
 
     import lightning.pytorch as pl
 
-    import lit_grpo.engines.policy
-    import lit_grpo.logprobs
-    import lit_grpo.module
+    import lit_grpo.rollout.engines.policy
+    import lit_grpo.train.logprob_passes
+    import lit_grpo.train.module
     from lit_grpo.cli import run_cli
 
     if args.share_prompts_always:
-        lit_grpo.logprobs.FORWARD_OVERHEAD_TOKENS = 0
+        lit_grpo.train.logprob_passes.FORWARD_OVERHEAD_TOKENS = 0
     if args.share_prompts_on_rank_0_only:  # RANK: set by torch.distributed.run
-        lit_grpo.logprobs.FORWARD_OVERHEAD_TOKENS = 0 if int(os.environ.get("RANK", "0")) == 0 else 10**9
+        lit_grpo.train.logprob_passes.FORWARD_OVERHEAD_TOKENS = 0 if int(os.environ.get("RANK", "0")) == 0 else 10**9
     if args.gated_reward:
         register_gated_reward()
 
@@ -135,11 +135,11 @@ def main() -> None:
     cli.trainer.callbacks.append(RecordMetrics())
     module = cli.model
     if args.fixed_completions:
-        lit_grpo.engines.policy.generate_from_ids = functools.partial(fixed_generate_from_ids, tokenizer=module.tokenizer)
+        lit_grpo.rollout.engines.policy.generate_from_ids = functools.partial(fixed_generate_from_ids, tokenizer=module.tokenizer)
     if args.scripted_tools:
         from scripted_policy import scripted_generate_from_ids
 
-        lit_grpo.engines.policy.generate_from_ids = functools.partial(scripted_generate_from_ids, tokenizer=module.tokenizer)
+        lit_grpo.rollout.engines.policy.generate_from_ids = functools.partial(scripted_generate_from_ids, tokenizer=module.tokenizer)
 
     if args.generation_check:
         generation_check(cli, module, args.out)

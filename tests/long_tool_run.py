@@ -3,8 +3,8 @@
 A tool returns 500 characters (one token each for the tiny models) while ``max_prompt_length`` is 64:
 the results are longer than the prompt and the completion budget together. Every finished turn is
 read as a call of that tool (``model.tool_call_parser: long_tool_run:every_turn_calls``), so the
-limits are reached whatever the tiny policy writes. Shared by tests/test_tools.py (the ``lit`` and
-``transformers`` backends) and tests/test_vllm.py (``vllm``, in the README's vLLM environment).
+limits are reached whatever the tiny policy writes. Shared by tests/rollout/test_tools.py (the ``lit`` and
+``transformers`` backends) and tests/rollout/test_vllm.py (``vllm``, in the README's vLLM environment).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rewards for tests/test_scoring_parallel.py.
+"""Rewards for tests/scoring/test_scoring_parallel.py.
 
 They live at the top level of an importable module (tests/ is on ``sys.path`` under pytest, and
 worker processes inherit ``sys.path``) so that worker processes can unpickle them by reference.

@@ -1,11 +1,11 @@
-"""Code that tests/test_resume.py runs in other processes (kept light: no transformers import).
+"""Code that tests/run/test_resume.py runs in other processes (kept light: no transformers import).
 
 - :class:`SigkillDuringStep`, a callback that SIGKILLs its own training process in the middle of a
   step, configured in the YAML of a ``lit-grpo fit`` run (``class_path: resume_helpers.SigkillDuringStep``,
   with ``tests/`` on ``PYTHONPATH``). SIGKILL cannot be caught: no ``finally``, no ``on_exception``, no
   flushing of the logger, exactly like the OOM killer or a preempted node.
 - :class:`SignalDuringStep`, likewise, sends a catchable signal (SIGTERM, SIGUSR1, ...) to one rank
-  in the middle of a step (tests/test_preemption.py).
+  in the middle of a step (tests/run/test_preemption.py).
 - :func:`gather_rng_states_on_rank`, one of two gloo processes checking that ``RNGStateCheckpoint``
   gathers every rank's random states and that each rank restores its own.
 """
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lit_grpo.checkpointing import RNGStateCheckpoint
+from lit_grpo.run.checkpointing import RNGStateCheckpoint
 
 
 class SigkillDuringStep(Callback):

@@ -1,7 +1,7 @@
 """A scripted policy for multi-turn tests: deterministic turns that call tools, in place of sampling.
 
-:func:`scripted_generate_from_ids` stands in for ``lit_grpo.engines.policy.generate_from_ids`` (patched
-into ``lit_grpo.module``, so under FSDP2 the weights are still gathered around every call). For
+:func:`scripted_generate_from_ids` stands in for ``lit_grpo.rollout.engines.policy.generate_from_ids`` (patched
+into ``lit_grpo.train.module``, so under FSDP2 the weights are still gathered around every call). For
 each context it finds the question (the last user message of the prompt) and the number of tool
 results so far, and writes that turn of :data:`SCRIPTS` (``{n}`` is replaced by the question's
 number), followed by ``<|im_end|>``; the turn is cut at ``max_new_tokens`` like a real sampler.
@@ -52,7 +52,7 @@ def scripted_turn(context_text: str) -> str:
 def scripted_generate_from_ids(model, prompt_ids, prompt_mask, prompt_truncated, num_generations, generation_config,
                                pad_token_id, backend=None, *, tokenizer):
     from lit_grpo.algorithm import completion_mask_from_ids
-    from lit_grpo.rollout import Rollout
+    from lit_grpo.rollout.records import Rollout
 
     rows = []
     for ids, mask in zip(prompt_ids, prompt_mask):

@@ -1,4 +1,4 @@
-"""A callback for tests/test_vllm_server.py: the vLLM server dies while the trainer samples.
+"""A callback for tests/rollout/test_vllm_server.py: the vLLM server dies while the trainer samples.
 
 With ``KILL_VLLM_SERVER_PID`` set, at optimizer step ``KILL_VLLM_SERVER_AT_STEP`` that server's process
 group (the last of ``model.vllm_server_urls``) is killed, on every rank, after the step pushed its
@@ -36,7 +36,7 @@ class KillServerWhileSampling(pl.Callback):
 
 
 class KillServerWhileSamplingInTheBackground(pl.Callback):
-    """The same for ``model.max_staleness`` (lit_grpo.async_rollouts): at optimizer step
+    """The same for ``model.max_staleness`` (lit_grpo.rollout.async_pipeline): at optimizer step
     ``KILL_VLLM_SERVER_AT_STEP`` the server dies as the step hands its batch to the servers, so that the
     batch's sampling in the background fails and the next step stops the run."""
 

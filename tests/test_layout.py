@@ -13,41 +13,35 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lit_grpo"
 MAX_LINES = 700
 
-# Lowest first: a module may import from its own layer and the layers below, never from above.
+# The packages of lit_grpo (and the modules at its top level), lowest first: a module may import from
+# its own layer and the layers below, never from above. Inside a layer, the cycle test below keeps order.
 LAYERS = [
-    # pure functions, records and settings
-    ["lit_grpo", "lit_grpo.errors", "lit_grpo.algorithm", "lit_grpo.sampling_correction", "lit_grpo.sampling_filters",
-     "lit_grpo.config", "lit_grpo.evaluation",
-     "lit_grpo.hookspecs", "lit_grpo.tiny", "lit_grpo.config_files", "lit_grpo.trl_names", "lit_grpo.openmp",
-     "lit_grpo.python_objects", "lit_grpo.redaction", "lit_grpo.named_functions"],
-    # loading models, checkpoints, a run's directory, the plugin registry
-    ["lit_grpo.models", "lit_grpo.preemption", "lit_grpo.checkpointing", "lit_grpo.runs", "lit_grpo.plugins", "lit_grpo.tools",
-     "lit_grpo.device_defaults"],
-    # several processes; CPU-only tuning; a reward's settings, arguments and worker processes
-    ["lit_grpo.distributed", "lit_grpo.cpu.allocator", "lit_grpo.cpu.attention", "lit_grpo.cpu.prepacked", "lit_grpo.cpu.threads",
-     "lit_grpo.cpu.amx", "lit_grpo.policy_weights",
-     "lit_grpo.scoring.specs", "lit_grpo.scoring.arguments", "lit_grpo.scoring.failures", "lit_grpo.scoring.pool",
-     "lit_grpo.scoring.own_process", "lit_grpo.scoring.event_loop",
-     "lit_grpo.environments"],
-    ["lit_grpo.cpu", "lit_grpo.rollout", "lit_grpo.reference", "lit_grpo.scoring.scorer", "lit_grpo.completions"],
-    # what a step is built from
-    ["lit_grpo.shared_prompt", "lit_grpo.engines.lit_sampler", "lit_grpo.scoring", "lit_grpo.data", "lit_grpo.callbacks",
-     "lit_grpo.multi_turn", "lit_grpo.dynamic_sampling", "lit_grpo.engines.base", "lit_grpo.engines.vllm_sampling",
-     "lit_grpo.engines.server_lost"],
-    ["lit_grpo.generation", "lit_grpo.logprobs", "lit_grpo.engines.policy"],
-    ["lit_grpo.agent", "lit_grpo.async_rollouts"],
-    # the vLLM engines (the vllm extra): in each process; on servers, with their weights over gloo
-    ["lit_grpo.engines.vllm_colocated", "lit_grpo.engines.vllm_plugin", "lit_grpo.engines.vllm_auth"],
-    ["lit_grpo.engines.vllm_gloo", "lit_grpo.engines.vllm_serve"],
-    ["lit_grpo.engines.vllm_server"],
-    ["lit_grpo.engines"],
-    # the Lightning module, what is built on it, and the command
-    ["lit_grpo.module"],
-    ["lit_grpo.export"],
-    ["lit_grpo.lightning_cli"],
-    ["lit_grpo.cli"],
+    # errors, records, settings and pure tensor math (algorithm/); the plugin markers; a tiny model
+    ["lit_grpo", "errors", "openmp", "former_paths", "hookspecs", "tiny", "redaction", "algorithm", "config"],
+    # loading models, CPU-only tuning, several processes
+    ["models", "cpu", "distributed", "device_defaults"],
+    # the files of a run: its directory, checkpoints, preemption, callbacks, completions, export
+    ["run"],
+    # the plugin registry and the objects and names that stand for rewards, tools, environments
+    ["plugins"],
+    ["data"],
+    # steps 2 (scores) and 1-3 (rollouts: engines, tools, records, the pipelines)
+    ["scoring"],
+    ["rollout"],
+    # step 4 and the module that runs all four
+    ["train"],
+    # the command
+    ["cli"],
 ]
-LAYER_OF = {name: index for index, names in enumerate(LAYERS) for name in names}
+
+
+def unit_of(name: str) -> str:
+    """``lit_grpo.rollout.engines.base`` -> ``rollout``; ``lit_grpo.errors`` -> ``errors``; ``lit_grpo`` -> itself."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+UNIT_LAYER = {unit: index for index, units in enumerate(LAYERS) for unit in units}
 
 
 def module_name(path: Path) -> str:
@@ -87,9 +81,10 @@ def imported_modules(path: Path) -> set[str]:
 GRAPH = {name: imported_modules(path) - {name} for name, path in MODULES.items()}
 
 
-def test_every_module_has_a_layer():
-    assert sorted(set(MODULES) - set(LAYER_OF)) == [], "add the new module to LAYERS"
-    assert sorted(set(LAYER_OF) - set(MODULES)) == [], "a module of LAYERS no longer exists"
+def test_every_package_and_top_level_module_has_a_layer():
+    units = {unit_of(name) for name in MODULES}
+    assert sorted(units - set(UNIT_LAYER)) == [], "add the new package or top-level module to LAYERS"
+    assert sorted(set(UNIT_LAYER) - units) == [], "a package or module of LAYERS no longer exists"
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -102,8 +97,8 @@ def test_module_is_of_a_readable_size(name):
 def test_imports_go_down_the_layers_and_never_to_bench(name):
     for imported in GRAPH[name]:
         assert not imported.startswith("bench"), f"{name} imports {imported}"
-        assert LAYER_OF[imported] <= LAYER_OF[name], (
-            f"{name} (layer {LAYER_OF[name]}) imports {imported} (layer {LAYER_OF[imported]})"
+        assert UNIT_LAYER[unit_of(imported)] <= UNIT_LAYER[unit_of(name)], (
+            f"{name} (layer {UNIT_LAYER[unit_of(name)]}) imports {imported} (layer {UNIT_LAYER[unit_of(imported)]})"
         )
 
 
@@ -143,8 +138,27 @@ def test_readme_layout_names_every_module():
 def test_configuration_reference_documents_every_model_key():
     import inspect
 
-    from lit_grpo.module import GRPOModule
+    from lit_grpo.train.module import GRPOModule
 
     reference = (REPO / "docs" / "configuration.md").read_text()
     keys = [name for name in inspect.signature(GRPOModule).parameters if name not in ("optimizer", "lr_scheduler")]
     assert [key for key in keys if f"`{key}`" not in reference] == [], "add these keys to docs/configuration.md"
+
+
+def test_every_former_import_path_is_the_module_where_it_moved():
+    """``from lit_grpo.module import GRPOModule`` (a user's script), ``lit_grpo.preemption.CheckpointOnSignal``
+    (a saved config's class path): the module at its new path, not a copy, so that classes compare equal."""
+    import importlib
+    import sys
+
+    from lit_grpo.former_paths import MOVED
+
+    for former, now in MOVED.items():
+        if "vllm" in former and importlib.util.find_spec("vllm") is None:
+            continue
+        assert importlib.import_module(former) is importlib.import_module(now), former
+        assert sys.modules[former].__spec__.name == now, former
+    from lit_grpo.distributed import ModelParallelStrategy  # moved out of distributed.py, still named there
+    from lit_grpo.run.sharded_checkpoints import ModelParallelStrategy as moved
+
+    assert ModelParallelStrategy is moved

@@ -1,4 +1,4 @@
-"""A stand-in for a vLLM server, for tests of the trainer's side of ``lit_grpo.engines.vllm_server``.
+"""A stand-in for a vLLM server, for tests of the trainer's side of ``lit_grpo.rollout.engines.vllm_server``.
 
 ``FakeVLLMServer`` answers the few endpoints the client uses, on 127.0.0.1, from a thread of the test
 (``http.server``): ``/health``, ``/v1/models``, ``/get_world_size``, ``/server_info`` and

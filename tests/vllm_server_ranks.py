@@ -1,4 +1,4 @@
-"""The ranks of a 2-process run (gloo, CPU) of the vLLM server engine, for tests/test_vllm_server.py.
+"""The ranks of a 2-process run (gloo, CPU) of the vLLM server engine, for tests/rollout/test_vllm_server.py.
 
 ``python vllm_server_ranks.py MODEL_DIR CALL=URL_OF_RANK_0,URL_OF_RANK_1 ...`` with torch.distributed's
 variables set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). For each call, in order,
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 
 def call(mode: str, url: str, model_dir: str) -> None:
-    from lit_grpo.engines.vllm_server import VLLMServerEngine
+    from lit_grpo.rollout.engines.vllm_server import VLLMServerEngine
 
     engine = VLLMServerEngine([url], timeout=3)
     engine.start()

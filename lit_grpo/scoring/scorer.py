@@ -89,9 +89,9 @@ from lit_grpo import plugins
 from lit_grpo.errors import ConfigError
 from lit_grpo.scoring.arguments import build_reward, check_accepts, check_columns
 from lit_grpo.scoring.event_loop import CallTimeout, EventLoopThread, await_call
+from lit_grpo.scoring.failures import FailureReports, SampleFailure, indent, keep_training_hint, preview, sample_lines
 from lit_grpo.scoring.own_process import OwnProcesses
 from lit_grpo.scoring.pool import PoolCancelled, PoolInitError, WorkerPool, pickle_reward
-from lit_grpo.scoring.failures import FailureReports, SampleFailure, indent, keep_training_hint, preview, sample_lines
 from lit_grpo.scoring.specs import RewardError, RewardSpec, as_spec, check_spec, expand_reward_groups, metric_names
 
 try:  # numpy comes with torch in practice, but the scorer does not require it
@@ -648,7 +648,7 @@ class RewardScorer:
 
 def check_data_columns(datamodule: Any, scorer: RewardScorer, eval_scorer: RewardScorer, environments: Any) -> None:
     """Before the run: each parameter that only a dataset column can fill, of the rewards (``eval_scorer``'s
-    for the validation split) and of the environments (``lit_grpo.environments.Environments``), names a
+    for the validation split) and of the environments (``lit_grpo.rollout.tools.environments.Environments``), names a
     column of each split the data module has loaded (its ``passed_columns``), else a ``DataError`` naming both."""
     if not hasattr(datamodule, "passed_columns"):
         return

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
+from lit_grpo import plugins
 from lit_grpo.config import AsWritten
 from lit_grpo.errors import ConfigError, UserError
-from lit_grpo import plugins
 from lit_grpo.plugins import register_object_reward
 
 __all__ = ["ON_ERROR", "RewardError", "RewardSpec", "as_spec", "check_spec", "expand_reward_groups", "metric_names"]

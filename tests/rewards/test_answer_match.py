@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from lit_grpo_rewards import answer_match
+from lit_grpo_rewards.answer import extract_answer, last_boxed
 
 from lit_grpo import plugins
 from lit_grpo.scoring import build_reward
-from lit_grpo_rewards import answer_match
-from lit_grpo_rewards.answer import extract_answer, last_boxed
 
 
 def chat(text):

@@ -20,7 +20,6 @@ import textwrap
 import time
 
 import pytest
-
 from lit_grpo_rewards.code import code_execution, extract_code, parse_test_cases
 from lit_grpo_rewards.sandbox import UID_RANGE, run_in_sandbox, sandbox_layers
 from sandbox_fixtures import rss_kb, sandbox_tmp  # noqa: F401 - a fixture

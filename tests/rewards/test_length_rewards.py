@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from lit_grpo_rewards import cosine_scaled_accuracy, soft_overlong_punishment
 
 from lit_grpo import plugins
 from lit_grpo.scoring import build_reward
-from lit_grpo_rewards import cosine_scaled_accuracy, soft_overlong_punishment
 
 
 def ids(n):

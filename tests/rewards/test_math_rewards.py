@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+from lit_grpo_rewards import math_accuracy
+from lit_grpo_rewards.math_rewards import _timeout, parse_math_answer
 
 from lit_grpo import plugins
 from lit_grpo.scoring import build_reward
-from lit_grpo_rewards import math_accuracy
-from lit_grpo_rewards.math_rewards import _timeout, parse_math_answer
 
 HALF_FORMS = ["1/2", "0.5", r"\frac{1}{2}", r"\boxed{\frac{1}{2}}", r"$\frac12$", "The answer is 1/2.", "<answer>.5</answer>"]
 

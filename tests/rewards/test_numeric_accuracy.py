@@ -8,13 +8,13 @@ import time
 from fractions import Fraction
 
 import pytest
-
-from lit_grpo import plugins
-from lit_grpo.scoring import build_reward
 from lit_grpo_rewards import answer_match, exact_match, math_accuracy, numeric_accuracy, think_format
 from lit_grpo_rewards.answer import last_boxed
 from lit_grpo_rewards.final_answer import final_answer, normalize_answer_text, plain_number
 from lit_grpo_rewards.text import last_tag_content
+
+from lit_grpo import plugins
+from lit_grpo.scoring import build_reward
 
 REASONING = "<think>\nShe sells 48 in April and 48 / 2 = 24 in May, so 48 + 24 = 72 in all.\n</think>\n"
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from lit_grpo_rewards import repetition_penalty
 
 from lit_grpo import plugins
 from lit_grpo.scoring import build_reward
-from lit_grpo_rewards import repetition_penalty
 
 
 def test_hand_values():

@@ -7,12 +7,12 @@ import pickle
 
 import pytest
 import torch
+from lit_grpo_rewards import RewardModel
 from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
 from lit_grpo import plugins
 from lit_grpo.scoring import build_reward
 from lit_grpo.tiny import build_tiny_model
-from lit_grpo_rewards import RewardModel
 
 
 def _seq_cls_dir(base, out, num_labels=1, seed=0):

@@ -36,10 +36,9 @@ import tempfile
 import time
 
 import pytest
-
-from sandbox_fixtures import bystander, rss_kb, sandbox_processes, sandbox_tmp  # noqa: F401 - fixtures
 from lit_grpo_rewards.code import code_execution
 from lit_grpo_rewards.sandbox import run_in_sandbox, sandbox_layers
+from sandbox_fixtures import bystander, rss_kb, sandbox_processes, sandbox_tmp  # noqa: F401 - fixtures
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the code sandbox needs Linux"),

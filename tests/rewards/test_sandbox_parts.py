@@ -16,7 +16,6 @@ import sys
 import threading
 
 import pytest
-
 from lit_grpo_rewards import _sandbox_cgroup, _sandbox_judge, _sandbox_seccomp, sandbox
 from lit_grpo_rewards._sandbox_judge import Endpoint, ProgramError, ProgramGone, Remote
 

@@ -18,10 +18,9 @@ import os
 import sys
 
 import pytest
-
-from sandbox_fixtures import bystander, sandbox_tmp  # noqa: F401 - fixtures
 from lit_grpo_rewards import _sandbox_cgroup
 from lit_grpo_rewards.sandbox import run_in_sandbox, sandbox_layers
+from sandbox_fixtures import bystander, sandbox_tmp  # noqa: F401 - fixtures
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the code sandbox needs Linux"),

@@ -17,9 +17,8 @@ import sys
 import tempfile
 import textwrap
 
-import pytest
-
 import lit_grpo_rewards
+import pytest
 
 MODULES = ("sandbox.py", "_sandbox_cgroup.py", "_sandbox_judge.py", "_sandbox_runner.py", "_sandbox_seccomp.py")
 NOBODY = 65534

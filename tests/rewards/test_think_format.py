@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from lit_grpo_rewards import think_format
 
 

@@ -1,0 +1,111 @@
+"""What a generation engine is given: prompts as token ids, and the sampling settings of a run.
+
+The policy model is a ``transformers`` causal LM; prompts are plain strings or chat message lists
+(rendered with the tokenizer's chat template and a generation prompt, :func:`render_prompts`), then
+tokenized, left-padded (:func:`tokenize_prompts`). The engines that sample from them are in
+:mod:`lit_grpo.rollout.engines`; every prompt gets G completions, and rows ``g*G .. g*G+G-1`` of every tensor
+form the group of prompt ``g`` (:class:`lit_grpo.rollout.records.Rollout`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from lit_grpo.errors import ConfigError
+from lit_grpo.rollout.records import is_conversational
+
+__all__ = [
+    "NO_CHAT_TEMPLATE",
+    "generation_config",
+    "run_generation_configs",
+    "render_prompts",
+    "tokenize_prompts",
+]
+
+
+NO_CHAT_TEMPLATE = (
+    "the prompts are chat messages (a conversational prompt column, data.conversational or "
+    "data.system_prompt) but the tokenizer of {model} has no chat template; give plain-string prompts "
+    "without data.conversational/data.system_prompt, or use a tokenizer with a chat_template"
+)
+
+
+def render_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: list, chat_template_kwargs: dict | None = None
+) -> list[str]:
+    """Prompt texts as the model sees them: chat messages go through the chat template (with a
+    generation prompt and ``chat_template_kwargs``); strings are given as they are."""
+    texts = []
+    for prompt in prompts:
+        if is_conversational(prompt):
+            if tokenizer.chat_template is None:
+                raise ConfigError(NO_CHAT_TEMPLATE.format(model=repr(tokenizer.name_or_path)))
+            texts.append(
+                tokenizer.apply_chat_template(
+                    prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+                )
+            )
+        else:
+            texts.append(prompt)
+    return texts
+
+
+def tokenize_prompts(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], max_prompt_length: int | None, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and mask ``[B, P]``, and which prompts ``[B]`` were cut: prompts longer
+    than ``max_prompt_length`` keep their last tokens (the end of a prompt is what the completion
+    continues)."""
+    encoded = tokenizer(
+        texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+    )
+    prompt_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]
+    truncated = torch.zeros(prompt_ids.size(0), dtype=torch.bool)  # [B]
+    if max_prompt_length is not None and prompt_ids.size(1) > max_prompt_length:
+        truncated = prompt_mask.sum(dim=1) > max_prompt_length
+        prompt_ids, prompt_mask = prompt_ids[:, -max_prompt_length:], prompt_mask[:, -max_prompt_length:]
+    return prompt_ids.to(device), prompt_mask.to(device), truncated.to(device)
+
+
+def generation_config(
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    pad_token_id: int | None,
+    eos_token_id: list[int],
+    bos_token_id: int | None = None,
+) -> GenerationConfig:
+    """The sampling settings of a run; ``temperature`` 0 decodes greedily (validation's
+    ``temperature_eval: 0``), where the sampling filters do not apply."""
+    common = dict(
+        max_new_tokens=max_new_tokens,
+        repetition_penalty=repetition_penalty,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,  # every id that ends a turn: the model's and the tokenizer's
+        bos_token_id=bos_token_id,
+    )
+    if temperature == 0:
+        return GenerationConfig(do_sample=False, **common)
+    return GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, **common)
+
+
+def run_generation_configs(hp, tokenizer: PreTrainedTokenizerBase, eos_token_ids: list[int]) -> tuple[GenerationConfig, GenerationConfig]:
+    """The training and the validation sampling settings of a run (``hp``: the module's settings;
+    validation samples at ``temperature_eval`` when set)."""
+    sampling = dict(
+        max_new_tokens=hp.max_completion_length,
+        top_p=hp.top_p,
+        top_k=hp.top_k,
+        min_p=hp.min_p,
+        repetition_penalty=hp.repetition_penalty,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_token_ids,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    eval_temperature = hp.temperature if hp.temperature_eval is None else hp.temperature_eval
+    return generation_config(temperature=hp.temperature, **sampling), generation_config(temperature=eval_temperature, **sampling)

@@ -1,0 +1,2 @@
+"""Step 4 of a GRPO step and the run around it: the Lightning module, the log-prob passes (with shared
+prompts), and the reference model."""

@@ -1,0 +1,471 @@
+"""The log-prob engine: every forward (and backward) of a GRPO step after sampling.
+
+- :meth:`LogProbEngine.completion_logps`: log-probs ``[n, C]`` (and entropy) of the completion tokens
+  under the distribution that sampled them (temperature, repetition penalty, top-k/top-p/min-p:
+  :mod:`lit_grpo.algorithm.sampling_filters`), for any rows. Each distinct prompt can go through the model once with
+  its completions attending to its KV cache (``share_prompt_forward``, :mod:`lit_grpo.train.shared_prompt`),
+  and rows of similar length go in separate forwards (``group_by_length``,
+  :func:`lit_grpo.rollout.records.length_chunks`); the values are those of one forward over all rows.
+- :meth:`~LogProbEngine.sampling_policy_logps` and :meth:`~LogProbEngine.reference_logps`: the
+  no-gradient passes of step 4 (``old_logps`` where the policy moves between sampling and an update,
+  and the KL reference's).
+- :meth:`~LogProbEngine.micro_batch_backward`: forward, GRPO loss (:func:`lit_grpo.algorithm.grpo_loss`)
+  and backward of one micro-batch, in chunks of rows within ``forward_token_budget``, skipping the
+  backward of rows whose loss terms have no gradient.
+
+Every setting is read from the module's hyperparameters (``model.*`` in the config). Under FSDP2
+every forward and backward is a collective, so the ranks agree on how many they run
+(:func:`lit_grpo.distributed.agreed_over_sharded_ranks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lit_grpo import algorithm, cpu, models
+from lit_grpo.algorithm.sampling_correction import SamplingCorrection, sampling_correction
+from lit_grpo.algorithm.sampling_filters import SamplingFilters, sampling_log_softmax
+from lit_grpo.device_defaults import AUTO, CPU_DEFAULTS
+from lit_grpo.distributed import agreed_over_sharded_ranks, gather_real_values
+from lit_grpo.rollout.engines.lit_sampler import penalty_skips_left_padding
+from lit_grpo.rollout.records import (
+    FORWARD_OVERHEAD_TOKENS,
+    Rollout,
+    ScoredRollout,
+    length_chunks,
+    position_ids_from_mask,
+    split_chunks,
+)
+from lit_grpo.train.shared_prompt import (
+    PromptGroups,
+    PromptPrefix,
+    completion_logits,
+    distinct_prompts,
+    encode_prompts,
+    shared_prompt_unsupported,
+)
+
+__all__ = ["LogProbEngine"]
+
+
+class LogProbEngine:
+    """Log-probs, losses and backward passes of a GRPO step, configured by ``hparams``.
+
+    Args:
+        hparams: the module's hyperparameters (read at every call, so changes take effect).
+        all_gather: ``LightningModule.all_gather`` (the entropy threshold of ``top_entropy_quantile``
+            is taken over every rank's tokens).
+        backward: ``backward(loss, sync)``, the module's manual backward (``sync=False`` keeps DDP
+            from all-reducing).
+        grad_scale: the loss scale of a ``16-mixed`` GradScaler (1 without one).
+    """
+
+    def __init__(
+        self,
+        hparams,
+        all_gather: Callable[[torch.Tensor], torch.Tensor],
+        backward: Callable[[torch.Tensor, bool], None],
+        grad_scale: Callable[[], float],
+    ) -> None:
+        self.hp = hparams
+        self.all_gather = all_gather
+        self.backward = backward
+        self.grad_scale = grad_scale
+        self._prompt_sharing_notes: set[str] = set()  # reasons share_prompt_forward was not used, said once
+        # what the settings left at "auto" are on this run's device (set by the module's setup)
+        self.device_defaults: dict[str, Any] = dict(CPU_DEFAULTS)
+
+    @property
+    def forward_token_budget(self) -> int | None:
+        value = self.hp.forward_token_budget
+        return self.device_defaults["forward_token_budget"] if value == AUTO else value
+
+    @property
+    def share_prompt_forward(self) -> bool:
+        value = self.hp.share_prompt_forward
+        return self.device_defaults["share_prompt_forward"] if value == AUTO else value
+
+    # ------------------------------------------------------------------------------------------
+    # Log-probs
+    # ------------------------------------------------------------------------------------------
+
+    def completion_logps(
+        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool = False, group_by_length: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs ``[n, C]`` of the completion tokens (and their entropy) under the sampling distribution.
+
+        With ``share_prompt_forward`` each distinct prompt goes through the model once and its rows'
+        completions attend to its KV cache. With ``group_by_length`` (the setting, unless the
+        argument turns it off for rows that are already a length chunk) the rows go through the model
+        in chunks of similar length, each trimmed to its longest sequence, and come back in their
+        original order, padded with 0 to the longest completion ``C`` of the rollout. Either way the
+        values are those of one forward over all rows, without the cost of their padding or of
+        repeated prompts. Under FSDP2 the ranks agree on both choices (the same number of forwards).
+        """
+        with cpu.half_attention(model):  # bf16/fp16 on the CPU: attention as matrix products
+            return self._completion_logps(model, rollout, with_entropy, group_by_length)
+
+    def _completion_logps(
+        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, group_by_length: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hp = self.hp
+        prefix = None
+        groups = self.prompt_groups_worth_sharing(model, rollout)
+        if groups is not None:
+            rollout = rollout.trimmed()  # the prompt columns are fixed here; chunks trim only completions
+            prefix = encode_prompts(model, rollout.prompt_ids, rollout.prompt_mask, groups)
+        if hp.group_by_length and group_by_length:
+            # a shared prompt costs nothing per row: chunk by completion length alone
+            prompt_mask = rollout.prompt_mask if prefix is None else rollout.prompt_mask[:, :0]
+            chunks = length_chunks(prompt_mask, rollout.completion_mask, self.forward_token_budget)
+            chunks = split_chunks(chunks, agreed_over_sharded_ranks(len(chunks), model, "max"))
+        else:
+            chunks = [torch.arange(rollout.completion_ids.size(0), device=rollout.completion_ids.device)]
+        if len(chunks) == 1:
+            return self.chunk_logps(model, rollout.trimmed(prompts=prefix is None), with_entropy, prefix)
+        width = int(rollout.completion_mask.any(dim=0).sum())
+        outputs = [
+            self.chunk_logps(
+                model,
+                rollout.select(rows).trimmed(prompts=prefix is None),
+                with_entropy,
+                prefix.select(rows) if prefix is not None else None,
+            )
+            for rows in chunks
+        ]
+        inverse = torch.argsort(torch.cat(chunks))  # position of each original row in the chunk order
+
+        def reassemble(parts: list[torch.Tensor]) -> torch.Tensor:  # [n_chunk, c_chunk] each -> [n, C]
+            padded = [torch.nn.functional.pad(part, (0, width - part.size(1))) for part in parts]
+            return torch.cat(padded)[inverse]
+
+        logps = reassemble([logps for logps, _ in outputs])
+        entropy = reassemble([entropy for _, entropy in outputs]) if with_entropy else None
+        return logps, entropy
+
+    def prompt_groups_worth_sharing(self, model: torch.nn.Module, rollout: Rollout) -> PromptGroups | None:
+        """The rows' distinct prompts when ``share_prompt_forward`` applies to this model and saves
+        more prompt tokens than the extra forward costs (``FORWARD_OVERHEAD_TOKENS``); else None."""
+        if not self.share_prompt_forward:
+            return None
+        reason = shared_prompt_unsupported(model)
+        if reason is not None:
+            if reason not in self._prompt_sharing_notes:
+                self._prompt_sharing_notes.add(reason)
+                rank_zero_info(f"model.share_prompt_forward: prompts are encoded with every completion ({reason})")
+            return None
+        prompt_width = int(rollout.prompt_mask.any(dim=0).sum())  # the trimmed prompt
+        groups = distinct_prompts(rollout.prompt_ids, rollout.prompt_mask)
+        worth_it = groups.saved_tokens(prompt_width) > FORWARD_OVERHEAD_TOKENS
+        # the prompt forward is one more forward: sharded ranks share only if every rank does
+        return groups if agreed_over_sharded_ranks(int(worth_it), model, "min") else None
+
+    def chunk_logps(
+        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, prefix: PromptPrefix | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of a trimmed rollout (after its shared prompt's forward, given ``prefix``).
+        Only the ``C`` positions that predict completion tokens get logits (``logits_to_keep``);
+        positions skip left padding exactly as in generation."""
+        if prefix is not None:
+            logits = completion_logits(model, prefix, rollout.completion_ids, rollout.completion_mask)  # [n, C, V]
+        else:
+            # the last completion token predicts nothing that is scored: it is not part of the input
+            input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids[:, :-1]], dim=1)  # [n, P + C - 1]
+            attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask[:, :-1]], dim=1)
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask),
+                logits_to_keep=rollout.completion_ids.size(1),
+                use_cache=False,
+            ).logits  # [n, C, V]: the last C positions, position P - 1 + t predicts completion token t
+        # the distribution that sampled: temperature, repetition penalty, top-k/top-p/min-p (lit_grpo.algorithm.sampling_filters)
+        filters = SamplingFilters.of_run(self.hp, transformers_penalises_padding=not penalty_skips_left_padding())
+        return sampling_log_softmax(
+            logits, rollout.completion_ids, filters, rollout.prompt_ids, rollout.prompt_mask, with_entropy=with_entropy
+        )
+
+    def sampling_policy_logps(self, policy: torch.nn.Module, scored: ScoredRollout, later_rows: torch.Tensor) -> torch.Tensor:
+        """``old_logps [N, C]``: the sampling policy's log-probs of ``later_rows`` (the rows trained
+        after the first optimizer step), computed now without gradient; 0 for the other rows until
+        the first optimizer step's forward fills them (``training_step``).
+
+        With ``skip_zero_gradient_rows``, rows whose loss terms have no gradient
+        (:func:`lit_grpo.algorithm.rows_without_gradient`: advantage 0 with ``beta = 0``, or no token
+        that counts) get no pass and keep 0: their old log-probs only enter a ratio that is multiplied
+        by a zero advantage or a zero mask, and the clip fractions count no token of theirs, so the
+        update and every statistic are the same whatever the value. Sharded (FSDP2) ranks compute as
+        many rows as the rank that needs most, so they run as many forwards as each other.
+        """
+        old_logps = torch.zeros(scored.rollout.completion_ids.shape, device=scored.rollout.completion_ids.device)
+        needed = later_rows
+        # rows without gradient need no old log-probs, except to reweight another engine's samples
+        if self.skips_rows_without_gradient() and scored.rollout.sampling_logps is None:
+            hp = self.hp
+            inert = algorithm.rows_without_gradient(
+                scored.group.advantages[later_rows], scored.loss_mask[later_rows], hp.loss_type, hp.beta
+            )  # [n]
+            count = agreed_over_sharded_ranks(int((~inert).sum()), policy, "max")  # every rank has n rows
+            needed = torch.cat([later_rows[~inert], later_rows[inert]])[:count]
+        if len(needed):
+            old_logps[needed] = self.logps_no_grad(policy, scored.rollout.select(needed))
+        return old_logps
+
+    @torch.no_grad()
+    def logps_no_grad(self, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
+        """Log-probs ``[N, C]`` without gradient, padded back to the full width, in forwards of
+        ``logprob_micro_batch_size`` rows (default ``micro_batch_size``; no backward, so it can be larger)."""
+        hp = self.hp
+        size = hp.logprob_micro_batch_size or hp.micro_batch_size or rollout.completion_ids.size(0)
+        full = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)
+        for start in range(0, rollout.completion_ids.size(0), size):
+            rows = torch.arange(start, min(start + size, rollout.completion_ids.size(0)), device=full.device)
+            logps, _ = self.completion_logps(model, rollout.select(rows))
+            full[rows, : logps.size(1)] = logps
+        return full
+
+    def reference_logps(self, policy: torch.nn.Module, ref_model: torch.nn.Module | None, rollout: Rollout) -> torch.Tensor:
+        """Log-probs ``[N, C]`` of the KL reference: the frozen reference model, or with LoRA the
+        policy with its adapter disabled (no second copy of the weights)."""
+        with models.reference_model(policy, ref_model) as reference:
+            return self.logps_no_grad(reference, rollout)
+
+
+    # ------------------------------------------------------------------------------------------
+    # The loss and its backward pass
+    # ------------------------------------------------------------------------------------------
+
+    def micro_batch_loss(self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """The loss of the micro-batch ``rows`` from one pass (all its chunks' graphs kept), its
+        statistics and its log-probs ``[n, C]``."""
+        micro = scored.rollout.select(rows)
+        logps, entropy = self.completion_logps(policy, micro, with_entropy=True)  # [n, C] each
+        return *self.policy_loss(scored, rows, logps, entropy), logps
+
+    def policy_loss(
+        self, scored: ScoredRollout, rows: torch.Tensor, logps: torch.Tensor, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict]:
+        """The GRPO loss of the rows ``rows`` given their log-probs ``[n, C]`` (and entropy, for the
+        statistics and ``top_entropy_quantile``; None skips both)."""
+        hp = self.hp
+        width = logps.size(1)
+        loss_mask = scored.loss_mask[rows, :width]
+        sampling_logps = scored.rollout.sampling_logps  # [N, C] another engine's (vllm), or None
+        sampling_logps = sampling_logps[rows, :width] if sampling_logps is not None else None
+        old_logps = scored.old_logps[rows, :width] if scored.old_logps is not None else logps.detach()
+        ref_logps = scored.ref_logps[rows, :width] if scored.ref_logps is not None else None
+        policy_mask = None
+        if hp.top_entropy_quantile < 1.0:  # the threshold is over this micro-batch's tokens on all ranks
+            all_entropies = gather_real_values(entropy.detach(), loss_mask, self.all_gather)
+            policy_mask = algorithm.high_entropy_mask(entropy, loss_mask, hp.top_entropy_quantile, all_entropies)
+        correction = None  # another engine sampled (vllm): its samples reweighted towards the trainer's policy
+        if sampling_logps is not None and hp.vllm_importance_sampling_correction:
+            correction = sampling_correction(
+                old_logps, sampling_logps, loss_mask, hp.vllm_importance_sampling_mode,
+                hp.vllm_importance_sampling_clip_min, hp.vllm_importance_sampling_clip_max,
+            )
+        out = algorithm.grpo_loss(
+            logps,
+            old_logps,
+            scored.group.advantages[rows],
+            loss_mask,
+            loss_type=hp.loss_type,
+            epsilon_low=hp.epsilon,
+            epsilon_high=hp.epsilon if hp.epsilon_high is None else hp.epsilon_high,
+            beta=hp.beta,
+            ref_logps=ref_logps,
+            importance_sampling_level=hp.importance_sampling_level,
+            max_completion_length=hp.max_completion_length,
+            num_items_in_batch=scored.num_items_in_batch,
+            delta=hp.delta,
+            sapo_temperature_pos=hp.sapo_temperature_pos,
+            sapo_temperature_neg=hp.sapo_temperature_neg,
+            kl_estimator=hp.kl_estimator,
+            use_bias_correction_kl=hp.use_bias_correction_kl,
+            policy_mask=policy_mask,
+            sampling_weights=None if correction is None else correction.weights,
+        )
+        if entropy is None:
+            return out.loss, {}
+        stats = {
+            "entropy": algorithm.masked_mean(entropy, scored.rollout.policy_token_mask[rows, :width]),  # tool tokens left out
+            "clip_ratio/low_mean": out.clip.low,
+            "clip_ratio/high_mean": out.clip.high,
+            "clip_ratio/region_mean": out.clip.region,
+        }
+        if out.kl is not None:
+            stats["kl"] = out.kl
+        if sampling_logps is not None:
+            stats.update(sampling_statistics(old_logps, sampling_logps, loss_mask, correction))
+        return out.loss, stats
+
+    def micro_batch_backward(
+        self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor, scale: float, sync: bool
+    ) -> tuple[dict, torch.Tensor]:
+        """See :meth:`_micro_batch_backward`; on the CPU in bf16/fp16 with attention as matrix products."""
+        with cpu.half_attention(policy):
+            return self._micro_batch_backward(policy, scored, rows, scale, sync)
+
+    def _micro_batch_backward(
+        self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor, scale: float, sync: bool
+    ) -> tuple[dict, torch.Tensor]:
+        """Forward, loss and backward of the micro-batch ``rows``, its loss multiplied by ``scale``
+        (gradient accumulation); ``sync=False`` keeps DDP from all-reducing. Returns its statistics
+        and its rows' log-probs ``[n, c]`` (detached; c up to its longest completion).
+
+        A micro-batch above ``forward_token_budget`` goes forward and backward in length chunks of
+        rows (:meth:`backward_chunks`), so only one chunk's activations are alive at a time. Chunk k
+        backpropagates the micro-batch loss with every other row's log-probs held constant: the loss
+        is a sum of per-row terms (``rows_independent``), so that is exactly the part of the
+        micro-batch gradient that flows through chunk k's rows, and the chunks add up to all of it.
+        Shared prompts are encoded once for all chunks: the chunks' backward passes stop at the
+        prompts' keys and values, and one last backward carries what they collected through the
+        prompt forward. Rows whose loss terms have no gradient (:meth:`rows_without_gradient`) go
+        forward without autograd, for the statistics only, and into no chunk.
+        """
+        micro = scored.rollout.select(rows)
+        frozen = self.rows_without_gradient(policy, scored, rows)  # [f] positions in the micro-batch, or None
+        trained = torch.arange(len(rows), device=rows.device)  # [n - f] positions with a backward
+        if frozen is not None:
+            trained = trained[~torch.isin(trained, frozen)]
+        learner = micro.select(trained) if frozen is not None else micro  # the rows that go backward
+        may_chunk = self.may_chunk_backward() or frozen is not None
+        groups = self.prompt_groups_worth_sharing(policy, learner) if may_chunk else None
+        chunks = self.backward_chunks(policy, learner, groups)  # positions in ``learner``
+        if frozen is None and len(chunks) == 1:
+            loss, stats, logps = self.micro_batch_loss(policy, scored, rows)
+            self.backward(loss * scale, sync)
+            stats["loss"] = (loss * scale).detach()
+            return stats, logps.detach()
+
+        prefix = leaves = None
+        if groups is not None:
+            learner = learner.trimmed()
+            prefix = encode_prompts(policy, learner.prompt_ids, learner.prompt_mask, groups)
+            leaves = prefix.detached()
+        width = int(micro.completion_mask.any(dim=0).sum())  # the micro-batch's longest completion
+        # [n, C] each row's log-probs: constants (the sampling policy's) until its chunk has run
+        if scored.old_logps is not None:
+            logps = scored.old_logps[rows, :width].clone()
+        else:
+            logps = torch.zeros(len(rows), width, device=rows.device)
+        entropy = torch.zeros_like(logps)
+        if frozen is not None:  # their values for the loss and statistics; their gradient is 0
+            with torch.no_grad():
+                frozen_logps, frozen_entropy = self.completion_logps(policy, micro.select(frozen), with_entropy=True)
+            padding = (0, width - frozen_logps.size(1))
+            logps[frozen] = torch.nn.functional.pad(frozen_logps, padding)
+            entropy[frozen] = torch.nn.functional.pad(frozen_entropy, padding)
+        for index, chunk in enumerate(chunks):
+            positions = trained[chunk]  # the chunk's rows in the micro-batch
+            chunk_logps, chunk_entropy = self.chunk_logps(
+                policy,
+                learner.select(chunk).trimmed(prompts=prefix is None),
+                True,
+                leaves.select(chunk) if leaves is not None else None,
+            )
+            padding = (0, width - chunk_logps.size(1))  # [k, c] -> [k, C]
+            chunk_logps = torch.nn.functional.pad(chunk_logps, padding)
+            chunk_loss, _ = self.policy_loss(scored, rows, logps.index_put((positions,), chunk_logps))
+            last = index == len(chunks) - 1 and prefix is None
+            self.backward(chunk_loss * scale, sync and last)
+            logps[positions] = chunk_logps.detach()
+            entropy[positions] = torch.nn.functional.pad(chunk_entropy, padding).detach()
+        if prefix is not None:
+            # the collected gradient already carries the loss scale (and a GradScaler's, divided out here)
+            self.backward(prefix.gradient_surrogate(leaves) / self.grad_scale(), sync)
+        with torch.no_grad():  # the loss and statistics of the whole micro-batch, as one pass reports them
+            loss, stats = self.policy_loss(scored, rows, logps, entropy)
+        stats["loss"] = (loss * scale).detach()
+        return stats, logps
+
+    def rows_without_gradient(self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor) -> torch.Tensor | None:
+        """Positions in the micro-batch ``rows`` that need no backward pass, or None.
+
+        ``skip_zero_gradient_rows``: rows whose loss terms have exactly zero gradient
+        (:func:`lit_grpo.algorithm.rows_without_gradient`: advantage 0 with ``beta = 0``, or no token
+        that counts), where their backward would cost more than the extra forward they then get
+        (``FORWARD_OVERHEAD_TOKENS``; a backward costs about two forwards). Not with
+        ``top_entropy_quantile < 1`` (:meth:`skips_rows_without_gradient`). One row always goes
+        backward, so the optimizer steps on a zero gradient where no row has any (AdamW's momentum
+        and weight decay still move the weights, as after training every row) and DDP all-reduces
+        on every rank. Sharded (FSDP2) ranks leave out the same number of rows, so they keep running
+        as many forwards and backwards as each other.
+        """
+        hp = self.hp
+        if not self.skips_rows_without_gradient():
+            return None
+        inert = algorithm.rows_without_gradient(scored.group.advantages[rows], scored.loss_mask[rows], hp.loss_type, hp.beta)
+        positions = inert.nonzero().squeeze(1)[: len(rows) - 1]  # [f]
+        left_out = rows[positions]
+        backward_tokens = 2 * int(scored.rollout.prompt_mask[left_out].sum() + scored.rollout.completion_mask[left_out].sum())
+        count = len(positions) if backward_tokens > FORWARD_OVERHEAD_TOKENS else 0
+        count = agreed_over_sharded_ranks(count, policy, "min")
+        return positions[:count] if count else None
+
+    def skips_rows_without_gradient(self) -> bool:
+        """``skip_zero_gradient_rows``, unless ``top_entropy_quantile < 1``, whose threshold is taken
+        over every row's entropy in the loss."""
+        return self.hp.skip_zero_gradient_rows and self.hp.top_entropy_quantile >= 1.0
+
+    def may_chunk_backward(self) -> bool:
+        """Whether the settings let a micro-batch go backward in chunks: ``group_by_length`` with a
+        ``forward_token_budget``, and a loss that is a sum of per-row terms (``rows_independent``; not
+        ``top_entropy_quantile``, whose threshold needs every row)."""
+        hp = self.hp
+        if not hp.group_by_length or self.forward_token_budget is None or hp.top_entropy_quantile < 1.0:
+            return False
+        return algorithm.LOSS_TYPES[hp.loss_type].rows_independent
+
+    def backward_chunks(self, policy: torch.nn.Module, micro: Rollout, groups: PromptGroups | None) -> list[torch.Tensor]:
+        """The row chunks of a micro-batch for separate forward and backward passes: length chunks
+        within ``forward_token_budget`` where the micro-batch's padded tokens exceed it (rows x
+        (longest prompt + longest completion), or with shared prompts (``groups``) the distinct
+        prompts' tokens plus rows x longest completion), else one chunk."""
+        every_row = [torch.arange(micro.completion_ids.size(0), device=micro.completion_ids.device)]
+        if not self.may_chunk_backward():
+            return every_row
+        trimmed = micro.trimmed()
+        if groups is None:
+            tokens, prompt_mask = trimmed.prompt_ids.numel() + trimmed.completion_ids.numel(), micro.prompt_mask
+        else:  # a shared prompt costs nothing per row
+            tokens = groups.first_row.numel() * trimmed.prompt_ids.size(1) + trimmed.completion_ids.numel()
+            prompt_mask = micro.prompt_mask[:, :0]
+        if tokens <= self.forward_token_budget:
+            chunks = every_row
+        else:
+            chunks = length_chunks(prompt_mask, micro.completion_mask, self.forward_token_budget)
+        return split_chunks(chunks, agreed_over_sharded_ranks(len(chunks), policy, "max"))
+
+
+def sampling_statistics(
+    trainer_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    loss_mask: torch.Tensor,
+    correction: SamplingCorrection | None,
+) -> dict[str, torch.Tensor]:
+    """How far the sampling engine's log-probs are from the trainer's (``sampling/*``, TRL's names):
+    the mean and largest absolute difference per token, and with the correction on, the importance
+    weights (after truncation) and the fraction truncated or masked."""
+    real = loss_mask.bool()
+    difference = (trainer_logps.detach() - sampling_logps).abs()[real]
+    none = torch.tensor(float("nan"))
+    stats = {
+        "sampling/sampling_logp_difference/mean": difference.mean() if difference.numel() else none,
+        "sampling/sampling_logp_difference/max": difference.max() if difference.numel() else none,
+    }
+    if correction is not None:
+        counted = real if correction.weights.size(-1) == real.size(-1) else real.any(dim=-1, keepdim=True)
+        weights, changed = correction.weights[counted], correction.changed[counted]
+        nan = torch.tensor(float("nan"))  # no token counted here: left out of the step's aggregates
+        stats.update({
+            "sampling/importance_sampling_ratio/mean": weights.mean() if weights.numel() else nan,
+            "sampling/importance_sampling_ratio/min": weights.min() if weights.numel() else nan,
+            "sampling/importance_sampling_ratio/max": weights.max() if weights.numel() else nan,
+            "sampling/importance_sampling_ratio/truncated_frac": changed.float().mean() if changed.numel() else nan,
+        })
+    return stats

@@ -1,0 +1,705 @@
+"""GRPO as a LightningModule: ``training_step`` reads as the numbered steps of the algorithm.
+
+One call of ``training_step`` handles one *generation batch* (B prompts from the data module):
+
+1. sample G completions per prompt with the current policy (:mod:`lit_grpo.rollout.engines.requests`);
+2. score every completion with the configured reward functions (:mod:`lit_grpo.scoring`);
+3. turn rewards into group-relative advantages (:func:`lit_grpo.algorithm.group_advantages`);
+4. compute, without gradient, the log-probs the update needs besides the policy's own: the
+   sampling policy's (``old_logps``, only when the policy changes between sampling and an update,
+   i.e. ``num_iterations > 1`` or ``steps_per_generation > 1``, and only for the rows trained after
+   the first optimizer step: the others take theirs from their own forward in that step, before the
+   policy has moved) and the reference model's (only when ``beta > 0``; with LoRA the reference is
+   the policy with its adapter disabled);
+5. run ``num_iterations`` passes over the generation batch; each pass is ``steps_per_generation``
+   optimizer steps on mini-batches of ``B * G / steps_per_generation`` completions, and each
+   mini-batch is processed in micro-batches of ``micro_batch_size`` completions (gradient
+   accumulation) to bound memory (the forwards and backwards: :mod:`lit_grpo.train.logprob_passes`);
+6. log the metrics (TRL's names) and, every few steps, a table of completions (:mod:`lit_grpo.run.completions`).
+
+So one ``training_step`` makes ``num_iterations * steps_per_generation`` optimizer steps and
+``trainer.max_steps`` counts optimizer steps, as in TRL. Optimization is manual
+(``automatic_optimization = False``) because one batch drives several optimizer steps. With
+``dynamic_sampling`` steps 1-3 repeat on further prompts until the batch holds enough groups with a
+signal (:mod:`lit_grpo.rollout.dynamic_sampling`).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
+from transformers import GenerationConfig
+
+from lit_grpo import algorithm, cpu, device_defaults, models
+from lit_grpo.algorithm.evaluation import ValidationMetrics
+from lit_grpo.algorithm.sampling_correction import correction_settings
+from lit_grpo.config import AsWritten, check_batch_sizes, check_settings
+from lit_grpo.data import PromptBatch
+from lit_grpo.distributed import clip_grad_norm, data_parallel_mesh, gather_rows, mixed_precision_policy, shard_model
+from lit_grpo.errors import ConfigError
+from lit_grpo.plugins.python_objects import RedactedSettings, save_settings
+from lit_grpo.rollout.async_pipeline import RolloutPipeline
+from lit_grpo.rollout.dynamic_sampling import dynamic_sampling
+from lit_grpo.rollout.engines import GENERATION_BACKENDS, check_backend, engine_for_run
+from lit_grpo.rollout.engines.base import GenerationEngine, agreeing_on_failure
+from lit_grpo.rollout.engines.requests import NO_CHAT_TEMPLATE, render_prompts, run_generation_configs, tokenize_prompts
+from lit_grpo.rollout.engines.server_lost import CheckpointWhenServerLost
+from lit_grpo.rollout.records import (
+    Rollout,
+    SampledGroups,
+    ScoredRollout,
+    decode_completions,
+    rollout_statistics,
+    score_groups,
+)
+from lit_grpo.rollout.tools.tool_use import ToolUse
+from lit_grpo.run.callbacks import (
+    CpuThreadsCallback,
+    ValidateBeforeTraining,
+    ignore_expected_lightning_warnings,
+    step_progress_bar_for,
+)
+from lit_grpo.run.checkpointing import (
+    RNGStateCheckpoint,
+    check_no_weight_left_behind,
+    check_python_rewards,
+    check_resumed_partition,
+    default_checkpointing_of,
+)
+from lit_grpo.run.completions import log_step_completions
+from lit_grpo.run.directory import run_directory
+from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
+from lit_grpo.train.logprob_passes import LogProbEngine
+from lit_grpo.train.reference import ReferenceModelSync
+
+__all__ = ["GRPOModule"]
+
+
+ignore_expected_lightning_warnings()
+
+
+class GRPOModule(RedactedSettings, pl.LightningModule):
+    """Group Relative Policy Optimization (Shao et al. 2024, arXiv:2402.03300) for a causal LM.
+
+    Every argument is a ``model:`` key of the config (docs/configuration.md).
+
+    Args:
+        model_name_or_path: Hugging Face hub id or local directory of the policy (and tokenizer); in Python
+            also a model object (``PreTrainedModel``), trained in place. Rewards, tools and environments
+            may likewise be functions and classes in Python (named ``module:qualname`` in checkpoints).
+        rewards: rewards by registered name, ``[{name: char_fraction, weight: 1.0, args: {chars: "a"}}]``
+            (``lit-grpo rewards`` lists them; ``lit_grpo.scoring.RewardSpec`` has the other keys).
+        num_generations: G, completions sampled per prompt (at least 2).
+        max_prompt_length: prompts longer than this keep their last tokens; None keeps all.
+        max_completion_length: maximum new tokens per completion.
+        temperature: sampling temperature (log-probs are computed at the same temperature).
+        top_p: nucleus sampling threshold (1.0 disables).
+        top_k: top-k sampling (0 disables).
+        min_p: min-p sampling (None disables).
+        repetition_penalty: generation repetition penalty (1.0 disables).
+        num_iterations: mu, passes over each generation batch.
+        steps_per_generation: optimizer steps per pass (equal mini-batches of the generation batch).
+        micro_batch_size: completions per forward/backward (gradient accumulation); None: a whole mini-batch.
+        loss_type: ``grpo`` | ``bnpo`` | ``dr_grpo`` | ``dapo`` | ``cispo`` | ``sapo``
+            (``lit_grpo.algorithm.LOSS_TYPES``; for ``cispo`` ``epsilon_high`` bounds the weight, e.g. 5.0).
+        beta: weight of the KL penalty to the reference model; 0 loads no reference model.
+        epsilon: lower clip range, ratio >= 1 - epsilon.
+        epsilon_high: upper clip range, ratio <= 1 + epsilon_high; None uses ``epsilon``.
+        scale_rewards: ``group`` | ``batch`` | ``none``, the std that divides advantages.
+        importance_sampling_level: ``token`` (GRPO) or ``sequence`` (GSPO).
+        mask_truncated_completions: leave completions that never emitted EOS out of the loss.
+        max_grad_norm: clip the gradient norm to this before each optimizer step; None or 0 disables.
+        log_completions_every_n_steps: a table of completions to the logger every this many steps; 0 disables.
+        num_completions_to_log: rows of that table.
+        model_init_kwargs: extra ``from_pretrained`` arguments; weights load in float32 unless ``dtype`` is given.
+        delta: two-sided clipping (INTELLECT-2): the unclipped ratio is capped at ``delta``; None disables.
+        sapo_temperature_pos: SAPO's gate temperature for positive advantages (``loss_type: sapo``).
+        sapo_temperature_neg: SAPO's gate temperature for negative advantages.
+        kl_estimator: ``k1`` | ``k2`` | ``k3`` estimator of the KL penalty.
+        use_bias_correction_kl: multiply the KL term by the importance ratio (TRL 1.16's default).
+        top_entropy_quantile: train the policy term only on this fraction of highest-entropy tokens.
+        num_generations_eval: completions per validation prompt (k); None uses ``num_generations``.
+        temperature_eval: validation's temperature (0 decodes greedily); None uses ``temperature``.
+        eval_rewards: rewards for validation (as ``rewards``); None uses the training ones.
+        eval_pass_k: the k values of ``val/pass@k``; None logs pass@1 and pass@n.
+        eval_success_threshold: a validation completion is correct when its reward is at least this.
+        dynamic_sampling: DAPO's dynamic sampling: replace groups whose rewards are all equal.
+        max_generation_rounds: at most this many generation rounds per step with dynamic sampling.
+        validate_before_training: validate once before the first step (needs ``data.val_split``).
+        save_completions: append every logged step's completions to ``completions.jsonl`` in the log directory.
+        print_completions: print this many rows of each logged step's completions.
+        sync_ref_model: every ``ref_model_sync_steps`` optimizer steps move the reference towards the
+            policy, ``ref <- alpha * policy + (1 - alpha) * ref`` (TR-DPO; ``lit_grpo.train.reference``).
+        ref_model_mixup_alpha: alpha of that update.
+        ref_model_sync_steps: optimizer steps between two updates.
+        lora: train a LoRA adapter: ``peft.LoraConfig`` arguments, e.g. ``{r: 16, lora_alpha: 32}``.
+        gradient_checkpointing: recompute each decoder layer's activations in the backward pass.
+        logprob_micro_batch_size: completions per no-gradient log-prob forward; None uses ``micro_batch_size``.
+        group_by_length: log-prob forwards in chunks of rows of similar length (``lit_grpo.train.logprob_passes``).
+        forward_token_budget: at most this many padded tokens per forward of several rows; None: no limit;
+            auto: 1024 on the CPU, from the free memory on CUDA (``lit_grpo.device_defaults``).
+        share_prompt_forward: encode each distinct prompt once in the log-prob forwards; auto: on the CPU only.
+        skip_zero_gradient_rows: rows whose loss terms have no gradient skip the backward pass.
+        generation_backend: ``lit``, ``transformers``, ``vllm`` or ``vllm_server`` (``lit_grpo.rollout.engines``;
+            vLLM: the ``lit-grpo[vllm]`` extra).
+        vllm_gpu_memory_utilization: GPU memory share of the colocated engine (weights and KV cache).
+        vllm_enable_sleep_mode: release the engine's GPU memory while the trainer trains.
+        vllm_tensor_parallel_size: the engine's tensor-parallel degree (1 for now).
+        vllm_max_model_length: the engine's longest sequence; None: prompt + completion maximum (tools: the model's).
+        vllm_server_urls: ``vllm_server``: the servers' addresses (``lit-grpo serve``), ``[http://HOST:PORT, ...]``.
+        vllm_server_timeout: seconds a server may be unreachable (at start, mid-run) before the run stops.
+        vllm_importance_sampling_correction: reweight the engine's samples by trainer / engine probability,
+            ``vllm_importance_sampling_mode`` (``token|sequence`` x ``truncate|mask``) within
+            [``vllm_importance_sampling_clip_min``, ``vllm_importance_sampling_clip_max``] (TRL 1.16); with
+            ``max_staleness > 0`` it also corrects for the staleness, and cannot be off. ``auto``: TRL's
+            ``sequence_mask`` in [None, 3]; with ``max_staleness > 0`` decoupled PPO's per-token weights,
+            ``token_mask`` in [0.125, 8] (``lit_grpo.algorithm.sampling_correction``).
+        chat_template_kwargs: ``apply_chat_template`` arguments (``lit-grpo fit``: ``data.chat_template_kwargs``).
+        tools: functions the policy may call, ``package.module:function`` or ``file.py:function``: multi-turn
+            rollouts (``lit_grpo.rollout.tools.multi_turn``); with ``environment``: ``{name, args, weight}`` (or a list of
+            them), stateful tools from a plugin (``lit_grpo.rollout.tools.environments``, ``lit-grpo environments``).
+        max_tool_calling_iterations: rounds of tool results per rollout; None: until the completion budget.
+        tool_timeout: seconds a tool call may take before the model reads a timeout error; None: no limit.
+        tool_call_parser: None (the tokenizer's parser, else its chat template's format), ``hermes``,
+            ``llama3_json``, ``mistral``, or ``package.module:function`` returning ``[{name, arguments}]``.
+        max_tool_result_length: tokens of one tool result (a longer one keeps both ends); None: no limit.
+        max_staleness: asynchronous GRPO: train on batches sampled up to this many optimizer steps before, while the
+            next are scored (``lit_grpo.rollout.async_pipeline``); 0: synchronous.
+        tokenizer: Python only: the tokenizer of a model given as an object (default: its ``name_or_path``'s).
+        optimizer: the ``optimizer:`` block, built once the policy exists; None: AdamW at lr 1e-6 (TRL's).
+        lr_scheduler: the ``lr_scheduler:`` block; stepped after every optimizer step.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        rewards: list[RewardSpec],
+        num_generations: int = 8,
+        max_prompt_length: int | None = None,
+        max_completion_length: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        num_iterations: int = 1,
+        steps_per_generation: int = 1,
+        micro_batch_size: int | None = None,
+        loss_type: str = "dapo",
+        beta: float = 0.0,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        scale_rewards: str = "group",
+        importance_sampling_level: str = "token",
+        mask_truncated_completions: bool = False,
+        max_grad_norm: float | None = 1.0,
+        log_completions_every_n_steps: int = 10,
+        num_completions_to_log: int = 8,
+        model_init_kwargs: dict[str, AsWritten] | None = None,
+        delta: float | None = None,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        kl_estimator: str = "k3",
+        use_bias_correction_kl: bool = True,
+        top_entropy_quantile: float = 1.0,
+        num_generations_eval: int | None = None,
+        temperature_eval: float | None = None,
+        eval_rewards: list[RewardSpec] | None = None,
+        eval_pass_k: list[int] | None = None,
+        eval_success_threshold: float = 1.0,
+        dynamic_sampling: bool = False,
+        max_generation_rounds: int = 4,
+        validate_before_training: bool = False,
+        save_completions: bool = True,
+        print_completions: int = 0,
+        sync_ref_model: bool = False,
+        ref_model_mixup_alpha: float = 0.6,
+        ref_model_sync_steps: int = 512,
+        lora: dict[str, AsWritten] | None = None,
+        gradient_checkpointing: bool = False,
+        logprob_micro_batch_size: int | None = None,
+        group_by_length: bool = True,
+        forward_token_budget: int | Literal["auto"] | None = "auto",
+        share_prompt_forward: bool | Literal["auto"] = "auto",
+        skip_zero_gradient_rows: bool = True,
+        generation_backend: str = "lit",
+        vllm_gpu_memory_utilization: float = 0.3,
+        vllm_enable_sleep_mode: bool = False,
+        vllm_tensor_parallel_size: int = 1,
+        vllm_max_model_length: int | None = None,
+        vllm_server_urls: list[str] | None = None,
+        vllm_server_timeout: float = 300.0,
+        vllm_importance_sampling_correction: bool = True,
+        vllm_importance_sampling_mode: str = "auto",
+        vllm_importance_sampling_clip_min: float | Literal["auto"] | None = "auto",
+        vllm_importance_sampling_clip_max: float | Literal["auto"] | None = "auto",
+        chat_template_kwargs: dict[str, AsWritten] | None = None,
+        tools: list[str] | None = None,
+        environment: AsWritten | None = None,
+        max_tool_calling_iterations: int | None = None,
+        tool_timeout: float | None = 30.0,
+        tool_call_parser: str | None = None,
+        max_tool_result_length: int | None = 1024,
+        max_staleness: int = 0,
+        tokenizer: Any = None,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+    ):
+        # The settings as given: in Python, functions, classes and a model object too.
+        settings = {name: value for name, value in locals().items()
+                    if name not in ("self", "__class__", "optimizer", "lr_scheduler", "tokenizer")}
+        super().__init__()
+        save_settings(self, settings, ignore=["optimizer", "lr_scheduler", "tokenizer"])  # names, never objects
+        self.model_source = model_name_or_path  # a hub id, a directory, or a model given in Python
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.automatic_optimization = False
+        check_settings(self.hparams, GENERATION_BACKENDS)
+        # "auto": the correction of this run's staleness, in the hparams the loss reads (lit_grpo.train.logprob_passes)
+        self.hparams.update(correction_settings(vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
+                                                vllm_importance_sampling_clip_max, max_staleness).as_hparams())
+        if lora is not None:
+            models.lora_config(lora)  # a bad model.lora fails before any model is loaded
+            # The module's state dict, so every checkpoint (FSDP2's sharded ones too), holds only the
+            # adapter: the base weights are model_name_or_path's. on_load_checkpoint checks a full
+            # checkpoint and adds them back; a sharded one loads the keys the state dict has.
+            self.register_state_dict_post_hook(models.without_frozen_policy_weights)
+            self.strict_loading = False
+
+        # Rewards are resolved now, so a misspelt name fails before any model is loaded.
+        # what the run knows that a reward may ask for by name (DAPO's soft_overlong_punishment)
+        run_settings = {"max_completion_len": max_completion_length}
+        self.scorer = RewardScorer(rewards, run_settings)
+        self.eval_scorer = RewardScorer(eval_rewards, run_settings, key="model.eval_rewards") if eval_rewards else self.scorer
+        self.tool_use = ToolUse.from_settings(settings)  # multi-turn rollouts with tools, or None
+        clash = set(self.tool_use.reward_names if self.tool_use else []) & set(self.scorer.names)
+        if clash:
+            raise ConfigError(f"model.environment and model.rewards both name {sorted(clash)}: rename one")
+        # validation metrics, reduced over every rank's prompts at the end of the validation epoch
+        self.val_metrics = ValidationMetrics(sorted(set(eval_pass_k or [1, num_generations_eval or num_generations])))
+        self.tokenizer = models.load_tokenizer(model_name_or_path, tokenizer)
+        self.policy: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | None = None
+        # every forward and backward after sampling (lit_grpo.train.logprob_passes), configured by these hparams
+        self.logprobs = LogProbEngine(self.hparams, self.all_gather, self._backward, self._grad_scaler_scale)
+        self.run_log_dir: Path | None = None  # the logger's directory of this run, set in setup
+        self._warned_prompt_truncation = False
+        self.loggers_told: set[type] = set()  # loggers without a completions table, said once
+        self.engine: GenerationEngine | None = None  # what samples (lit_grpo.rollout.engines), made by configure_model
+        self.policy_version = 0  # optimizer steps the policy has taken (checkpointed): the weights' version
+        self.rollout_pipeline = RolloutPipeline.for_settings(self.hparams)  # max_staleness > 0, else None
+        check_backend(self.hparams)  # a missing extra or server address fails before any model is loaded
+
+    # ------------------------------------------------------------------------------------------
+    # Setup
+    # ------------------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        """Build the policy (``lit_grpo.models.build_policy``: LoRA, gradient checkpointing), load
+        the frozen reference model only when ``beta > 0`` without LoRA, and shard both under
+        Lightning's ``ModelParallelStrategy`` (FSDP2)."""
+        if self.policy is not None:
+            return
+        hp = self.hparams
+        precision = self._precision()
+        # the engine first: vLLM's memory check then sees none of the trainer's; a server not found fails now
+        self.engine = engine_for_run(hp, self.model_source, precision, grows_with_tools=self.tool_use is not None)
+        self.engine.start()
+        if hp.beta > 0 and hp.lora is None:  # with LoRA: the policy, adapter disabled
+            self.ref_model = models.build_reference(self.model_source, hp.model_init_kwargs, precision)
+        self.policy = models.build_policy(self.model_source, models.model_init_kwargs(hp.model_init_kwargs), lora=hp.lora,
+                                          gradient_checkpointing=hp.gradient_checkpointing)
+        eos_token_ids = models.completion_end_token_ids(self.policy, self.tokenizer)
+        self.generation_config, self.eval_generation_config = run_generation_configs(hp, self.tokenizer, eos_token_ids)
+        if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: shard with FSDP2
+            mesh = data_parallel_mesh(self.device_mesh)
+            mp_policy = mixed_precision_policy(precision)  # float32 shards, half-precision compute
+            for model in (self.policy, self.ref_model):
+                if model is not None:
+                    shard_model(model, mesh, mp_policy)
+
+    def _precision(self) -> str:
+        """Lightning's ``trainer.precision`` (``32-true`` when no trainer is attached)."""
+        return str(self._trainer.precision) if self._trainer is not None else "32-true"
+
+    def setup(self, stage: str) -> None:
+        # The run's log directory, resolved now, on every rank: ``trainer.log_dir`` is a collective
+        # (rank 0 broadcasts the logger's version directory), so asking for it later on rank 0 alone,
+        # where completions are written, would pair with another collective of the other ranks.
+        log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
+        self.run_log_dir = run_directory(self.trainer.logger, log_dir, self.trainer.default_root_dir)
+        device = self.trainer.strategy.root_device
+        cpu.prepare(device, self._precision(), self.policy)  # a no-op off the CPU
+        self.logprobs.device_defaults = device_defaults.for_run(device, self.policy, self.hparams)  # and said once
+        datamodule = getattr(self.trainer, "datamodule", None)
+        prompt_format = getattr(datamodule, "prompt_format", None)
+        if prompt_format is not None and prompt_format.makes_conversations and self.tokenizer.chat_template is None:
+            raise ConfigError(NO_CHAT_TEMPLATE.format(model=f"model.model_name_or_path {self.hparams.model_name_or_path!r}"))
+        if stage == "fit" and datamodule is not None and hasattr(datamodule, "batch_size"):
+            check_batch_sizes(
+                datamodule.batch_size,
+                self.hparams.num_generations,
+                self.hparams.steps_per_generation,
+                self.hparams.micro_batch_size,
+            )
+        check_data_columns(datamodule, self.scorer, self.eval_scorer, self.tool_use and self.tool_use.environments)
+
+    def on_train_start(self) -> None:
+        """``dynamic_sampling`` draws prompt batches through the fit loop's data fetcher (no public
+        interface of Lightning's): check that this Lightning has it before the first step."""
+        fetcher = getattr(self.trainer.fit_loop, "_data_fetcher", None)
+        if self.hparams.dynamic_sampling and not (hasattr(fetcher, "__next__") and hasattr(fetcher, "done")):
+            raise RuntimeError(
+                "model.dynamic_sampling draws further prompt batches through Lightning's "
+                f"`trainer.fit_loop._data_fetcher`, which Lightning {pl.__version__} does not provide "
+                "(lit-grpo is tested with Lightning 2.6); set model.dynamic_sampling: false or use that Lightning"
+            )
+
+    def teardown(self, stage: str) -> None:
+        if self.engine is not None:
+            self.engine.close()  # before Lightning tears the process group down
+        self.scorer.close()  # stop reward worker processes and the async-reward event loop
+        if self.eval_scorer is not self.scorer:
+            self.eval_scorer.close()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the weights' keys beside them, and the rewards' sources (see :meth:`on_load_checkpoint`)."""
+        super().on_save_checkpoint(checkpoint)  # the hyperparameters without their secrets (RedactedSettings)
+        checkpoint["state_dict_keys"] = sorted(checkpoint["state_dict"])
+        checkpoint["policy_version"] = self.policy_version
+        checkpoint["reward_packages"] = {spec.name: info.package for spec, info in zip(self.scorer.specs, self.scorer.infos)}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With LoRA, check that the checkpoint holds this policy's whole adapter and add the frozen
+        base weights, already loaded from ``model_name_or_path`` by ``configure_model``.
+
+        A sharded (FSDP2) checkpoint has already loaded the weights this module asks for (a missing
+        one fails there, naming it); here the weights it holds that this module has no place for are
+        an error (a resume with other ``model.lora`` target modules would otherwise drop them)."""
+        check_python_rewards(checkpoint.get("reward_packages", {}), [spec.name for spec in self.scorer.specs])
+        if self._trainer is not None:  # another number of processes mid-epoch: refused now, not at the first step
+            check_resumed_partition(checkpoint, self.trainer.world_size, getattr(self.trainer.datamodule, "batch_size", None))
+        self.policy_version = checkpoint.get("policy_version", checkpoint.get("global_step", 0))
+        if self.hparams.lora is not None and "state_dict" in checkpoint:
+            state_dict = checkpoint["state_dict"]
+            checkpoint["state_dict"] = models.add_frozen_weights(state_dict, self.policy, prefix="policy.")
+        if "state_dict" not in checkpoint and "state_dict_keys" in checkpoint:  # FSDP2's sharded checkpoint
+            check_no_weight_left_behind(checkpoint["state_dict_keys"], self.state_dict())
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """Every run, from the CLI or from Python (where it also gets the CLI's checkpointing), checkpoints
+        its random states for exact resume and, on the CPU, fits its threads to the free cores; with
+        ``sync_ref_model`` the reference follows the policy. A plain Trainer's default progress bar counts
+        optimizer steps out of ``max_steps`` (``lit_grpo.run.callbacks.step_progress_bar_for``), as the CLI's does."""
+        callbacks: list[pl.Callback] = [RNGStateCheckpoint(), CpuThreadsCallback(), *default_checkpointing_of(self.trainer),
+                                        *step_progress_bar_for(self.trainer)]
+        if self.hparams.validate_before_training:
+            callbacks.append(ValidateBeforeTraining())
+        if self.hparams.sync_ref_model:
+            callbacks.append(ReferenceModelSync(self.hparams.ref_model_sync_steps, self.hparams.ref_model_mixup_alpha))
+        if self.hparams.generation_backend == "vllm_server" or self.rollout_pipeline is not None:
+            callbacks.append(CheckpointWhenServerLost())  # a server lost or a background job failed: a checkpoint, then a stop
+        if self.rollout_pipeline is not None:
+            callbacks.append(self.rollout_pipeline)
+        return callbacks
+
+    def configure_optimizers(self):
+        """The configured optimizer (AdamW at lr 1e-6 by default) over the trainable parameters.
+
+        Built here, after ``configure_model`` has loaded the policy, rather than by LightningCLI at
+        instantiation, when the policy does not exist yet.
+        """
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = self.optimizer_factory(params) if self.optimizer_factory else torch.optim.AdamW(params, lr=1e-6)
+        warning = models.check_trainable_dtype(self.policy, optimizer, self._precision())
+        if warning is not None:  # not a torch.optim optimizer: it may handle half-precision weights
+            rank_zero_warn(warning)
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}
+
+    # ------------------------------------------------------------------------------------------
+    # The GRPO step
+    # ------------------------------------------------------------------------------------------
+
+    def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
+        step_start = time.perf_counter()
+        hp = self.hparams
+        check_batch_sizes(len(batch.prompts), hp.num_generations, hp.steps_per_generation, hp.micro_batch_size)
+
+        # 1-4. Sample, score, advantages, reference log-probs (and, below, old log-probs); with
+        #      max_staleness, of an older batch (None while the pipeline fills: lit_grpo.rollout.async_pipeline).
+        pipeline = self.rollout_pipeline
+        scored, completions = self.generate_and_score(batch) if pipeline is None else pipeline.exchange(self, batch)
+        if scored is None:
+            return
+        rollout = scored.rollout
+
+        # 5. num_iterations passes of steps_per_generation optimizer steps each.
+        num_completions = rollout.completion_ids.size(0)
+        mini_batch_size = num_completions // hp.steps_per_generation
+        micro_batch_size = hp.micro_batch_size or mini_batch_size
+        micro_batches_per_step = mini_batch_size // micro_batch_size
+        first_order = torch.randperm(num_completions, device=self.device) if hp.steps_per_generation > 1 else None
+        policy_moves = hp.num_iterations > 1 or hp.steps_per_generation > 1
+        if policy_moves:  # step 4's old_logps, for the rows that are trained after the policy has moved
+            start = time.perf_counter()
+            first_step_rows = first_order if first_order is not None else torch.arange(num_completions, device=self.device)
+            scored.old_logps = self.logprobs.sampling_policy_logps(self.policy, scored, later_rows=first_step_rows[mini_batch_size:])
+            scored.timings["logprobs"] += time.perf_counter() - start
+        train_start = time.perf_counter()
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        step_stats: list[dict[str, torch.Tensor]] = []
+        for iteration in range(hp.num_iterations):
+            # the mini-batches' rows: in order with one optimizer step per pass, else shuffled each pass
+            order = first_order if iteration == 0 or first_order is None else torch.randperm(num_completions, device=self.device)
+            for mini_start in range(0, num_completions, mini_batch_size):
+                # Before the first optimizer step the policy is the sampling policy: its rows' own
+                # forward gives their old_logps (ratio exactly 1, as without a move), kept for later.
+                fills_old_logps = policy_moves and iteration == 0 and mini_start == 0
+                step_scored = replace(scored, old_logps=None) if fills_old_logps else scored
+                # the gradients are None here: set so after every optimizer step (below)
+                for micro_start in range(mini_start, mini_start + mini_batch_size, micro_batch_size):
+                    rows = torch.arange(micro_start, micro_start + micro_batch_size, device=self.device)
+                    rows = order[rows] if order is not None else rows
+                    scale = 1 / micro_batches_per_step if algorithm.LOSS_TYPES[hp.loss_type].accumulates_by_mean else 1.0
+                    # DDP all-reduces the accumulated gradient once, after the last micro-batch
+                    is_last = micro_start + micro_batch_size == mini_start + mini_batch_size
+                    stats, logps = self.logprobs.micro_batch_backward(self.policy, step_scored, rows, scale, sync=is_last)
+                    step_stats.append(stats)
+                    if fills_old_logps:
+                        scored.old_logps[rows, : logps.size(1)] = logps  # logps [n, c]
+                grad_norm = clip_grad_norm(self.parameters(), hp.max_grad_norm)
+                optimizer.step()
+                self.policy_version += 1  # the engine's weights are stale from here (engine.sync_weights)
+                # free the gradients now (set to None), which also starts the next mini-batch's
+                # accumulation from nothing: kept, they would stay allocated through the next
+                # generation batch and forward pass, one float32 copy of the trainable weights
+                optimizer.zero_grad()
+                if scheduler is not None:
+                    scheduler.step()
+        scored.timings["train"] = time.perf_counter() - train_start
+
+        # 6. Metrics: the rollout statistics are already global; the update statistics are this
+        #    rank's, averaged over ranks (every rank runs the same number of micro-batches).
+        metrics = self._rollout_metrics(scored)
+        for key in step_stats[0]:
+            values = torch.stack([stats[key] for stats in step_stats])
+            if key == "loss":
+                value, reduce = values.sum() / hp.num_iterations / hp.steps_per_generation, "mean"
+            elif key.endswith(("/max", "/min")):  # a micro-batch with no token to count gives NaN
+                reduce = key.rsplit("/", 1)[1]
+                fill = float("-inf") if reduce == "max" else float("inf")
+                value = getattr(values.nan_to_num(nan=fill), reduce)()
+            else:
+                value, reduce = values.nanmean(), "mean"
+            metrics[key] = self.trainer.strategy.reduce(value, reduce_op=reduce)
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        step_time = time.perf_counter() - step_start
+        metrics["step_time"] = torch.tensor(step_time)
+        for phase, seconds in scored.timings.items():
+            metrics[f"time/{phase}"] = torch.tensor(seconds)
+        # completion tokens sampled by all ranks per second of this step
+        completion_tokens = self.trainer.strategy.reduce(rollout.completion_lengths.sum().float(), reduce_op="sum")
+        metrics["tokens_per_second"] = completion_tokens / step_time
+        metrics.update(pipeline.metrics if pipeline is not None else {})
+        for name, value in (scored.dynamic_sampling or {}).items():
+            metrics[f"dynamic_sampling/{name}"] = value
+        for name, value in metrics.items():
+            self.log(name, value.float(), on_step=True, prog_bar=name == "reward", batch_size=len(batch.prompts))
+        log_step_completions(self, scored, completions)
+
+    def generate_and_score(self, batch: PromptBatch, training: bool = True) -> tuple[ScoredRollout, list]:
+        """Steps 1-4 for one generation batch; ``training=False`` skips the log-prob passes.
+        Returns the scored rollout and the completions as the rewards saw them."""
+        hp = self.hparams
+        timings = {"generate": 0.0, "rewards": 0.0}  # seconds per phase, logged as time/<phase>
+
+        # 1-3. Sample G completions per prompt, score them, group-relative advantages; with dynamic
+        #      sampling, drop groups without signal and sample more prompts to replace them.
+        sampled = self._sample_and_score(batch, timings)
+        dynamic_sampling_stats = None
+        if training and hp.dynamic_sampling:
+            sampled, dynamic_sampling_stats = dynamic_sampling(self, sampled, timings)
+        rollout = sampled.rollout
+
+        loss_mask = rollout.policy_token_mask  # with tools: the tokens the policy generated
+        if hp.mask_truncated_completions:
+            loss_mask = loss_mask * (~rollout.is_truncated).unsqueeze(1).long()
+        # dapo's (and cispo's) normaliser, as TRL 1.16 computes it: the real completion tokens of the
+        # generation batch over all ranks, / world size (each rank's gradient is averaged), / the
+        # steps_per_generation optimizer steps that share it, so each step takes about a token mean
+        # of its own rows (not half of one with two steps per pass)
+        all_tokens = float(self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum"))
+        num_items_in_batch = algorithm.dapo_normaliser(all_tokens, self.trainer.world_size, hp.steps_per_generation)
+
+        # 4. Log-probs of the reference model (only with a KL penalty); those of the policy that
+        #    sampled, where the update needs them, come in ``training_step``.
+        start = time.perf_counter()
+        ref_logps = self.logprobs.reference_logps(self.policy, self.ref_model, rollout) if training and hp.beta > 0 else None
+        timings["logprobs"] = time.perf_counter() - start
+
+        scored = ScoredRollout(
+            rollout=rollout,
+            loss_mask=loss_mask,
+            rewards_per_func=sampled.rewards_per_func,
+            rewards=sampled.rewards,
+            group=sampled.group,
+            old_logps=None,
+            ref_logps=ref_logps,
+            num_items_in_batch=num_items_in_batch,
+            timings=timings,
+            prompts=sampled.prompts,
+            dynamic_sampling=dynamic_sampling_stats,
+        )
+        return scored, sampled.completions
+
+    def _sample_and_score(self, batch: PromptBatch, timings: dict[str, float]) -> SampledGroups:
+        """Steps 1-3 for one batch of prompts: sample, score, group-relative advantages."""
+        hp = self.hparams
+        G = hp.num_generations
+
+        # 1. Sample G completions per prompt (an engine with weights of its own gets the current ones first).
+        if self.engine.holds_weights:
+            timings["weight_sync"] = timings.get("weight_sync", 0.0) + self.engine.sync_weights(self.policy, self.policy_version)
+        start = time.perf_counter()
+        rollout = self.generate(batch.prompts, columns=batch.columns)
+        timings["generate"] += time.perf_counter() - start
+
+        # 2. Score them: every reward sees one prompt, one completion and one value of each column.
+        start = time.perf_counter()
+        with agreeing_on_failure(self.device):  # a reward failing on one rank stops every rank with its message
+            completions, rewards_per_func = self._score(self.scorer, batch, rollout, G)  # [N, K]
+        timings["rewards"] += time.perf_counter() - start
+
+        # 3. Group-relative advantages. Groups never straddle ranks, but the rewards of every rank
+        #    are gathered so that batch-level statistics (scale_rewards: batch, the logged reward
+        #    metrics) describe the global batch; this rank keeps its own rows.
+        all_rewards_per_func = gather_rows(rewards_per_func, self.all_gather)  # [world * N, K]
+        all_rewards = algorithm.combine_rewards(all_rewards_per_func, self._reward_weights(self.scorer))  # [world * N]
+        all_group = algorithm.group_advantages(all_rewards, G, hp.scale_rewards)
+        N = rewards_per_func.size(0)
+        local_rows = slice(self.global_rank * N, (self.global_rank + 1) * N)
+        return SampledGroups(
+            prompts=list(batch.prompts),
+            rollout=rollout,
+            completions=completions,
+            rewards_per_func=rewards_per_func,
+            rewards=all_rewards[local_rows],
+            group=all_group.rows(local_rows),
+        )
+
+    @torch.no_grad()
+    def generate(self, prompts: list, num_generations: int | None = None, config: GenerationConfig | None = None,
+                 columns: dict[str, list] | None = None) -> Rollout:
+        """Sample completions for each prompt (strings or chat messages): ``num_generations`` (default
+        G) with ``config`` (default the training sampling settings); with tools, multi-turn rollouts
+        (``columns``: the prompts' dataset columns, which environments are built from)."""
+        with self.engine.generation_phase():  # an engine that sleeps between generations sleeps once, after it
+            return self._generate(prompts, num_generations, config, columns)
+
+    def _generate(self, prompts: list, num_generations: int | None, config: GenerationConfig | None,
+                  columns: dict[str, list] | None) -> Rollout:
+        hp = self.hparams
+        G, config = num_generations or hp.num_generations, config or self.generation_config
+        if self.tool_use is not None:
+            conversations = self.tool_use.start(prompts, columns or {}, G, self.tokenizer, hp.max_prompt_length,
+                                                hp.chat_template_kwargs)
+            any_rank_active = lambda local: bool(self.trainer.strategy.reduce(  # noqa: E731
+                torch.tensor(float(local), device=self.device), reduce_op="max")) if self._trainer is not None else local
+            self.engine.sync_weights(self.policy, self.policy_version)  # then it knows its longest sequence
+            return self.tool_use.rollout(conversations, self._generate_ids, self.tokenizer, config, hp.max_completion_length,
+                                         hp.chat_template_kwargs, any_rank_active, self.device, self.engine.max_sequence_length())
+        texts = render_prompts(self.tokenizer, prompts, hp.chat_template_kwargs)
+        ids, mask, cut = tokenize_prompts(self.tokenizer, texts, hp.max_prompt_length, self.device)
+        return self._generate_ids(ids, mask, config, G, cut)
+
+    def _generate_ids(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
+                      num_generations: int = 1, prompt_truncated: torch.Tensor | None = None) -> Rollout | None:
+        """G completions of each left-padded prompt ``[B, P]`` with the run's engine, which gets this
+        step's weights first (None for no prompts: the engine's collectives are still joined)."""
+        prompt_truncated = torch.zeros(len(prompt_ids), dtype=torch.bool, device=self.device) if prompt_truncated is None else prompt_truncated
+        self.engine.sync_weights(self.policy, self.policy_version)  # nothing to do when it has them already
+        return self.engine.generate(prompt_ids, prompt_mask, prompt_truncated, num_generations, config, self.tokenizer.pad_token_id)
+
+    def _score(self, scorer: RewardScorer, batch: PromptBatch, rollout: Rollout, k: int,
+               device: torch.device | None = None) -> tuple[list, torch.Tensor]:
+        """The completions as the rewards saw them and ``[B * k, K]`` rewards on ``device`` (default the
+        module's; the async pipeline's scoring thread keeps them on the CPU): ``scorer``'s, then the
+        environments' (multi-turn rollouts)."""
+        texts, completion_ids = decode_completions(self.tokenizer, rollout)
+        completions, rewards_per_func = score_groups(scorer, batch.prompts, batch.columns, texts, completion_ids, k,
+                                                     rollout.conversations)
+        if self.tool_use is not None and self.tool_use.reward_names:
+            rewards_per_func = torch.cat([rewards_per_func, self.tool_use.environment_rewards(rollout.conversations)], dim=1)
+        return completions, rewards_per_func.to(device or self.device)
+
+    def _reward_weights(self, scorer: RewardScorer) -> torch.Tensor:  # [K + environments]
+        extra = self.tool_use.reward_weights if self.tool_use is not None else []
+        return torch.cat([scorer.weights, torch.tensor(extra, dtype=scorer.weights.dtype)]) if extra else scorer.weights
+
+    def _grad_scaler_scale(self) -> float:
+        """The loss scale of a ``16-mixed`` GradScaler (1 without one)."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        return float(scaler.get_scale()) if scaler is not None else 1.0
+
+    def _backward(self, loss: torch.Tensor, sync: bool) -> None:
+        """``manual_backward``; with ``sync=False`` DDP accumulates the gradient without all-reducing."""
+        block_sync = getattr(self.trainer.strategy, "block_backward_sync", None)  # DDP only
+        with nullcontext() if sync or block_sync is None else block_sync():
+            self.manual_backward(loss)
+
+    # ------------------------------------------------------------------------------------------
+    # Validation: sample k completions per prompt, score them (lit_grpo.algorithm.evaluation)
+    # ------------------------------------------------------------------------------------------
+
+    def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
+        """Sample k completions per validation prompt, score them with the evaluation rewards, and
+        accumulate ``val/reward``, ``val/mean@k``, ``val/pass@k`` and (binary rewards) ``val/maj@k``."""
+        hp = self.hparams
+        k = hp.num_generations_eval or hp.num_generations
+        num_prompts = len(batch.prompts)
+        rollout = self.generate(batch.prompts, k, self.eval_generation_config, batch.columns)
+        texts, _ = decode_completions(self.tokenizer, rollout)
+        _, rewards_per_func = self._score(self.eval_scorer, batch, rollout, k)
+        rewards = algorithm.combine_rewards(rewards_per_func, self._reward_weights(self.eval_scorer)).view(num_prompts, k)  # [B, k]
+        answers = [[" ".join(text.split()) for text in texts[b * k : (b + 1) * k]] for b in range(num_prompts)]
+        self.val_metrics.add_batch(
+            rewards, answers, hp.eval_success_threshold, lambda value: self.trainer.strategy.reduce(value, reduce_op="min")
+        )
+        for name, metric in self.val_metrics.to_log(k).items():
+            self.log(name, metric, on_step=False, on_epoch=True, batch_size=num_prompts)
+
+    # ------------------------------------------------------------------------------------------
+    # Logging
+    # ------------------------------------------------------------------------------------------
+
+    def _rollout_metrics(self, scored: ScoredRollout) -> dict[str, torch.Tensor]:
+        """Statistics of the generation batch over all ranks (identical on every rank), with how
+        many samples each reward failed on (``rewards/<name>/errors``)."""
+        tool_use_rewards = self.tool_use.reward_names if self.tool_use is not None else []
+        metrics = rollout_statistics(scored, self.scorer.names + tool_use_rewards, self.all_gather)
+        if scored.rollout.conversations is not None:
+            metrics.update(self.tool_use.metrics(scored.rollout.conversations,
+                                                 lambda value: self.trainer.strategy.reduce(value.to(self.device), reduce_op="sum")))
+        if metrics["prompts/truncated_frac"] > 0 and not self._warned_prompt_truncation:
+            self._warned_prompt_truncation = True
+            rank_zero_warn(
+                f"model.max_prompt_length={self.hparams.max_prompt_length} cut {float(metrics['prompts/truncated_frac']):.0%} "
+                "of this step's prompts to their last tokens (logged as prompts/truncated_frac; said once): raise it, or "
+                "shorten the prompts"
+            )
+        for name in self.scorer.names:
+            errors = torch.tensor(float(self.scorer.last_error_counts.get(name, 0)), device=self.device)
+            metrics[f"rewards/{name}/errors"] = self.trainer.strategy.reduce(errors, reduce_op="sum")
+        return metrics

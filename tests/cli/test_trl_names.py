@@ -1,0 +1,132 @@
+"""Coming from TRL: the table of docs/configuration.md, row by row. Each TRL name, written where a
+TRL user writes it, gets the message its row promises, and each lit-grpo key a row names exists."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lit_grpo.cli.trl_names import TRL_NAMES
+from test_errors import error_line
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("fresh_cli")  # tests/conftest.py
+
+# The names a TRL user sets most (issue 38): each must have a row.
+MOST_SET = """learning_rate per_device_train_batch_size gradient_accumulation_steps num_train_epochs max_steps
+logging_steps save_steps output_dir bf16 gradient_checkpointing max_prompt_length max_completion_length
+num_generations beta epsilon loss_type use_vllm vllm_mode temperature top_p reward_funcs reward_weights
+report_to seed warmup_ratio lr_scheduler_type max_grad_norm num_iterations scale_rewards
+mask_truncated_completions log_completions""".split()
+
+# Roots of lit-grpo's keys; a backticked word of a row starting with one of them is a key.
+ROOTS = ("model", "data", "trainer", "optimizer", "lr_scheduler", "seed_everything")
+
+
+def table_rows() -> dict[str, str]:
+    """TRL name -> the lit-grpo cell, as the table "Coming from TRL" writes them."""
+    section = (REPO / "docs" / "configuration.md").read_text().split("## Coming from TRL", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    return {name.removeprefix("| `").removesuffix("`"): cell.removesuffix(" |") for name, cell in rows}
+
+
+ROWS = table_rows()
+
+
+def model_keys() -> set[str]:
+    from lit_grpo.train.module import GRPOModule
+
+    return set(inspect.signature(GRPOModule).parameters)
+
+
+MODEL_KEYS = model_keys()
+
+
+def test_the_table_has_every_name_trl_users_set_most_and_no_other_than_the_code():
+    assert [name for name in MOST_SET if name not in ROWS] == []
+    assert list(ROWS) == list(TRL_NAMES)
+
+
+@pytest.fixture(scope="module")
+def base_config(tmp_path_factory, tiny_model_dir):
+    """The quickstart with the tiny model."""
+    config = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
+    config["model"]["model_name_or_path"] = str(tiny_model_dir)
+    config["data"]["data_files"] = str(REPO / config["data"]["data_files"])
+    config["trainer"].update(max_steps=1, logger=False, enable_checkpointing=False)
+    path = tmp_path_factory.mktemp("trl") / "base.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_a_trl_name_gets_the_message_of_its_row(name, base_config, tmp_path, capsys):
+    promised = f"TRL's {name} is {ROWS[name].replace('`', '')}"
+    flat = tmp_path / "trl.yaml"  # a TRL config is flat
+    flat.write_text(f"seed_everything: 0\n{name}: 1\n")
+    assert error_line(capsys, "fit", "--config", str(base_config), "--config", str(flat)) == (
+        f"unknown key {name}; {promised} ({flat}:2)"
+    )
+    if name not in MODEL_KEYS:  # a TRL setting that is no model key keeps its answer under model:
+        nested = tmp_path / "nested.yaml"
+        nested.write_text(f"model:\n  {name}: 1\n")
+        assert error_line(capsys, "fit", "--config", str(base_config), "--config", str(nested)) == (
+            f"unknown key model.{name}; {promised} ({nested}:2)"
+        )
+
+
+@pytest.mark.parametrize("name", ["learning_rate", "per_device_train_batch_size", "bf16"])
+def test_a_trl_name_on_the_command_line_gets_the_same_answer(name, base_config, capsys):
+    promised = f"TRL's {name} is {ROWS[name].replace('`', '')}"
+    assert error_line(capsys, "fit", "--config", str(base_config), f"--{name}", "1") == (
+        f"unknown option --{name}; {promised} (command line; options are never abbreviated)"
+    )
+
+
+def test_a_trl_name_inside_the_optimizer_block_is_answered_too(base_config, tmp_path, capsys):
+    optimizer = tmp_path / "optimizer.yaml"
+    optimizer.write_text("optimizer:\n  class_path: torch.optim.AdamW\n  init_args:\n    learning_rate: 1.0e-6\n")
+    assert error_line(capsys, "fit", "--config", str(base_config), "--config", str(optimizer)) == (
+        f"unknown key optimizer.init_args.learning_rate; TRL's learning_rate is {ROWS['learning_rate'].replace('`', '')} "
+        f"({optimizer}:4)"
+    )
+
+
+def named_keys() -> list[str]:
+    """Every lit-grpo key the table names, as written (``trainer.precision: bf16-mixed`` with its value)."""
+    words = {word for cell in ROWS.values() for word in re.findall(r"`([^`]+)`", cell)}
+    return sorted(word for word in words if re.match(rf"({'|'.join(ROOTS)})\b(\.\w+)*(: \S+)?$", word))
+
+
+def test_the_table_names_lit_grpo_keys():
+    assert {"optimizer.init_args.lr", "data.batch_size", "trainer.precision: bf16-mixed", "seed_everything"} <= set(named_keys())
+
+
+@pytest.fixture(scope="module")
+def parser(base_config):
+    """The parser of ``lit-grpo fit``'s configuration."""
+    import sys
+
+    from lit_grpo.cli import run_cli
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["lit-grpo"])
+        return run_cli(["--config", str(base_config)], run=False).parser
+
+
+@pytest.mark.parametrize("key", named_keys())
+def test_each_lit_grpo_key_of_the_table_exists(key, parser, base_config):
+    key, _, value = key.partition(": ")
+    if key.startswith("optimizer.init_args."):  # an argument of the optimizer, AdamW when none is given
+        assert key.removeprefix("optimizer.init_args.") in inspect.signature(torch.optim.AdamW).parameters
+        return
+    assert key in {action.dest for action in parser._actions}
+    if value:  # the value the row gives parses
+        parsed = parser.parse_args(["--config", str(base_config), f"--{key}", *shlex.split(value)])
+        assert str(parsed[key]) == value
