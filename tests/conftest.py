@@ -5,7 +5,16 @@ import os
 # Never reach for the Hugging Face Hub: fail fast instead of hanging on a network that is not there.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+
+# Tests are grouped in folders that mirror lit_grpo's packages; a test module may import another's helpers
+# by its name (``from test_module import make_module``) wherever the two live, as when they were side by side.
+TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(folder) for folder in sorted(TESTS.iterdir())
+                if folder.is_dir() and any(folder.glob("test_*.py")) and str(folder) not in sys.path]
 
 from lit_grpo.tiny import build_tiny_model  # noqa: E402
 
