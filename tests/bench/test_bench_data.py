@@ -1,8 +1,7 @@
-"""bench/harness.py's long-prompt variant of the quickstart data (bench/compare_trl.py --long-prompts-at), and
-bench/ablation.py's choice of variants."""
+"""bench/harness.py's long-prompt variant of the quickstart data (bench/compare_trl.py --long-prompts-at), the
+floor each run is set against, and the runs compare_trl.py and learning.py ask for."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -19,46 +18,6 @@ def test_long_prompts_put_an_instruction_of_the_given_length_before_every_prompt
             assert row["prompt"] == instruction + before["prompt"]
             assert row["target"] == before["target"]
         assert len(set(instruction)) > 10  # text, not one repeated character
-
-
-def test_ablation_runs_the_default_first_and_only_the_variants_asked_for():
-    from bench import ablation
-
-    assert ablation.parse_args([]).variants == list(ablation.VARIANTS)
-    args = ablation.parse_args(["--variants", "token budget 4096"])
-    assert args.variants == ["default", "token budget 4096"]  # the reference every ratio is taken against
-    assert ablation.VARIANTS["token budget 4096"] == {"forward_token_budget": 4096}
-    with pytest.raises(SystemExit):  # argparse names the choices on stderr
-        ablation.parse_args(["--variants", "token budget 9999"])
-
-
-def test_ablation_settings_apply_to_every_variant_and_bad_ones_name_themselves():
-    from bench import ablation
-
-    args = ablation.parse_args(["--set", "num_iterations=2", "max_grad_norm=null", "--variants", "none"])
-    assert args.settings == {"num_iterations": 2, "max_grad_norm": None}
-    with pytest.raises(SystemExit, match="--set takes KEY=VALUE, got 'num_iterations'"):
-        ablation.parse_args(["--set", "num_iterations"])
-    with pytest.raises(SystemExit, match="--set forward_token_budget would override the variant 'no token budget'"):
-        ablation.parse_args(["--set", "forward_token_budget=2048", "--variants", "no token budget"])
-
-
-def test_ablation_against_commit_exports_that_commits_lit_grpo(tmp_path):
-    import subprocess
-
-    from bench import ablation
-
-    repo = Path(ablation.REPO_DIR)
-    if not (repo / ".git").exists():
-        pytest.skip("not a git checkout")
-    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    committed = subprocess.run(
-        ["git", "-C", str(repo), "show", f"{head}:lit_grpo/train/module.py"], capture_output=True, text=True, check=True
-    ).stdout
-    code_dir = ablation.export_commit(head, tmp_path)
-    assert (code_dir / "lit_grpo" / "module.py").read_text() == committed
-    with pytest.raises(SystemExit, match="--against-commit no-such-rev: git archive failed"):
-        ablation.export_commit("no-such-rev", tmp_path)
 
 
 def test_a_runs_floor_counts_its_passes_over_the_generation_batch():
@@ -134,15 +93,6 @@ def test_learning_runs_both_trainers_at_the_asked_num_iterations():
         learning.parse_args(["--num-iterations", "0"])
 
 
-@pytest.mark.parametrize("value", ["1", "3"])
-def test_zero_gradient_rows_refuses_steps_per_generation_that_leave_no_later_rows_or_do_not_divide(value, capsys):
-    from bench import zero_gradient_rows
-
-    with pytest.raises(SystemExit):
-        zero_gradient_rows.main(["--phases", "old_logps", "--steps-per-generation", value])
-    assert f"--steps-per-generation must be at least 2 and divide the 64 rows, got {value}" in capsys.readouterr().err
-
-
 def test_learning_runs_both_trainers_at_the_asked_steps_per_generation():
     from bench import learning
     from bench.flops import ModelShape, grpo_step_flops
@@ -162,18 +112,3 @@ def test_learning_runs_both_trainers_at_the_asked_steps_per_generation():
     for bad in ("0", "3"):  # 64 completions per generation batch
         with pytest.raises(SystemExit, match=f"--steps-per-generation must be at least 1 and divide the 64 completions, got {bad}"):
             learning.parse_args(["--steps-per-generation", bad])
-
-
-def test_fused_projections_stack_exactly_the_weights_a_bench_models_layer_has(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from bench import fused_projections
-    from bench.harness import build_models
-
-    for size, built in build_models(["4M", "30M"], tmp_path).items():
-        layer = AutoModelForCausalLM.from_pretrained(built.path).model.layers[0]
-        groups = fused_projections.projection_groups(size)
-        attention, mlp = layer.self_attn, layer.mlp
-        assert groups["q, k, v"] == [attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features]
-        assert groups["gate, up"] == [mlp.gate_proj.out_features, mlp.up_proj.out_features]
-    assert fused_projections.projection_groups("4M")["q, k, v"] == [256, 128, 128]  # 4 heads of 64 on 2 key/value heads
