@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,7 +42,7 @@ from lit_grpo.algorithm.evaluation import ValidationMetrics
 from lit_grpo.algorithm.sampling_correction import correction_settings
 from lit_grpo.config import AsWritten, check_batch_sizes, check_settings
 from lit_grpo.data import PromptBatch
-from lit_grpo.distributed import clip_grad_norm, data_parallel_mesh, gather_rows, mixed_precision_policy, shard_model
+from lit_grpo.distributed import data_parallel_mesh, gather_rows, mixed_precision_policy, shard_model
 from lit_grpo.errors import ConfigError
 from lit_grpo.plugins.python_objects import RedactedSettings, save_settings
 from lit_grpo.rollout.async_pipeline import RolloutPipeline
@@ -79,6 +78,8 @@ from lit_grpo.run.directory import run_directory
 from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
 from lit_grpo.train.logprob_passes import LogProbEngine
 from lit_grpo.train.reference import ReferenceModelSync
+from lit_grpo.train.step_metrics import timing_metrics, update_metrics
+from lit_grpo.train.update import update_policy
 
 __all__ = ["GRPOModule"]
 
@@ -441,83 +442,31 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         scored, completions = self.generate_and_score(batch) if pipeline is None else pipeline.exchange(self, batch)
         if scored is None:
             return
-        rollout = scored.rollout
 
-        # 5. num_iterations passes of steps_per_generation optimizer steps each.
-        num_completions = rollout.completion_ids.size(0)
-        mini_batch_size = num_completions // hp.steps_per_generation
-        micro_batch_size = hp.micro_batch_size or mini_batch_size
-        micro_batches_per_step = mini_batch_size // micro_batch_size
-        first_order = torch.randperm(num_completions, device=self.device) if hp.steps_per_generation > 1 else None
-        policy_moves = hp.num_iterations > 1 or hp.steps_per_generation > 1
-        if policy_moves:  # step 4's old_logps, for the rows that are trained after the policy has moved
-            start = time.perf_counter()
-            first_step_rows = first_order if first_order is not None else torch.arange(num_completions, device=self.device)
-            scored.old_logps = self.logprobs.sampling_policy_logps(self.policy, scored, later_rows=first_step_rows[mini_batch_size:])
-            scored.timings["logprobs"] += time.perf_counter() - start
-        train_start = time.perf_counter()
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
-        step_stats: list[dict[str, torch.Tensor]] = []
-        for iteration in range(hp.num_iterations):
-            # the mini-batches' rows: in order with one optimizer step per pass, else shuffled each pass
-            order = first_order if iteration == 0 or first_order is None else torch.randperm(num_completions, device=self.device)
-            for mini_start in range(0, num_completions, mini_batch_size):
-                # Before the first optimizer step the policy is the sampling policy: its rows' own
-                # forward gives their old_logps (ratio exactly 1, as without a move), kept for later.
-                fills_old_logps = policy_moves and iteration == 0 and mini_start == 0
-                step_scored = replace(scored, old_logps=None) if fills_old_logps else scored
-                # the gradients are None here: set so after every optimizer step (below)
-                for micro_start in range(mini_start, mini_start + mini_batch_size, micro_batch_size):
-                    rows = torch.arange(micro_start, micro_start + micro_batch_size, device=self.device)
-                    rows = order[rows] if order is not None else rows
-                    scale = 1 / micro_batches_per_step if algorithm.LOSS_TYPES[hp.loss_type].accumulates_by_mean else 1.0
-                    # DDP all-reduces the accumulated gradient once, after the last micro-batch
-                    is_last = micro_start + micro_batch_size == mini_start + mini_batch_size
-                    stats, logps = self.logprobs.micro_batch_backward(self.policy, step_scored, rows, scale, sync=is_last)
-                    step_stats.append(stats)
-                    if fills_old_logps:
-                        scored.old_logps[rows, : logps.size(1)] = logps  # logps [n, c]
-                grad_norm = clip_grad_norm(self.parameters(), hp.max_grad_norm)
-                optimizer.step()
-                self.policy_version += 1  # the engine's weights are stale from here (engine.sync_weights)
-                # free the gradients now (set to None), which also starts the next mini-batch's
-                # accumulation from nothing: kept, they would stay allocated through the next
-                # generation batch and forward pass, one float32 copy of the trainable weights
-                optimizer.zero_grad()
-                if scheduler is not None:
-                    scheduler.step()
-        scored.timings["train"] = time.perf_counter() - train_start
+        # 5. num_iterations passes of steps_per_generation optimizer steps each (lit_grpo.train.update).
+        step_stats, grad_norm = update_policy(scored, self.logprobs, self.policy, self.parameters, self.optimizers(),
+                                              self.lr_schedulers(), hp, after_optimizer_step=self._count_optimizer_step)
 
         # 6. Metrics: the rollout statistics are already global; the update statistics are this
         #    rank's, averaged over ranks (every rank runs the same number of micro-batches).
         metrics = self._rollout_metrics(scored)
-        for key in step_stats[0]:
-            values = torch.stack([stats[key] for stats in step_stats])
-            if key == "loss":
-                value, reduce = values.sum() / hp.num_iterations / hp.steps_per_generation, "mean"
-            elif key.endswith(("/max", "/min")):  # a micro-batch with no token to count gives NaN
-                reduce = key.rsplit("/", 1)[1]
-                fill = float("-inf") if reduce == "max" else float("inf")
-                value = getattr(values.nan_to_num(nan=fill), reduce)()
-            else:
-                value, reduce = values.nanmean(), "mean"
-            metrics[key] = self.trainer.strategy.reduce(value, reduce_op=reduce)
+        metrics.update(update_metrics(step_stats, hp.num_iterations, hp.steps_per_generation, self._reduce))
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
-        step_time = time.perf_counter() - step_start
-        metrics["step_time"] = torch.tensor(step_time)
-        for phase, seconds in scored.timings.items():
-            metrics[f"time/{phase}"] = torch.tensor(seconds)
-        # completion tokens sampled by all ranks per second of this step
-        completion_tokens = self.trainer.strategy.reduce(rollout.completion_lengths.sum().float(), reduce_op="sum")
-        metrics["tokens_per_second"] = completion_tokens / step_time
+        metrics.update(timing_metrics(scored, time.perf_counter() - step_start, self._reduce))
         metrics.update(pipeline.metrics if pipeline is not None else {})
         for name, value in (scored.dynamic_sampling or {}).items():
             metrics[f"dynamic_sampling/{name}"] = value
         for name, value in metrics.items():
             self.log(name, value.float(), on_step=True, prog_bar=name == "reward", batch_size=len(batch.prompts))
         log_step_completions(self, scored, completions)
+
+    def _count_optimizer_step(self) -> None:
+        self.policy_version += 1  # the engine's weights are stale from here (engine.sync_weights)
+
+    def _reduce(self, value: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        """``value`` reduced over every rank (``sum``, ``mean``, ``max``, ``min``)."""
+        return self.trainer.strategy.reduce(value, reduce_op=reduce_op)
 
     def generate_and_score(self, batch: PromptBatch, training: bool = True) -> tuple[ScoredRollout, list]:
         """Steps 1-4 for one generation batch; ``training=False`` skips the log-prob passes.
@@ -615,7 +564,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         if self.tool_use is not None:
             conversations = self.tool_use.start(prompts, columns or {}, G, self.tokenizer, hp.max_prompt_length,
                                                 hp.chat_template_kwargs)
-            any_rank_active = lambda local: bool(self.trainer.strategy.reduce(  # noqa: E731
+            any_rank_active = lambda local: bool(self.trainer.strategy.reduce(
                 torch.tensor(float(local), device=self.device), reduce_op="max")) if self._trainer is not None else local
             self.engine.sync_weights(self.policy, self.policy_version)  # then it knows its longest sequence
             return self.tool_use.rollout(conversations, self._generate_ids, self.tokenizer, config, hp.max_completion_length,

@@ -1,0 +1,91 @@
+"""Step 5 of a GRPO step: ``num_iterations`` passes over the generation batch, each pass
+``steps_per_generation`` optimizer steps on mini-batches of ``B * G / steps_per_generation``
+completions, each mini-batch in micro-batches of ``micro_batch_size`` completions (gradient
+accumulation). The forwards and backwards are the log-prob passes' (:mod:`lit_grpo.train.logprob_passes`).
+
+Before the first optimizer step the policy is the sampling policy, so the first mini-batch's rows
+take their ``old_logps`` from their own forward in that step; the rows trained after the policy has
+moved get theirs from a pass without gradient first (step 4's rest, :meth:`LogProbEngine.sampling_policy_logps`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from lit_grpo import algorithm
+from lit_grpo.distributed import clip_grad_norm
+from lit_grpo.rollout.records import ScoredRollout
+from lit_grpo.train.logprob_passes import LogProbEngine
+
+__all__ = ["update_policy"]
+
+
+def update_policy(scored: ScoredRollout, logprobs: LogProbEngine, policy: torch.nn.Module,
+                  parameters: Callable[[], Iterable[torch.nn.Parameter]], optimizer: Any, scheduler: Any, hp: Any,
+                  after_optimizer_step: Callable[[], None]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
+    """Step 5 on ``scored`` (its ``old_logps`` filled where the update needs them, its ``timings``
+    given ``train`` and more ``logprobs``); every micro-batch's statistics and the last gradient norm
+    (None without clipping). ``after_optimizer_step`` runs after every optimizer step (the policy's
+    version goes up)."""
+    num_completions = scored.rollout.completion_ids.size(0)
+    device = scored.rollout.completion_ids.device
+    mini_batch_size = num_completions // hp.steps_per_generation
+    first_order = torch.randperm(num_completions, device=device) if hp.steps_per_generation > 1 else None
+    policy_moves = hp.num_iterations > 1 or hp.steps_per_generation > 1
+    if policy_moves:  # step 4's old_logps, for the rows that are trained after the policy has moved
+        start = time.perf_counter()
+        first_step_rows = first_order if first_order is not None else torch.arange(num_completions, device=device)
+        scored.old_logps = logprobs.sampling_policy_logps(policy, scored, later_rows=first_step_rows[mini_batch_size:])
+        scored.timings["logprobs"] += time.perf_counter() - start
+    train_start = time.perf_counter()
+    step_stats: list[dict[str, torch.Tensor]] = []
+    grad_norm = None
+    for iteration in range(hp.num_iterations):
+        # the mini-batches' rows: in order with one optimizer step per pass, else shuffled each pass
+        order = first_order if iteration == 0 or first_order is None else torch.randperm(num_completions, device=device)
+        for mini_start in range(0, num_completions, mini_batch_size):
+            # Before the first optimizer step the policy is the sampling policy: its rows' own
+            # forward gives their old_logps (ratio exactly 1, as without a move), kept for later.
+            fills_old_logps = policy_moves and iteration == 0 and mini_start == 0
+            step_stats += mini_batch_backward(scored, logprobs, policy, hp, order, range(mini_start, mini_start + mini_batch_size),
+                                              fills_old_logps)
+            grad_norm = clip_grad_norm(parameters(), hp.max_grad_norm)
+            optimizer.step()
+            after_optimizer_step()  # the engine's weights are stale from here (engine.sync_weights)
+            # free the gradients now (set to None), which also starts the next mini-batch's
+            # accumulation from nothing: kept, they would stay allocated through the next
+            # generation batch and forward pass, one float32 copy of the trainable weights
+            optimizer.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+    scored.timings["train"] = time.perf_counter() - train_start
+    return step_stats, grad_norm
+
+
+def mini_batch_backward(scored: ScoredRollout, logprobs: LogProbEngine, policy: torch.nn.Module, hp: Any,
+                        order: torch.Tensor | None, positions: range, fills_old_logps: bool) -> list[dict[str, torch.Tensor]]:
+    """The accumulated gradient of one mini-batch (the rows at ``positions`` of ``order``, in
+    micro-batches); every micro-batch's statistics. With ``fills_old_logps`` the forwards' log-probs
+    are the rows' ``old_logps``."""
+    device = scored.rollout.completion_ids.device
+    micro_batch_size = hp.micro_batch_size or len(positions)
+    micro_batches = len(positions) // micro_batch_size
+    step_scored = replace(scored, old_logps=None) if fills_old_logps else scored
+    scale = 1 / micro_batches if algorithm.LOSS_TYPES[hp.loss_type].accumulates_by_mean else 1.0
+    step_stats = []
+    # the gradients are None here: set so after every optimizer step
+    for micro_start in range(positions.start, positions.stop, micro_batch_size):
+        rows = torch.arange(micro_start, micro_start + micro_batch_size, device=device)
+        rows = order[rows] if order is not None else rows
+        # DDP all-reduces the accumulated gradient once, after the last micro-batch
+        is_last = micro_start + micro_batch_size == positions.stop
+        stats, logps = logprobs.micro_batch_backward(policy, step_scored, rows, scale, sync=is_last)
+        step_stats.append(stats)
+        if fills_old_logps:
+            scored.old_logps[rows, : logps.size(1)] = logps  # logps [n, c]
+    return step_stats
