@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -140,6 +141,14 @@ class PolicyEngine(GenerationEngine):
     :meth:`sync_weights` only takes the policy and its version (there is no copy to update); under
     FSDP2 the weights are gathered once for a whole call (a collective: a rank without prompts still
     joins it)."""
+
+    @classmethod
+    def check_run(cls, hp) -> None:
+        """Nothing to check before the model loads: the policy is the engine."""
+
+    @classmethod
+    def for_run(cls, hp, model_source: Any, precision: str, grows_with_tools: bool) -> "PolicyEngine":
+        return cls(hp.generation_backend)
 
     def __init__(self, backend: str) -> None:
         if backend not in SAMPLERS:

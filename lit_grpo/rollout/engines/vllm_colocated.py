@@ -508,6 +508,11 @@ class ColocatedVLLMEngine(GenerationEngine):
     holds_weights = True
 
     @classmethod
+    def check_run(cls, hp) -> None:
+        """The vllm extra is installed."""
+        require_vllm()
+
+    @classmethod
     def for_run(cls, hp, model_source: Any, precision: str, grows_with_tools: bool) -> "ColocatedVLLMEngine":
         """The engine of a run with settings ``hp`` (``model.vllm_*``), whose policy comes from
         ``model_source`` (its directory; a model object needs one, its ``name_or_path``)."""

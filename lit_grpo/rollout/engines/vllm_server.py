@@ -349,7 +349,17 @@ class VLLMServerEngine(GenerationEngine):
         return urls
 
     @classmethod
-    def for_run(cls, hp, grows_with_tools: bool = False) -> "VLLMServerEngine":
+    def check_run(cls, hp) -> None:
+        """The vllm extra is installed (vLLM's trainer-side weight transfer), the settings are sound."""
+        from lit_grpo.rollout.engines.vllm_colocated import require_vllm
+
+        require_vllm()
+        cls.check_settings(hp)
+
+    @classmethod
+    def for_run(cls, hp, model_source: Any = None, precision: str | None = None,
+                grows_with_tools: bool = False) -> "VLLMServerEngine":
+        """The engine of a run with settings ``hp`` (the policy's source and precision are the servers')."""
         longest = None if grows_with_tools else (hp.max_prompt_length, hp.max_completion_length)
         return cls(cls.check_settings(hp), float(hp.vllm_server_timeout), longest)
 
