@@ -17,6 +17,22 @@ sys.path[:0] = [str(folder) for folder in sorted(TESTS.iterdir())
                 if folder.is_dir() and any(folder.glob("test_*.py")) and str(folder) not in sys.path]
 
 from lit_grpo.tiny import build_tiny_model  # noqa: E402
+from marked_tests import EVERY_TEST, INTEGRATION, SLOW  # noqa: E402  (tests/marked_tests.py)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests that tests/marked_tests.py names ``integration`` or ``slow``; this hook runs
+    before ``-m`` selects, so ``pytest -m "not slow"`` leaves them out."""
+    for item in items:
+        try:
+            path = item.path.relative_to(config.rootpath).as_posix()
+        except ValueError:  # a test file outside the repository
+            continue
+        function = getattr(item, "originalname", item.name)  # every parametrization of it
+        for marker, tests_by_file in (("integration", INTEGRATION), ("slow", SLOW)):
+            named = tests_by_file.get(path, ())
+            if named == EVERY_TEST or function in named:
+                item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")
@@ -74,13 +90,22 @@ def cpu_trainer(**overrides):
     return pl.Trainer(**kwargs)
 
 
+def set_hparams(module, **hparams):
+    """Change ``model.*`` settings of a constructed module: in ``module.hparams`` and in the setting
+    records its log-prob passes were built with (``lit_grpo.settings.RunSettings``)."""
+    from lit_grpo.settings import RunSettings
+
+    for name, value in hparams.items():
+        setattr(module.hparams, name, value)
+    module.logprobs.settings = RunSettings.from_hparams(module.hparams)
+
+
 def logps_entropy_grads(module, rollout, **hparams):
     """With ``module.hparams`` updated by ``hparams``: the rollout's log-probs and entropy ``[n, C]``
     and the gradient (all policy parameters, flattened) of their masked sum."""
     import torch
 
-    for name, value in hparams.items():
-        setattr(module.hparams, name, value)
+    set_hparams(module, **hparams)
     module.policy.zero_grad()
     logps, entropy = module.logprobs.completion_logps(module.policy, rollout, with_entropy=True)
     mask = rollout.completion_mask[:, : logps.size(1)]
