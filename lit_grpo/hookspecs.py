@@ -22,7 +22,10 @@ from collections.abc import Callable
 
 from lit_grpo import hookspec
 
-__all__ = ["Hookspecs"]
+__all__ = ["RESERVED_ARGS", "Hookspecs"]
+
+# The arguments the trainer passes to every reward call; a reward's YAML ``args`` must not bind them.
+RESERVED_ARGS = ("prompts", "completions", "completion_ids")
 
 
 class Hookspecs:

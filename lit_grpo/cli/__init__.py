@@ -29,7 +29,7 @@ from pathlib import Path
 
 from lit_grpo import plugins
 from lit_grpo.errors import ConfigError, UserError
-from lit_grpo.plugins import RewardInfo
+from lit_grpo.plugins import RegistryEntry
 
 # What `fit`/`validate` need (Lightning, torch: seconds to import) is in lit_grpo.cli.lightning_cli, imported
 # by the commands that use it; these names of it are still found here.
@@ -88,11 +88,11 @@ def init_tiny_main(argv: list[str]) -> None:
     print(f"Wrote a tiny {options.architecture} model and character tokenizer to {path}")
 
 
-def _as_list(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> list[RewardInfo]:
+def _as_list(infos: Mapping[str, RegistryEntry] | Iterable[RegistryEntry]) -> list[RegistryEntry]:
     return list(infos.values()) if isinstance(infos, Mapping) else list(infos)
 
 
-def format_rewards_table(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo], what: str = "rewards") -> str:
+def format_rewards_table(infos: Mapping[str, RegistryEntry] | Iterable[RegistryEntry], what: str = "rewards") -> str:
     """An aligned plain-text table with columns NAME, PACKAGE, VERSION, DESCRIPTION."""
     rows = [(i.name, i.package, i.version, i.doc) for i in _as_list(infos)]
     if not rows:
@@ -109,7 +109,7 @@ def format_rewards_table(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo],
     return "\n".join(line.rstrip() for line in lines)
 
 
-def rewards_as_json(infos: Mapping[str, RewardInfo] | Iterable[RewardInfo]) -> str:
+def rewards_as_json(infos: Mapping[str, RegistryEntry] | Iterable[RegistryEntry]) -> str:
     """A JSON list of ``{name, package, version, description, kind, object}``."""
     return json.dumps(
         [

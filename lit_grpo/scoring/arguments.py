@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from lit_grpo.errors import ConfigError, DataError
-from lit_grpo.plugins import RESERVED_ARGS, RewardArgumentError, RewardInfo, get_reward
+from lit_grpo.plugins import RESERVED_ARGS, RewardArgumentError, RegistryEntry, get_reward
 
 __all__ = ["build_reward", "check_accepts", "check_columns", "needed_columns"]
 
@@ -41,7 +41,7 @@ def _signature(obj: Any) -> inspect.Signature | None:
         return None
 
 
-def _check_args(info: RewardInfo, args: dict[str, Any], sig: inspect.Signature | None, what: str) -> None:
+def _check_args(info: RegistryEntry, args: dict[str, Any], sig: inspect.Signature | None, what: str) -> None:
     """Raise :class:`RewardArgumentError` for args the signature cannot take."""
     reserved = [a for a in args if a in RESERVED_ARGS]
     if reserved:

@@ -210,7 +210,7 @@ class RewardScorer:
                               "each reward may appear once, since its name keys its metrics")
         self.specs: list[RewardSpec] = specs
         self.names: list[str] = metric_names([spec.name for spec in specs])
-        self.infos: list[plugins.RewardInfo] = [plugins.get_reward(spec.name) for spec in specs]
+        self.infos: list[plugins.RegistryEntry] = [plugins.get_reward(spec.name) for spec in specs]
         self.rewards: list[Any] = []
         for i, spec in enumerate(specs):
             try:

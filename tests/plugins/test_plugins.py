@@ -25,7 +25,7 @@ from lit_grpo.plugins import (
     PluginError,
     PluginLoadWarning,
     RewardArgumentError,
-    RewardInfo,
+    RegistryEntry,
     UnknownRewardError,
 )
 from lit_grpo.scoring import build_reward
@@ -529,8 +529,8 @@ def test_build_rejects_non_mapping_args():
 
 def _infos():
     return [
-        RewardInfo("accuracy", reward_a, "acme-rewards", "1.2.0", "1.0 if correct, else 0.0."),
-        RewardInfo("len", reward_b, "x", "", "Length."),
+        RegistryEntry("accuracy", reward_a, "acme-rewards", "1.2.0", "1.0 if correct, else 0.0."),
+        RegistryEntry("len", reward_b, "x", "", "Length."),
     ]
 
 
