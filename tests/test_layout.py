@@ -1,5 +1,5 @@
 """The shape of the code: modules of a readable size, imports that only go down the layers, and a
-README Layout section that names every module."""
+list in docs/architecture.md that names every module."""
 
 from __future__ import annotations
 
@@ -121,9 +121,9 @@ def test_import_graph_has_no_cycles():
         visit(name, [])
 
 
-def test_readme_layout_names_every_module():
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Layout", 1)[1]
+def test_architecture_page_names_every_module():
+    page = (REPO / "docs" / "architecture.md").read_text()
+    section = page.split("## Every module", 1)[1]
     listed = set()
     for line in section.splitlines():  # "lit_grpo/cpu/__init__.py, allocator.py   what they are"
         match = re.match(r"(lit_grpo/(?:\w+/)*)(\w+\.py(?:, \w+\.py)*)", line)
@@ -131,8 +131,8 @@ def test_readme_layout_names_every_module():
             folder, names = match.groups()
             listed |= {folder + name for name in names.split(", ")}
     files = {str(path.relative_to(REPO)) for path in PACKAGE.rglob("*.py")}
-    assert sorted(files - listed) == [], "add these to the README's Layout section"
-    assert sorted(listed - files) == [], "the README's Layout section names modules that do not exist"
+    assert sorted(files - listed) == [], "add these to docs/architecture.md's list of every module"
+    assert sorted(listed - files) == [], "docs/architecture.md's list of every module names modules that do not exist"
 
 
 def test_configuration_reference_documents_every_model_key():
