@@ -227,7 +227,7 @@ def code_execution(
     - assertions, ``["assert add(1, 2) == 3", ...]``: the code runs once as ``__main__`` (stdin at
       EOF, stdout discarded); then each statement runs in a judge process whose namespace holds the
       code's globals (plain values as copies, functions and objects as references answered by the
-      program; see ``lit_grpo_rewards._sandbox_judge``), and passes if it does not raise. What the
+      program; see ``lit_grpo_rewards.sandbox.judge``), and passes if it does not raise. What the
       program returns reaches the test as plain data, so a wrong program cannot make a comparison
       or an ``assert`` come out true. The code's own top-level errors do not stop the tests (a stray
       ``input()`` after the definitions is harmless); a test that never ran (program killed) fails.

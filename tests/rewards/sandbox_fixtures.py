@@ -15,7 +15,7 @@ import tempfile
 import time
 
 import pytest
-from lit_grpo_rewards import _sandbox_cgroup
+from lit_grpo_rewards.sandbox import cgroup as _sandbox_cgroup
 from lit_grpo_rewards.sandbox import UID_RANGE
 
 

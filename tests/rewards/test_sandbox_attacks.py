@@ -398,7 +398,7 @@ def test_every_unlisted_syscall_is_refused_inside_a_sandbox():
     listed nor argument-checked returns EPERM in the program process (the BPF-interpreter test in
     test_sandbox_parts checks the same for every number without running anything)."""
     require("seccomp")
-    from lit_grpo_rewards import _sandbox_seccomp as sc
+    from lit_grpo_rewards.sandbox import seccomp as sc
 
     numbers = sc.MACHINES[MACHINE][1]
     skip = {numbers[n] for n in list(sc.ALLOWED) + list(sc.ARG_RULES) + list(sc.REFUSED_WITH) if n in numbers}

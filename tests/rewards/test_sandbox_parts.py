@@ -5,6 +5,8 @@ architectures are checked on any machine, every syscall number included), the ju
 from __future__ import annotations
 
 import collections
+import ctypes
+import ctypes.util
 import decimal
 import errno
 import fractions
@@ -16,8 +18,11 @@ import sys
 import threading
 
 import pytest
-from lit_grpo_rewards import _sandbox_cgroup, _sandbox_judge, _sandbox_seccomp, sandbox
-from lit_grpo_rewards._sandbox_judge import Endpoint, ProgramError, ProgramGone, Remote
+from lit_grpo_rewards.sandbox import cgroup as _sandbox_cgroup
+from lit_grpo_rewards.sandbox import judge as _sandbox_judge
+from lit_grpo_rewards.sandbox import launch as sandbox
+from lit_grpo_rewards.sandbox import seccomp as _sandbox_seccomp
+from lit_grpo_rewards.sandbox.judge_protocol import Endpoint, ProgramError, ProgramGone, Remote, dumps
 
 # --------------------------------------------------------------------------------------------------
 # The seccomp filter, run by a BPF interpreter
@@ -174,6 +179,32 @@ def test_syscall_numbers_match_the_kernel_headers(arch_name):
     compared = [name for name in table if name in headers]
     assert len(compared) > 0.9 * len(table)  # only calls newer than the headers are skipped
     assert {name: table[name] for name in compared} == {name: headers[name] for name in compared}
+
+
+LIBSECCOMP_UNKNOWN = -1  # __NR_SCMP_ERROR: a name this libseccomp does not know (newer than it)
+
+
+def _libseccomp_numbers(audit_arch: int, names) -> dict[str, int]:
+    """libseccomp's own syscall numbers for ``names`` on an architecture (its tables cover every
+    architecture, whatever this machine is; a negative number: not a call there, or unknown)."""
+    path = ctypes.util.find_library("seccomp") or "libseccomp.so.2"  # libseccomp2: apt itself depends on it
+    try:
+        libseccomp = ctypes.CDLL(path)
+    except OSError:
+        pytest.skip("no libseccomp on this machine")
+    resolve = libseccomp.seccomp_syscall_resolve_name_arch
+    resolve.argtypes, resolve.restype = [ctypes.c_uint32, ctypes.c_char_p], ctypes.c_int
+    return {name: resolve(audit_arch, name.encode()) for name in names}
+
+
+@pytest.mark.parametrize("arch_name", sorted(ARCHES))
+def test_syscall_numbers_match_libseccomp(arch_name):
+    """Every number of the hand-written tables, on both architectures, is the one libseccomp knows."""
+    audit_arch, table = ARCHES[arch_name]
+    known = {name: number for name, number in _libseccomp_numbers(audit_arch, table).items()
+             if number != LIBSECCOMP_UNKNOWN}
+    assert len(known) > 0.9 * len(table)  # only calls newer than this libseccomp are skipped
+    assert known == {name: table[name] for name in known}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -352,7 +383,7 @@ def test_a_broken_or_hostile_channel_fails_the_remaining_tests():
         judge_reads, program_writes = os.pipe()
         program_reads, judge_writes = os.pipe()
         endpoint = Endpoint(judge_reads, judge_writes, 1 << 20, lambda n: False)
-        ready = _sandbox_judge.dumps(["ready", [["f", ["R", 0]]]]).encode()
+        ready = dumps(["ready", [["f", ["R", 0]]]]).encode()
         os.write(program_writes, len(ready).to_bytes(4, "big") + ready + garbage)
         os.close(program_writes)
         results = {}

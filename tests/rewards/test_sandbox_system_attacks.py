@@ -18,7 +18,7 @@ import os
 import sys
 
 import pytest
-from lit_grpo_rewards import _sandbox_cgroup
+from lit_grpo_rewards.sandbox import cgroup as _sandbox_cgroup
 from lit_grpo_rewards.sandbox import run_in_sandbox, sandbox_layers
 from sandbox_fixtures import bystander, sandbox_tmp  # noqa: F401 - fixtures
 
@@ -137,7 +137,7 @@ def test_the_trainers_disk_is_neither_flushed_nor_read_uncached(sandbox_tmp, wit
 def test_the_filter_tells_o_direct_from_its_neighbours(machine):
     """O_DIRECT's value depends on the architecture (aarch64's 0o40000 is O_DIRECTORY): the filter,
     read instruction by instruction, refuses each one's own and lets the others through."""
-    from lit_grpo_rewards import _sandbox_seccomp as sc
+    from lit_grpo_rewards.sandbox import seccomp as sc
     from test_sandbox_parts import ALLOW, run_filter
 
     audit_arch, numbers = sc.MACHINES[machine]

@@ -20,7 +20,6 @@ import textwrap
 import lit_grpo_rewards
 import pytest
 
-MODULES = ("sandbox.py", "_sandbox_cgroup.py", "_sandbox_judge.py", "_sandbox_runner.py", "_sandbox_seccomp.py")
 NOBODY = 65534
 
 SCRIPT = textwrap.dedent('''
@@ -87,8 +86,8 @@ def as_nobody():
     package = os.path.join(root, "lit_grpo_rewards")
     os.makedirs(package)
     here = os.path.dirname(lit_grpo_rewards.__file__)
-    for name in MODULES:
-        shutil.copy(os.path.join(here, name), package)
+    shutil.copytree(os.path.join(here, "sandbox"), os.path.join(package, "sandbox"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
     open(os.path.join(package, "__init__.py"), "w").close()
     script = os.path.join(root, "script.py")
     with open(script, "w") as f:

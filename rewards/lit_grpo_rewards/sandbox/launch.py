@@ -1,92 +1,5 @@
-"""Run untrusted Python (model-written code) in a throw-away, walled-in pair of processes.
-
-``run_in_sandbox(code, tests=[...])`` runs one program and reports, test by test, which assertions
-held; ``run_in_sandbox(code, stdin=b"...")`` runs it as a stdin/stdout program. Each call starts one
-``python -I -S -B`` subprocess (``-S`` unless ``site_packages=True``) running the runner
-(``_sandbox_runner``) in a fresh directory made with ``tempfile.mkdtemp(prefix="lit-grpo-sandbox-")``;
-it forks into the *program process* and the *judge*. Linux only. No preexec_fn is used (it is unsafe with threads),
-so calls may run concurrently from threads; each call is independent.
-
-Threat model: the program is hostile. It may be written to escape, to damage the machine, to
-outlive the call, to read what it should not, or to score tests it fails; the tests themselves and
-the interpreter are trusted. Layers, outermost first. The kernel-enforced ones are the wall; the
-audit hook is a tripwire. Which layers took effect is reported per run (``SandboxResult.layers``);
-a missing one is logged once per process as a warning naming the protection that is gone
-(``sandbox_layers()`` probes them).
-
-1. **Wall-clock timeout and cleanup (always).** The runner starts in a new session with a minimal
-   environment and only its stdio, one result descriptor and (tests) one tests descriptor open.
-   The scoring process waits on a pidfd (no polling). When the sandbox is over, the judge sweeps
-   with ``kill(-1, SIGKILL)`` as the sandbox's own uid (one atomic kernel operation: a fork bomb
-   cannot outrun it; without root it kills the PID namespace's init, which takes the namespace
-   along); then the scoring process checks that the sandbox's cgroup (or, without one,
-   its uid) has no process left and sweeps again if it has (at the deadline: ``kill -1`` run as
-   that uid, ``cgroup.kill``, the process group), reaps the runner and removes the directory and
-   the cgroup. Without root (no uid of its own) the leftovers are found by a per-run mark in their
-   environment. Every process of the sandbox also gets a parent-death signal, is the
-   out-of-memory killer's first choice (``oom_score_adj`` 1000) and runs at an ordinary scheduling
-   priority whatever the scoring thread runs at. Output goes to anonymous memory files (``memfd``),
-   never to pipes (bounded by layer 5; ``fallocate`` is refused by layer 7) nor to the scoring
-   process's disk; stdin is an anonymous memory file open for reading only, mode 0400 (it cannot be
-   reopened for writing through ``/proc/self/fd/0``).
-2. **Cgroup (where the machine lets this process create one: root, or a delegated cgroup v2; see**
-   ``_sandbox_cgroup`` **).**
-   Memory of the whole sandbox (``memory_mb`` plus ``SANDBOX_OVERHEAD_MB`` for its two
-   interpreters; shared memory and the scratch tmpfs count) and its number of processes and
-   threads, whatever the program forks; and its disk reads (where ``io``/``blkio`` can be used:
-   ``_sandbox_cgroup.DISK_READ_BYTES_PER_S``). Without it, memory is bounded per process only.
-3. **Namespaces.** Network: only a loopback interface, down. IPC. PID: the program is process 1
-   of its own namespace, in a session and process group of its own (a signal to the caller's group,
-   ``kill(0, ...)``, crosses PID namespaces), sees only its own processes in a fresh ``/proc``,
-   cannot see or signal the judge or the trainer, and when it dies the kernel kills everything it
-   started. Mount (layer
-   4). Without root they are made inside a new user namespace, where the system allows
-   unprivileged ones (most do), with the user's uid mapped to itself; the capabilities that
-   namespace gave are dropped (a nested user namespace) before any code runs.
-4. **File system (in a private mount namespace).** The root is a small tmpfs holding only
-   what a Python program needs, bound read-only from the machine: ``/usr``, ``/bin``, ``/lib*``, a
-   few files of ``/etc`` (loader cache, time zone, users, hosts, certificates), the interpreter's
-   installation and import path, the directories of the shared libraries it has loaded; a fresh
-   ``/proc``; a ``/dev`` with only ``null``, ``zero``, ``random`` and ``urandom`` (no ``/dev/shm``,
-   terminals or GPUs); an empty ``/tmp``; and the sandbox directory, a small tmpfs (``scratch_mb``)
-   owned by the sandbox uid: the only writable place (its pages are memory, charged to the
-   cgroup). Home directories, data sets, ``/run``'s sockets, ``/sys`` and ``/var`` are not there.
-   Every mount is read-only and nosuid. (Where ``pivot_root`` fails, the machine's whole tree is
-   shown read-only instead, with a warning.)
-5. **Resource limits (always).** RLIMIT_AS and RLIMIT_DATA (``memory_mb``), RLIMIT_CPU, RLIMIT_FSIZE
-   (``max_output_bytes``: the largest file, stdout included), RLIMIT_NOFILE (64), RLIMIT_NPROC
-   (``max_processes``, plus the judge and its child for a trusting test), RLIMIT_CORE, RLIMIT_MEMLOCK and RLIMIT_MSGQUEUE 0.
-6. **Unprivileged identity (root).** The program and the judge run under a uid/gid drawn at random
-   from ``UID_RANGE`` for this call alone (owning no file), with no supplementary groups and
-   ``PR_SET_NO_NEW_PRIVS``; so RLIMIT_NPROC holds and counts only this sandbox, sandboxes cannot
-   signal each other, and file permissions apply. The judge is also non-dumpable: no process of
-   the same uid can ptrace it, read its memory or open its descriptors.
-7. **System-call filter (seccomp, Linux x86_64/aarch64; both processes).** Deny by default: only the
-   calls a Python test program needs (see ``_sandbox_seccomp``). No sockets (Unix sockets at a
-   path included), no SysV IPC, no memfd, no keyring, no namespaces or mounts, no ptrace, bpf,
-   perf, io_uring or userfaultfd, no ``execve``, no ``fallocate`` (it allocates past the end of a
-   file, beyond RLIMIT_FSIZE); nothing that watches or marks the machine's files for others to see:
-   file locks succeed and lock nothing, no leases or ``F_NOTIFY``, no page-cache eviction
-   (``POSIX_FADV_DONTNEED`` is ignored) or ``RWF_NOWAIT`` probe; nothing that makes the machine's
-   disk work for it: the sync calls succeed and do nothing, ``O_DIRECT`` and ``RWF_DONTCACHE`` are
-   refused.
-8. **The judge (assertion tests).** The tests run in the judge process, which receives what the
-   program hands over as plain data and compares it with its own types (see ``_sandbox_judge``):
-   a lying ``__eq__``, a patched ``AssertionError`` or ``exec``, ``os._exit(0)`` before the tests,
-   printed markers or writes to any descriptor cannot make a test pass; a global named like a
-   standard-library module that a test reads attributes of is the judge's own module, whatever the
-   program bound to it. Nothing the judge hands the program leads into the judge's interpreter (no
-   frames, code, globals, builtins or modules). Only the judge holds the result descriptor.
-   Stdin/stdout tests are judged by the scoring process, which compares the output in place
-   (``code._output_matches``: linear time, no object per line).
-9. **Audit hook (in the program's interpreter; unless ``audit_hook=False``).** Refuses sockets,
-   ``fork``/``exec``/``subprocess``, ``kill``, ctypes, ``gc`` object walks, and writes or renames
-   outside the sandbox directory, as clean Python exceptions. It can be switched off by code that
-   tries (it lives in the program's interpreter); everything above holds without it.
-
-What remains possible is listed in ``rewards/README.md`` (CPU time up to the limits, the machine's
-name and kernel, what a test itself asks the program, ...).
-"""
+"""The scoring process's half of the sandbox: write the job, start the runner, hand it the program's
+files, wait, read what it reports and remove everything it made (see :mod:`lit_grpo_rewards.sandbox`)."""
 
 from __future__ import annotations
 
@@ -97,9 +10,7 @@ import marshal
 import math
 import os
 import secrets
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -107,62 +18,68 @@ import threading
 import time
 from collections.abc import Iterable
 
-from lit_grpo_rewards import _sandbox_cgroup
+from . import cgroup as sandbox_cgroup
+from .processes import (
+    ENV_MARK,
+    SandboxProcesses,
+    allocate_uid,
+    kill_first_when_out_of_memory,
+    release_uid,
+    run_at_normal_priority,
+    wait_for_exit,
+)
 
-__all__ = ["LAYERS", "SANDBOX_OVERHEAD_MB", "SandboxResult", "UID_RANGE", "run_in_sandbox", "sandbox_layers"]
-
-log = logging.getLogger(__name__)
+log = logging.getLogger("lit_grpo_rewards.sandbox")  # its name before the package split
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_RUNNER_MODULES = ("_sandbox_seccomp", "_sandbox_judge", "_sandbox_runner")  # in import order
+#: The runner's modules (files of this folder), in import order: each imports only those before it.
+_RUNNER_MODULES = ("seccomp", "judge_values", "judge_imports", "judge_protocol", "judged_apart", "judge", "walls",
+                   "audit_hook", "runner")
 
-#: ``python -c BOOTSTRAP HERE JOB ...``: read the job; load the runner and its helpers from the byte
-#: code in it (compiled once by this process) or else import them from this directory, which then
-#: leaves ``sys.path`` again (its modules, ``code.py`` among them, must not shadow the standard
-#: library's); run.
+#: ``python -c BOOTSTRAP HERE JOB ...``: read the job; make the runner's modules the package
+#: ``_sandbox`` (a name ``runner._the_judges_module`` refuses to the program) from the byte code in the
+#: job (compiled once by this process) or else from their source files in this directory (``sys.path``
+#: never holds it: its modules, ``code.py`` among them, must not shadow the standard library's); run.
 BOOTSTRAP = """
 import marshal, sys
 with open(sys.argv[2], "rb") as f:
     job = marshal.load(f)
-modules = job.pop("modules", None)
-if modules:
-    for name, code in modules:
-        sys.modules[name] = module = type(sys)(name)
-        exec(code, module.__dict__)
-else:
-    sys.path.insert(0, sys.argv[1])
-    import _sandbox_runner
-    del sys.path[0]
-sys.modules["_sandbox_runner"].main(sys.argv[1:], job)
+package = sys.modules["_sandbox"] = type(sys)("_sandbox")
+package.__path__ = []
+for name, code in job.pop("modules"):
+    if isinstance(code, str):
+        with open(code, "rb") as f:
+            code = compile(f.read(), code, "exec", dont_inherit=True)
+    sys.modules["_sandbox." + name] = module = type(sys)("_sandbox." + name)
+    module.__package__ = "_sandbox"
+    exec(code, module.__dict__)
+    setattr(package, name, module)
+sys.modules["_sandbox.runner"].main(sys.argv[1:], job)
 """
 _bytecode_lock = threading.Lock()
 _bytecode: list | None = None
 
 
-def _runner_bytecode(python: str) -> list | None:
+def _runner_modules(python: str) -> list:
     """[(module name, code object)] of the runner, compiled once per process, for a sandbox whose
-    interpreter is this one (byte code is version-specific); None for another interpreter.
+    interpreter is this one (byte code is version-specific); [(module name, source path)] for another
+    interpreter, which compiles them itself.
 
     Saves each sandbox compiling its ~1,300 lines of source (no ``.pyc`` is written where
     ``PYTHONDONTWRITEBYTECODE`` is set, and the sandbox runs with ``-B``)."""
     global _bytecode
+    paths = [(name, os.path.join(_HERE, name + ".py")) for name in _RUNNER_MODULES]
     if os.path.realpath(python) != os.path.realpath(sys.executable):
-        return None
+        return paths
     with _bytecode_lock:
         if _bytecode is None:
             compiled = []
-            for name in _RUNNER_MODULES:
-                path = os.path.join(_HERE, name + ".py")
+            for name, path in paths:
                 with open(path, "rb") as f:
                     compiled.append((name, compile(f.read(), path, "exec", dont_inherit=True)))
             _bytecode = compiled
         return _bytecode
 
-#: uids given to sandboxes when running as root: far above login users (and above the ranges
-#: systemd-nspawn and rootless containers use). Each call draws a fresh one at random, unique within
-#: this process; two scoring processes collide with odds of about one in a million per pair of
-#: concurrent calls (then they share RLIMIT_NPROC and the final sweep of one kills the other).
-UID_RANGE = (1_900_000_000, 1_900_000_000 + (1 << 20))
 
 #: memory the sandbox's cgroup allows on top of ``memory_mb``: the judge's and the program's own
 #: interpreters (about 10 MiB each once running) and the kernel's bookkeeping.
@@ -203,11 +120,7 @@ LAYERS = {
     "audit_hook": "the audit hook",
 }
 
-_ENV_MARK = "LIT_GRPO_SANDBOX"
 _GRACE_S = 1.0
-_NOBODY = 65534
-_uid_lock = threading.Lock()
-_uids_in_use: set[int] = set()
 _warned_lock = threading.Lock()
 _warned: set[str] = set()
 
@@ -235,189 +148,9 @@ class SandboxResult:
     peak_memory_bytes: int | None = None
 
 
-def _mapped_uid_range() -> tuple[int, int] | None:
-    """UID_RANGE if this user namespace maps it entirely (for uid and gid), else None."""
-    lo, hi = UID_RANGE
-    for name in ("uid_map", "gid_map"):
-        try:
-            with open(f"/proc/self/{name}") as f:
-                rows = [tuple(int(x) for x in line.split()) for line in f if line.strip()]
-        except OSError:
-            return None
-        if not any(inner <= lo and hi <= inner + count for inner, _outer, count in rows):
-            return None
-    return UID_RANGE
-
-
-def _allocate_uid() -> tuple[int | None, bool]:
-    """(uid to run the code as, whether that uid is this sandbox's alone); (None, False) if not root."""
-    if os.geteuid() != 0:
-        return None, False
-    rng = _mapped_uid_range()
-    if rng is None:  # a user namespace that maps few ids: share `nobody`
-        return _NOBODY, False
-    with _uid_lock:
-        while True:
-            uid = rng[0] + secrets.randbelow(rng[1] - rng[0])
-            if uid not in _uids_in_use:
-                _uids_in_use.add(uid)
-                return uid, True
-
-
-def _release_uid(uid: int | None) -> None:
-    if uid is not None:
-        with _uid_lock:
-            _uids_in_use.discard(uid)
-
-
-_KILL = shutil.which("kill", path="/usr/bin:/bin")
-
-
-def _pids_of_uid(uid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
-                    pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
-
-
-def _pids_with_mark(nonce: str) -> list[int]:
-    needle = f"{_ENV_MARK}={nonce}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0"):
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
-
-
-def _kill_pids(find) -> None:
-    for _ in range(50):
-        pids = find()
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.01)
-
-
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid``: ``kill(-1)`` run as that uid is one atomic kernel sweep."""
-    if _KILL:
-        try:
-            subprocess.run([_KILL, "-s", "KILL", "--", "-1"], user=uid, group=uid, extra_groups=[],
-                           env={}, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=10, check=False)
-        except (OSError, subprocess.SubprocessError):
-            pass
-    _kill_pids(lambda: _pids_of_uid(uid))  # fallback / belt and braces: whatever is still there
-
-
-@dataclasses.dataclass
-class _Sandbox:
-    """What the scoring process needs to find and remove everything one sandbox made."""
-
-    nonce: str
-    uid: int | None
-    own_uid: bool
-    cgroup: _sandbox_cgroup.SandboxCgroup | None = None
-    proc: subprocess.Popen | None = None
-
-    def leftovers(self) -> list[int]:
-        if self.cgroup is not None:
-            return self.cgroup.procs()
-        if self.own_uid:
-            return _pids_of_uid(self.uid)
-        return _pids_with_mark(self.nonce)
-
-    def kill_all(self) -> None:
-        if self.cgroup is not None:
-            self.cgroup.kill()
-        if self.own_uid:
-            _kill_uid(self.uid)
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the runner and whatever stayed in its group
-            except OSError:
-                pass
-        if not self.own_uid:  # same uid as us (or root): find the leftovers by the mark in their environment
-            _kill_pids(lambda: _pids_with_mark(self.nonce))
-        if self.cgroup is not None:
-            _kill_pids(self.cgroup.procs)
-
-
-def _wait(proc: subprocess.Popen, timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for the runner to exit; True if it did. Wakes up at once (pidfd)."""
-    try:
-        pidfd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):  # Python < 3.9 or Linux < 5.3: Popen's polling wait
-        try:
-            proc.wait(timeout=max(0.0, timeout))
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-    try:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or poller.poll(max(1, int(math.ceil(left * 1000)))):
-                break
-        if proc.poll() is None:
-            return False
-        return True
-    finally:
-        os.close(pidfd)
-
-
-#: oom_score_adj of every sandbox process: the most, so that the kernel's out-of-memory killer takes a
-#: sandbox before anything else on the machine. By size alone (its ranking) the largest process dies
-#: first: the trainer (gigabytes), not a sandbox holding up to memory_mb in each of max_processes
-#: processes, where no cgroup bounds the whole, or many sandboxes at once.
-OOM_SCORE_ADJ = 1000
 #: processes beside the program's max_processes: the judge, and the child it judges a trusting test in
 #: (issue 50.9), which the program must not be able to use up
 JUDGE_PROCESSES = 2
-
-
-def _kill_first_when_out_of_memory(pid: int) -> bool:
-    """Make process ``pid`` (and what it starts) the out-of-memory killer's first choice; False if the
-    kernel refused. Raising it needs no privilege."""
-    try:
-        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
-            f.write(str(OOM_SCORE_ADJ))
-        return True
-    except OSError:
-        return False
-
-
-_ORDINARY_POLICIES = {getattr(os, name) for name in ("SCHED_OTHER", "SCHED_BATCH", "SCHED_IDLE") if hasattr(os, name)}
-
-
-def _run_at_normal_priority(pid: int) -> bool:
-    """Make process ``pid`` (and what it starts) schedule like any ordinary process: never above the
-    machine's others, whatever the scoring thread runs at (a child inherits its thread's real-time
-    policy and nice value). False if the kernel refused. Lowering one's own priority needs no privilege."""
-    try:
-        if os.sched_getscheduler(pid) & ~getattr(os, "SCHED_RESET_ON_FORK", 0) not in _ORDINARY_POLICIES:
-            os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
-        if os.getpriority(os.PRIO_PROCESS, pid) < 0:
-            os.setpriority(os.PRIO_PROCESS, pid, 0)
-        return True
-    except (AttributeError, OSError):
-        return False
 
 
 def _read_tail(f, limit: int) -> bytes:
@@ -517,6 +250,170 @@ def _warn_missing(layers: dict, without: frozenset[str], cgroup_reason: str) -> 
             log.warning("code sandbox: running without %s%s", loss, f" ({detail})" if detail else "")
 
 
+@dataclasses.dataclass
+class _Streams:
+    """The runner's standard streams and descriptors for one run (memory files: see ``_memory_file``)."""
+
+    stdin: object  # a read-only memory file, or subprocess.DEVNULL with tests
+    stdout: object  # a memory file, or subprocess.DEVNULL with tests
+    stderr: object
+    result: object  # the judge's result lines
+    tests_fd: int  # the tests, for the judge only; -1 without tests
+
+
+def _limits(timeout: float, memory_mb: int, cpu_seconds: int | None, max_output_bytes: int, max_processes: int,
+            scratch_mb: int) -> dict:
+    """The runner's limits for both of its processes (see ``run_in_sandbox``'s arguments)."""
+    cpu = int(math.ceil(timeout)) if cpu_seconds is None else int(cpu_seconds)
+    return {
+        "memory_bytes": int(memory_mb) * 1024 * 1024, "cpu_seconds": max(1, cpu),
+        "file_bytes": int(max_output_bytes), "open_files": 64,
+        "processes": int(max_processes) + JUDGE_PROCESSES,  # the judge shares the uid
+        "scratch_kb": int(scratch_mb) * 1024, "message_bytes": int(max_output_bytes),
+    }
+
+
+def _make_cgroup(box: SandboxProcesses, memory_mb: int, max_processes: int, without: frozenset[str]) -> str:
+    """Give ``box`` its cgroup unless left out; the reason when none could be made ("" otherwise)."""
+    if "cgroup" in without:
+        return ""
+    try:
+        box.cgroup = sandbox_cgroup.create(
+            box.nonce, (int(memory_mb) + SANDBOX_OVERHEAD_MB) * 1024 * 1024, int(max_processes) + JUDGE_PROCESSES,
+            limit_disk_reads="disk_read_limit" not in without)
+    except OSError as exc:
+        return str(exc)
+    return ""
+
+
+def _write_job(workdir: str, box: SandboxProcesses, code: str, tests_mode: bool, python: str, limits: dict,
+               audit_hook: bool, site_packages: bool, without: frozenset[str]) -> str:
+    """Write the runner's job (read and deleted by the runner) into ``workdir``; its path."""
+    job_path = os.path.join(workdir, f".job-{box.nonce}.json")
+    job = {
+        "nonce": box.nonce, "code": code, "mode": "tests" if tests_mode else "stdin",
+        "dir": workdir, "uid": box.uid, "audit_hook": bool(audit_hook), "parent_pid": os.getpid(),
+        "site_packages": bool(site_packages), "without": sorted(without),
+        "cgroups": box.cgroup.dirs if box.cgroup is not None else [],
+        "modules": _runner_modules(python),
+        "limits": limits,
+    }
+    fd = os.open(job_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(marshal.dumps(job, 4))  # format 4: read by any Python >= 3.4
+    return job_path
+
+
+def _open_streams(tests: list[str] | None, stdin: bytes | str | None, files: list) -> _Streams:
+    """The run's streams; every file opened is appended to ``files`` (closed by the caller)."""
+
+    def memory_file(name):
+        f = _memory_file(name)
+        files.append(f)
+        return f
+
+    tests_fd = -1
+    if tests is None:
+        stdin_f = _read_only_file(stdin.encode() if isinstance(stdin, str) else (stdin or b""))
+        files.append(stdin_f)
+        stdout_f = memory_file("stdout")
+    else:
+        stdin_f = subprocess.DEVNULL
+        stdout_f = subprocess.DEVNULL
+        tests_f = memory_file("tests")  # read by the judge only, after the program process exists
+        tests_f.write(marshal.dumps([str(t) for t in tests], 4))
+        tests_f.flush()
+        tests_f.seek(0)
+        tests_fd = tests_f.fileno()
+    return _Streams(stdin_f, stdout_f, memory_file("stderr"), memory_file("result"), tests_fd)
+
+
+def _start_runner(box: SandboxProcesses, argv: list[str], workdir: str, streams: _Streams,
+                  without: frozenset[str]) -> tuple[bool, bool]:
+    """Start the runner as ``box.proc``; make it first to die when memory runs out and of ordinary
+    priority (every process of the sandbox inherits both) and move it into the cgroup while it starts
+    its interpreter: it waits for the answer on its go pipe before it does anything else (cgroup v1
+    migration waits out an RCU grace period: ~10 ms). (oom_first, normal_priority): what took effect."""
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
+        "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", ENV_MARK: box.nonce,
+        # numerical libraries start a thread per core unless told otherwise: past max_processes
+        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+    }
+    go_read, go_write = os.pipe()
+    try:
+        try:
+            box.proc = subprocess.Popen(
+                argv + [str(streams.result.fileno()), str(streams.tests_fd), str(go_read)],
+                cwd=workdir, env=env, stdin=streams.stdin, stdout=streams.stdout, stderr=streams.stderr,
+                pass_fds=tuple(fd for fd in (streams.result.fileno(), streams.tests_fd, go_read) if fd >= 0),
+                start_new_session=True, close_fds=True,
+            )
+        finally:
+            os.close(go_read)
+        oom_first = "oom_first" not in without and kill_first_when_out_of_memory(box.proc.pid)
+        normal_priority = "normal_priority" not in without and run_at_normal_priority(box.proc.pid)
+        joined = box.cgroup is not None and box.cgroup.add(box.proc.pid)
+        try:
+            os.write(go_write, b"1" if joined else b"0")
+        except OSError:  # the runner is already gone (it could not start): reported below as such
+            pass
+    finally:
+        os.close(go_write)
+    return oom_first, normal_priority
+
+
+def _sweep(box: SandboxProcesses, timed_out: bool, without: frozenset[str]) -> bool:
+    """Kill what is left of the sandbox (at the deadline, or leftovers after a run that ended by
+    itself) and reap the runner; whether it was reaped."""
+    if timed_out or ("final_sweep" not in without and box.leftovers()):
+        box.kill_all()
+    try:
+        box.proc.wait(timeout=_GRACE_S)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _remove(box: SandboxProcesses, swept: bool, files: list, workdir: str | None, own_uid: bool) -> None:
+    """Remove everything the sandbox made: its processes (unless already swept), cgroup, files,
+    directory and uid."""
+    if box.proc is not None and not swept:
+        box.kill_all()
+        try:
+            box.proc.wait(timeout=_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    if box.cgroup is not None and not box.cgroup.remove():
+        log.warning("code sandbox: could not remove cgroup %s", box.cgroup.dirs)
+    for f in files:
+        f.close()
+    if workdir is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if own_uid:
+        release_uid(box.uid)
+
+
+def _result(box: SandboxProcesses, streams: _Streams, n_tests: int, timed_out: bool, elapsed: float,
+            standing: tuple[bool, bool], max_output_bytes: int, stdin_mode: bool) -> SandboxResult:
+    """What the run produced, from the result lines the judge wrote and the runner's streams."""
+    results, done, layers = _parse_results(_read_head(streams.result, 1 << 20), box.nonce, n_tests)
+    if layers:  # the scoring process's own layers, beside the sandbox's report
+        layers["oom_first"], layers["normal_priority"] = standing
+        layers["disk_read_limit"] = box.cgroup is not None and box.cgroup.disk_reads_limited
+    return SandboxResult(
+        returncode=box.proc.returncode,
+        timed_out=timed_out,
+        elapsed=elapsed,
+        stdout=_read_head(streams.stdout, max_output_bytes) if stdin_mode else b"",
+        stderr=_read_tail(streams.stderr, 8192),
+        test_results=results,
+        completed=done and not timed_out,
+        layers=layers,
+        peak_memory_bytes=box.cgroup.peak_memory_bytes() if box.cgroup is not None else None,
+    )
+
+
 def run_in_sandbox(
     code: str,
     *,
@@ -563,139 +460,31 @@ def run_in_sandbox(
         raise ValueError(f"timeout must be positive, got {timeout}")
     without = _check_layer_names(_disable_layers) | ({"audit_hook"} if not audit_hook else frozenset())
     python = python or sys.executable
-    cpu = int(math.ceil(timeout)) if cpu_seconds is None else int(cpu_seconds)
-    nonce = secrets.token_hex(16)
+    limits = _limits(timeout, memory_mb, cpu_seconds, max_output_bytes, max_processes, scratch_mb)
     start = time.monotonic()
-    uid, own_uid = _allocate_uid()
-    box = _Sandbox(nonce=nonce, uid=uid, own_uid=own_uid and "own_uid" not in without)
-    cgroup_reason = ""
+    uid, own_uid = allocate_uid()
+    box = SandboxProcesses(nonce=secrets.token_hex(16), uid=uid, own_uid=own_uid and "own_uid" not in without)
     workdir = None
-    files = []
-    pipe_ends: list[int] = []
-    timed_out = False
+    files: list = []  # every file of the run, closed at its end
     swept = False  # the runner is reaped and nothing of the sandbox is left
     try:
         workdir = os.path.realpath(tempfile.mkdtemp(prefix="lit-grpo-sandbox-"))
         if uid is not None:
             os.chown(workdir, uid, uid)
-        if "cgroup" not in without:
-            try:
-                box.cgroup = _sandbox_cgroup.create(
-                    nonce, (int(memory_mb) + SANDBOX_OVERHEAD_MB) * 1024 * 1024, int(max_processes) + JUDGE_PROCESSES,
-                    limit_disk_reads="disk_read_limit" not in without)
-            except OSError as exc:
-                cgroup_reason = str(exc)
-        job_path = os.path.join(workdir, f".job-{nonce}.json")
-        job = {
-            "nonce": nonce, "code": code, "mode": "stdin" if tests is None else "tests",
-            "dir": workdir, "uid": uid, "audit_hook": bool(audit_hook), "parent_pid": os.getpid(),
-            "site_packages": bool(site_packages), "without": sorted(without),
-            "cgroups": box.cgroup.dirs if box.cgroup is not None else [],
-            "modules": _runner_bytecode(python),
-            "limits": {
-                "memory_bytes": int(memory_mb) * 1024 * 1024, "cpu_seconds": max(1, cpu),
-                "file_bytes": int(max_output_bytes), "open_files": 64,
-                "processes": int(max_processes) + JUDGE_PROCESSES,  # the judge shares the uid
-                "scratch_kb": int(scratch_mb) * 1024, "message_bytes": int(max_output_bytes),
-            },
-        }
-        fd = os.open(job_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(marshal.dumps(job, 4))  # format 4: read by any Python >= 3.4
-
-        def memory_file(name):
-            f = _memory_file(name)
-            files.append(f)
-            return f
-
-        tests_fd = -1
-        if tests is None:
-            stdin_f = _read_only_file(stdin.encode() if isinstance(stdin, str) else (stdin or b""))
-            files.append(stdin_f)
-            stdout_f = memory_file("stdout")
-        else:
-            stdin_f = subprocess.DEVNULL
-            stdout_f = subprocess.DEVNULL
-            tests_f = memory_file("tests")  # read by the judge only, after the program process exists
-            tests_f.write(marshal.dumps([str(t) for t in tests], 4))
-            tests_f.flush()
-            tests_f.seek(0)
-            tests_fd = tests_f.fileno()
-        stderr_f = memory_file("stderr")
-        result_f = memory_file("result")
-        go_read, go_write = os.pipe()
-        pipe_ends = [go_read, go_write]
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
-            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", _ENV_MARK: nonce,
-            # numerical libraries start a thread per core unless told otherwise: past max_processes
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-        }
+        cgroup_reason = _make_cgroup(box, memory_mb, max_processes, without)
+        job_path = _write_job(workdir, box, code, tests is not None, python, limits, audit_hook, site_packages,
+                              without)
+        streams = _open_streams(tests, stdin, files)
         argv = [python, "-I", "-B", "-X", "utf8"] + ([] if site_packages else ["-S"])
-        argv += ["-c", BOOTSTRAP, _HERE, job_path, str(result_f.fileno()), str(tests_fd), str(go_read)]
-        box.proc = subprocess.Popen(
-            argv, cwd=workdir, env=env, stdin=stdin_f, stdout=stdout_f, stderr=stderr_f,
-            pass_fds=tuple(fd for fd in (result_f.fileno(), tests_fd, go_read) if fd >= 0),
-            start_new_session=True, close_fds=True,
-        )
-        os.close(go_read)
-        pipe_ends.remove(go_read)
-        # First to die when the machine runs out of memory, at an ordinary priority (every process of
-        # the sandbox inherits both), and into the cgroup, while the runner starts its interpreter; it
-        # waits for the answer before it does anything else. (cgroup v1 migration waits out an RCU
-        # grace period: ~10 ms.)
-        oom_first = "oom_first" not in without and _kill_first_when_out_of_memory(box.proc.pid)
-        normal_priority = "normal_priority" not in without and _run_at_normal_priority(box.proc.pid)
-        joined = box.cgroup is not None and box.cgroup.add(box.proc.pid)
-        try:
-            os.write(go_write, b"1" if joined else b"0")
-        except OSError:  # the runner is already gone (it could not start): reported below as such
-            pass
-        os.close(go_write)
-        pipe_ends.remove(go_write)
-        timed_out = not _wait(box.proc, timeout - (time.monotonic() - start))
-        if timed_out or ("final_sweep" not in without and box.leftovers()):
-            box.kill_all()
-        try:
-            box.proc.wait(timeout=_GRACE_S)
-            swept = True
-        except subprocess.TimeoutExpired:
-            pass
-        n = len(tests) if tests is not None else 0
-        results, done, layers = _parse_results(_read_head(result_f, 1 << 20), nonce, n)
-        if layers:  # the scoring process's own layers, beside the sandbox's report
-            layers["oom_first"] = oom_first
-            layers["normal_priority"] = normal_priority
-            layers["disk_read_limit"] = box.cgroup is not None and box.cgroup.disk_reads_limited
-        _warn_missing(layers, without, cgroup_reason or _sandbox_cgroup.support().reason)
-        return SandboxResult(
-            returncode=box.proc.returncode,
-            timed_out=timed_out,
-            elapsed=time.monotonic() - start,
-            stdout=_read_head(stdout_f, max_output_bytes) if tests is None else b"",
-            stderr=_read_tail(stderr_f, 8192),
-            test_results=results,
-            completed=done and not timed_out,
-            layers=layers,
-            peak_memory_bytes=box.cgroup.peak_memory_bytes() if box.cgroup is not None else None,
-        )
+        standing = _start_runner(box, argv + ["-c", BOOTSTRAP, _HERE, job_path], workdir, streams, without)
+        timed_out = not wait_for_exit(box.proc, timeout - (time.monotonic() - start))
+        swept = _sweep(box, timed_out, without)
+        result = _result(box, streams, len(tests) if tests is not None else 0, timed_out,
+                         time.monotonic() - start, standing, max_output_bytes, stdin_mode=tests is None)
+        _warn_missing(result.layers, without, cgroup_reason or sandbox_cgroup.support().reason)
+        return result
     finally:
-        if box.proc is not None and not swept:
-            box.kill_all()
-            try:
-                box.proc.wait(timeout=_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        if box.cgroup is not None and not box.cgroup.remove():
-            log.warning("code sandbox: could not remove cgroup %s", box.cgroup.dirs)
-        for f in files:
-            f.close()
-        for fd in pipe_ends:
-            os.close(fd)
-        if workdir is not None:
-            shutil.rmtree(workdir, ignore_errors=True)
-        if own_uid:
-            _release_uid(uid)
+        _remove(box, swept, files, workdir, own_uid)
 
 
 def sandbox_layers(python: str | None = None) -> dict:

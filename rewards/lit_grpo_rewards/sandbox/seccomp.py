@@ -57,7 +57,8 @@ import struct
 import sys
 
 # Syscall numbers. x86_64: arch/x86/entry/syscalls/syscall_64.tbl; aarch64 uses the generic table,
-# include/uapi/asm-generic/unistd.h. The tests compare these with the installed kernel headers.
+# include/uapi/asm-generic/unistd.h. Written by hand: the runner uses the standard library only (libseccomp
+# is a C library, not always installed); the tests compare them with libseccomp's tables and the kernel headers.
 X86_64 = {
     "read": 0, "write": 1, "open": 2, "close": 3, "stat": 4, "fstat": 5, "lstat": 6, "poll": 7, "lseek": 8,
     "mmap": 9, "mprotect": 10, "munmap": 11, "brk": 12, "rt_sigaction": 13, "rt_sigprocmask": 14,
