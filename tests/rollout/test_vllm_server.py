@@ -462,6 +462,30 @@ def test_a_slow_server_is_not_lost_a_silent_one_or_one_that_refuses_is(fake, cap
     assert len(said) == 1 and said[0].startswith(f"the vLLM server at {gone.servers[0].url} is not answering"), said
 
 
+def test_a_server_that_comes_up_late_is_waited_for_and_one_that_stays_down_is_one_line(fake):
+    """Issue 52.5 (tenacity polls /health): at start a server that answers only after a while, within
+    model.vllm_server_timeout, is waited for; one that keeps answering 503 is one line after the timeout,
+    with its last answer; a push's wait for the servers to answer again ends at its deadline."""
+    server = VLLMServerEngine([fake.url], timeout=4).servers[0]
+    fake.health = "down"
+    threading.Timer(1.5, lambda: setattr(fake, "health", "ok")).start()
+    started = time.monotonic()
+    server.wait_until_up()
+    assert 1.5 <= time.monotonic() - started < 4
+
+    fake.health = "down"
+    down = VLLMServerEngine([fake.url], timeout=1.5)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=re.escape(f"no vLLM server answers at {fake.url} (HTTP 503: ; waited 1.5 s")):
+        down.servers[0].wait_until_up()
+    assert 1.5 <= time.monotonic() - started < 4
+    started = time.monotonic()
+    assert not down._wait_for_servers(time.monotonic() + 1.5, RuntimeError("a push failed"))
+    assert 1.5 <= time.monotonic() - started < 4
+    fake.health = "ok"
+    assert down._wait_for_servers(time.monotonic() + 1.5, RuntimeError("a push failed"))
+
+
 def test_a_sampling_call_stops_when_the_run_ends_without_waiting_for_a_slow_answer(fake):
     """The asynchronous pipeline's teardown (the run's end, a signal) sets the stop event: the background
     sampling gives up within a watch interval instead of waiting out a long generation."""

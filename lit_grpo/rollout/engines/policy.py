@@ -147,7 +147,7 @@ class PolicyEngine(GenerationEngine):
         """Nothing to check before the model loads: the policy is the engine."""
 
     @classmethod
-    def for_run(cls, hp, model_source: Any, precision: str, grows_with_tools: bool) -> "PolicyEngine":
+    def for_run(cls, hp, model_source: Any, precision: str, grows_with_tools: bool) -> PolicyEngine:
         return cls(hp.generation_backend)
 
     def __init__(self, backend: str) -> None:

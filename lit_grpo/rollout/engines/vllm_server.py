@@ -87,6 +87,7 @@ class ServerUnavailable(Exception):
 def in_background(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
     """``function(*args, **kwargs)`` in a daemon thread of its own: a request to a server that hangs
     (a generation has no read timeout) never holds up the trainer's exit."""
+    # by hand: ThreadPoolExecutor's workers are not daemons (the interpreter joins them at exit)
     future: Future = Future()
 
     def run() -> None:
@@ -145,22 +146,23 @@ class VLLMServer:
         return response.json() if response.content else None
 
     def wait_until_up(self) -> None:
-        """Return once the server answers ``/health``; a one-line error naming it after the timeout."""
-        started = time.monotonic()
-        while True:
-            try:
-                self.request("GET", "/health", timeout=HEALTH_TIMEOUT)
-                return
-            except (ServerUnavailable, OSError) as error:
-                reason = str(error)
-            except Exception as error:  # noqa: BLE001 - a timeout, an answer that is not vLLM's
-                reason = f"{type(error).__name__}: {error}"
-            if time.monotonic() - started >= self.timeout:
-                raise ConfigError(
-                    f"model.vllm_server_urls: no vLLM server answers at {self.url} ({reason}; waited "
-                    f"{self.timeout:g} s, model.vllm_server_timeout): start one there (lit-grpo serve MODEL --port "
-                    f"{urlparse(self.url).port}) or fix the URL")
-            time.sleep(1.0)
+        """Return once the server answers ``/health`` (asked every second); a one-line error naming
+        it after the timeout."""
+        from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
+
+        # any failure is retried: refused, a timeout, an answer that is not vLLM's
+        retrying = Retrying(retry=retry_if_exception_type(Exception), stop=stop_after_delay(self.timeout),
+                            wait=wait_fixed(1.0))
+        try:
+            retrying(self.request, "GET", "/health", timeout=HEALTH_TIMEOUT)
+        except RetryError as failed:
+            error = failed.last_attempt.exception()
+            known = isinstance(error, (ServerUnavailable, OSError))
+            reason = str(error) if known else f"{type(error).__name__}: {error}"
+            raise ConfigError(
+                f"model.vllm_server_urls: no vLLM server answers at {self.url} ({reason}; waited "
+                f"{self.timeout:g} s, model.vllm_server_timeout): start one there (lit-grpo serve MODEL --port "
+                f"{urlparse(self.url).port}) or fix the URL") from None
 
     def answers(self) -> bool:
         """Whether the server answers ``/health`` now."""
@@ -292,6 +294,7 @@ class WeightPush:
     def forward(self, item: tuple[str, torch.Tensor] | None) -> None:
         """Hand ``item`` (None: the end of the pass) to the sending thread; nothing once the push failed."""
         waiting_since = time.monotonic()
+        # by hand, not tenacity: a bounded wait on a queue that also watches the sending thread, not a retry
         while self.failure is None:
             if self.sent.done():  # it stopped before the end of the pass: it failed
                 self.failure = self.sent.exception() or RuntimeError("the weight transfer ended before the pass")
@@ -307,7 +310,7 @@ class WeightPush:
         """The end of the pass: wait for the push to finish (bounded); what made it fail, if anything."""
         self.forward(None)
         waiting_since = time.monotonic()
-        while self.failure is None:
+        while self.failure is None:  # by hand: a bounded wait on a future (concurrent.futures.wait), not a retry
             if wait([self.sent], timeout=min(WATCH_INTERVAL, self.timeout / 4)).done:
                 self.failure = self.sent.exception()  # None: sent
                 break
@@ -408,7 +411,7 @@ class VLLMServerEngine(GenerationEngine):
         start, deadline = time.perf_counter(), None
         sends = process_rank() == 0
         device = next(policy.parameters()).device
-        while True:
+        while True:  # by hand, not tenacity: every rank must agree on each try's end (a collective), then on going on
             failure = self._push(policy, version, sends)
             if not any_rank(failure is not None, device):
                 break
@@ -462,14 +465,16 @@ class VLLMServerEngine(GenerationEngine):
                                     f"{type(failure).__name__}: {_reason(failure)}")
 
     def _wait_for_servers(self, deadline: float, failure: Exception) -> bool:
-        """Whether every server answers again before ``deadline`` (said once on stderr)."""
+        """Whether every server answers again before ``deadline`` (asked every second; said once on stderr)."""
+        from tenacity import Retrying, retry_if_result, wait_fixed
+
         print(f"{failure}: waiting up to {self.timeout:g} s for the server(s) to answer (model.vllm_server_timeout), "
               "then a checkpoint and a stop", file=sys.stderr, flush=True)
-        while time.monotonic() < deadline:
-            if all(server.answers() for server in self.servers):
-                return True
-            time.sleep(1.0)
-        return False
+        if time.monotonic() >= deadline:  # tenacity asks at least once; a deadline passed asks no more
+            return False
+        retrying = Retrying(retry=retry_if_result(lambda answer: not answer), wait=wait_fixed(1.0),
+                            stop=lambda state: time.monotonic() >= deadline, retry_error_callback=lambda state: False)
+        return retrying(lambda: all(server.answers() for server in self.servers))
 
     def _leave_transfer(self) -> None:
         if self.transfer is not None:
@@ -607,7 +612,7 @@ class VLLMServerEngine(GenerationEngine):
         interval = min(WATCH_INTERVAL, self.timeout / 4)
         answered = {server.url: time.monotonic() for server in targets}  # when each last answered /health
         pending = set(answers)
-        while pending:
+        while pending:  # by hand: concurrent.futures.wait in slices, the servers' /health asked between them
             if stop is not None and stop.is_set():
                 raise GenerationFailed(f"the run stopped while the vLLM server(s) {self._urls()} sampled")
             done, pending = wait(pending, timeout=interval, return_when=FIRST_EXCEPTION)
