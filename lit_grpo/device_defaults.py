@@ -6,7 +6,7 @@ tokens leaves an H100 mostly idle. The settings below take ``auto`` (their defau
 once, at the start of a run (``GRPOModule.setup``) and said in one line:
 
 * ``forward_token_budget`` (padded tokens per log-prob forward, and per chunk of a training
-  micro-batch's forward and backward): 1,024 on the CPU (measured: bench/README.md). On CUDA, what
+  micro-batch's forward and backward): 1,024 on the CPU (measured: bench/README.md at d59a9c4). On CUDA, what
   a quarter of the free memory holds at the start of the run, given the bytes one token costs in a
   forward with gradient: its float32 logits three times over (logits, log-softmax, their gradient:
   ``vocab_size * 12``) and about 20 half-precision activations of ``hidden_size`` per layer; never

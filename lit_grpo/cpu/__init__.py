@@ -1,7 +1,7 @@
 """CPU-only tuning, behind a few entry points that do nothing on other devices.
 
 Everything here only makes CPU runs faster or lighter; the values computed are those of the plain
-PyTorch path (``bench/README.md`` has the measurements behind each piece):
+PyTorch path (the measurements behind each piece: ``git show d59a9c4:bench/README.md``):
 
 - :func:`prepare` (``GRPOModule.setup``, once per run on the CPU): glibc keeps freed memory for the
   next step (:mod:`lit_grpo.cpu.allocator`), and a warning where bf16 matmuls are emulated;
@@ -48,7 +48,7 @@ def cpu_multiplies_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     ``/proc/cpuinfo``); None where that cannot be read. Without them PyTorch emulates bf16 matmuls,
     several to tens of times slower than float32 (1 thread: 31 vs 115 GFLOP/s on an AVX-512 Xeon; on an
     AMD EPYC with AVX2 only, 1.3-2.3 vs 70-78 GFLOP/s for ``torch.matmul`` and 10x slower linear
-    layers, ``bench/results/fused_projections_zen3.md``)."""
+    layers, ``bench/results/fused_projections_zen3.md`` at d59a9c4)."""
     try:
         with open(cpuinfo) as file:
             flags = next((line.split(":", 1)[1].split() for line in file if line.startswith("flags")), None)

@@ -6,7 +6,7 @@ of its heap to the OS once more than twice that is free there. A GRPO step alloc
 activations, caches and logits of changing sizes again and again, so with these defaults each
 step faults many of the same pages in once more: 5,000-45,000 page faults per step of a
 4M-parameter run at L = 32 (at 1-2 microseconds each in a virtual machine), against about 300
-(bf16) and 10 (float32) with this setting, 4-6 % of the step time (bench/README.md).
+(bf16) and 10 (float32) with this setting, 4-6 % of the step time (bench/README.md at d59a9c4).
 
 :func:`keep_freed_memory` sets glibc's mmap threshold to its maximum (32 MiB) and its trim
 threshold to 2 GiB, so blocks up to 32 MiB come from the heap and freed ones stay there for the

@@ -2,7 +2,7 @@
 
 Under ``bf16-mixed`` on the CPU, PyTorch's SDPA kernels are slow in half precision: 1.6-2.4x slower
 than two matrix products for one-token queries (the sampler's decode steps), and 1.7-6.5x slower
-forward + backward for the sequences of GRPO's training chunks (``bench/attention.py``, 4M shapes).
+forward + backward for the sequences of GRPO's training chunks (``bench/attention.py`` at d59a9c4, 4M shapes).
 :func:`cpu_half_attention` computes
 
     probs = softmax(q k^T * scaling + mask)        # in float32, as transformers' eager attention

@@ -7,8 +7,8 @@ sampled the weights do not change, so :func:`prepacked_linear_weights` reorders 
 packing ``torch.compile``'s CPU backend uses for frozen weights) and runs the layer as
 ``torch.ops.mkldnn._linear_pointwise`` on it. The outputs are the same bf16 values bit for bit:
 the same kernels multiply the same operands, only the weight's reorder is hoisted out of the
-decode loop. What it buys is in the README (Performance), measured with ``python -m bench.ablation
---against-commit``.
+decode loop. What it buys was measured with ``bench/ablation.py --against-commit`` (in git history:
+``git show d59a9c4:bench/README.md``).
 
 Taken only where it is exact and safe: on the CPU, without autograd, when the layer computes in
 bf16 (bf16 autocast, or bf16 weights without autocast) and oneDNN has bf16 kernels on this CPU;
