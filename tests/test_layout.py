@@ -93,6 +93,16 @@ def test_module_is_of_a_readable_size(name):
     assert lines <= MAX_LINES, f"{name} has {lines} lines"
 
 
+# the reward helpers (rewards/lit_grpo_rewards, the code sandbox among them) keep the same limit
+REWARDS_MODULES = {str(path.relative_to(REPO)): path for path in (REPO / "rewards" / "lit_grpo_rewards").rglob("*.py")}
+
+
+@pytest.mark.parametrize("name", sorted(REWARDS_MODULES))
+def test_reward_module_is_of_a_readable_size(name):
+    lines = len(REWARDS_MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines"
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_imports_go_down_the_layers_and_never_to_bench(name):
     for imported in GRAPH[name]:
