@@ -98,8 +98,9 @@ def check_settings(hp, generation_backends: tuple[str, ...]) -> None:
             "model.sapo_temperature_pos and model.sapo_temperature_neg must be > 0, got "
             f"{hp.sapo_temperature_pos} and {hp.sapo_temperature_neg}"
         )
-    if hp.scale_rewards not in algorithm.SCALE_REWARDS:
-        raise ConfigError(f"model.scale_rewards must be one of {algorithm.SCALE_REWARDS}, got {hp.scale_rewards!r}")
+    if hp.scale_rewards not in algorithm.ADVANTAGE_ESTIMATORS:
+        estimators = tuple(algorithm.ADVANTAGE_ESTIMATORS)  # the built-in ones and any registered
+        raise ConfigError(f"model.scale_rewards must be one of {estimators}, got {hp.scale_rewards!r}")
     if hp.importance_sampling_level not in algorithm.IMPORTANCE_SAMPLING_LEVELS:
         raise ConfigError(
             f"model.importance_sampling_level must be one of {algorithm.IMPORTANCE_SAMPLING_LEVELS}, "

@@ -90,13 +90,22 @@ def cpu_trainer(**overrides):
     return pl.Trainer(**kwargs)
 
 
+def set_hparams(module, **hparams):
+    """Change ``model.*`` settings of a constructed module: in ``module.hparams`` and in the setting
+    records its log-prob passes were built with (``lit_grpo.settings.RunSettings``)."""
+    from lit_grpo.settings import RunSettings
+
+    for name, value in hparams.items():
+        setattr(module.hparams, name, value)
+    module.logprobs.settings = RunSettings.from_hparams(module.hparams)
+
+
 def logps_entropy_grads(module, rollout, **hparams):
     """With ``module.hparams`` updated by ``hparams``: the rollout's log-probs and entropy ``[n, C]``
     and the gradient (all policy parameters, flattened) of their masked sum."""
     import torch
 
-    for name, value in hparams.items():
-        setattr(module.hparams, name, value)
+    set_hparams(module, **hparams)
     module.policy.zero_grad()
     logps, entropy = module.logprobs.completion_logps(module.policy, rollout, with_entropy=True)
     mask = rollout.completion_mask[:, : logps.size(1)]

@@ -17,7 +17,7 @@ MAX_LINES = 700
 # its own layer and the layers below, never from above. Inside a layer, the cycle test below keeps order.
 LAYERS = [
     # errors, records, settings and pure tensor math (algorithm/); the plugin markers; a tiny model
-    ["lit_grpo", "errors", "openmp", "former_paths", "hookspecs", "tiny", "redaction", "algorithm", "config"],
+    ["lit_grpo", "errors", "settings", "openmp", "former_paths", "hookspecs", "tiny", "redaction", "algorithm", "config"],
     # loading models, CPU-only tuning, several processes
     ["models", "cpu", "distributed", "device_defaults"],
     # the files of a run: its directory, checkpoints, preemption, callbacks, completions, export

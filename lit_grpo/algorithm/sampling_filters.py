@@ -40,7 +40,7 @@ the prompt's real tokens, or in the completion before ``t``; left padding is not
 penalty where positive and multiplied where negative.
 
 Memory: positions are scored a chunk at a time (``[c, V]`` float32 temporaries,
-:data:`~lit_grpo.algorithm.LOGPROB_CHUNK_ELEMENTS` elements); what autograd keeps per chunk is the
+:data:`~lit_grpo.algorithm.token_logprobs.LOGPROB_CHUNK_ELEMENTS` elements); what autograd keeps per chunk is the
 masked ``[c, V]`` float32 logits, as the full-vocabulary log-softmax keeps its ``[c, V]`` float32
 logits (and with the repetition penalty two ``[c, V]`` boolean masks).
 """
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_grpo.algorithm import LOGPROB_CHUNK_ELEMENTS, entropy_from_logits, selective_log_softmax
+from lit_grpo.algorithm.token_logprobs import LOGPROB_CHUNK_ELEMENTS, entropy_from_logits, selective_log_softmax
 
 __all__ = ["SamplingFilters", "kept_tokens", "sampling_log_softmax", "seen_before", "token_first_positions"]
 

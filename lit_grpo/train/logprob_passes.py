@@ -1,19 +1,21 @@
-"""The log-prob engine: every forward (and backward) of a GRPO step after sampling.
+"""The log-prob passes: every forward (and backward) of a GRPO step after sampling.
 
-- :meth:`LogProbEngine.completion_logps`: log-probs ``[n, C]`` (and entropy) of the completion tokens
+- :meth:`LogProbPasses.completion_logps`: log-probs ``[n, C]`` (and entropy) of the completion tokens
   under the distribution that sampled them (temperature, repetition penalty, top-k/top-p/min-p:
   :mod:`lit_grpo.algorithm.sampling_filters`), for any rows. Each distinct prompt can go through the model once with
   its completions attending to its KV cache (``share_prompt_forward``, :mod:`lit_grpo.train.shared_prompt`),
   and rows of similar length go in separate forwards (``group_by_length``,
   :func:`lit_grpo.rollout.records.length_chunks`); the values are those of one forward over all rows.
-- :meth:`~LogProbEngine.sampling_policy_logps` and :meth:`~LogProbEngine.reference_logps`: the
+- :meth:`~LogProbPasses.sampling_policy_logps` and :meth:`~LogProbPasses.reference_logps`: the
   no-gradient passes of step 4 (``old_logps`` where the policy moves between sampling and an update,
   and the KL reference's).
-- :meth:`~LogProbEngine.micro_batch_backward`: forward, GRPO loss (:func:`lit_grpo.algorithm.grpo_loss`)
+- :meth:`~LogProbPasses.micro_batch_backward`: forward, GRPO loss (:func:`lit_grpo.algorithm.grpo_loss`)
   and backward of one micro-batch, in chunks of rows within ``forward_token_budget``, skipping the
   backward of rows whose loss terms have no gradient.
 
-Every setting is read from the module's hyperparameters (``model.*`` in the config). Under FSDP2
+The settings are records built once from the module's hyperparameters (``model.*`` in the config;
+:class:`lit_grpo.settings.RunSettings`): the loss's, the sampling distribution's and the passes' own.
+Under FSDP2
 every forward and backward is a collective, so the ranks agree on how many they run
 (:func:`lit_grpo.distributed.agreed_over_sharded_ranks`).
 """
@@ -27,6 +29,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_grpo import algorithm, cpu, models
+from lit_grpo.algorithm.losses import LossInputs
 from lit_grpo.algorithm.sampling_correction import SamplingCorrection, sampling_correction
 from lit_grpo.algorithm.sampling_filters import SamplingFilters, sampling_log_softmax
 from lit_grpo.device_defaults import AUTO, CPU_DEFAULTS
@@ -40,6 +43,7 @@ from lit_grpo.rollout.records import (
     position_ids_from_mask,
     split_chunks,
 )
+from lit_grpo.settings import RunSettings
 from lit_grpo.train.shared_prompt import (
     PromptGroups,
     PromptPrefix,
@@ -49,14 +53,15 @@ from lit_grpo.train.shared_prompt import (
     shared_prompt_unsupported,
 )
 
-__all__ = ["LogProbEngine"]
+__all__ = ["LogProbPasses"]
 
 
-class LogProbEngine:
-    """Log-probs, losses and backward passes of a GRPO step, configured by ``hparams``.
+class LogProbPasses:
+    """Log-probs, losses and backward passes of a GRPO step, configured by ``settings``.
 
     Args:
-        hparams: the module's hyperparameters (read at every call, so changes take effect).
+        settings: the run's setting groups (:meth:`lit_grpo.settings.RunSettings.from_hparams`); a
+            new record assigned to :attr:`settings` takes effect from the next call.
         all_gather: ``LightningModule.all_gather`` (the entropy threshold of ``top_entropy_quantile``
             is taken over every rank's tokens).
         backward: ``backward(loss, sync)``, the module's manual backward (``sync=False`` keeps DDP
@@ -66,12 +71,12 @@ class LogProbEngine:
 
     def __init__(
         self,
-        hparams,
+        settings: RunSettings,
         all_gather: Callable[[torch.Tensor], torch.Tensor],
         backward: Callable[[torch.Tensor, bool], None],
         grad_scale: Callable[[], float],
     ) -> None:
-        self.hp = hparams
+        self.settings = settings
         self.all_gather = all_gather
         self.backward = backward
         self.grad_scale = grad_scale
@@ -80,13 +85,27 @@ class LogProbEngine:
         self.device_defaults: dict[str, Any] = dict(CPU_DEFAULTS)
 
     @property
+    def settings(self) -> RunSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: RunSettings) -> None:
+        self._settings = settings
+        self.loss_settings = settings.loss
+        self.passes = settings.logprobs  # how the passes run
+        # the distribution that sampled: temperature, repetition penalty, top-k/top-p/min-p (lit_grpo.algorithm.sampling_filters)
+        self.sampling_filters = SamplingFilters.of_run(
+            settings.sampling, transformers_penalises_padding=not penalty_skips_left_padding()
+        )
+
+    @property
     def forward_token_budget(self) -> int | None:
-        value = self.hp.forward_token_budget
+        value = self.passes.forward_token_budget
         return self.device_defaults["forward_token_budget"] if value == AUTO else value
 
     @property
     def share_prompt_forward(self) -> bool:
-        value = self.hp.share_prompt_forward
+        value = self.passes.share_prompt_forward
         return self.device_defaults["share_prompt_forward"] if value == AUTO else value
 
     # ------------------------------------------------------------------------------------------
@@ -112,13 +131,12 @@ class LogProbEngine:
     def _completion_logps(
         self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, group_by_length: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hp = self.hp
         prefix = None
         groups = self.prompt_groups_worth_sharing(model, rollout)
         if groups is not None:
             rollout = rollout.trimmed()  # the prompt columns are fixed here; chunks trim only completions
             prefix = encode_prompts(model, rollout.prompt_ids, rollout.prompt_mask, groups)
-        if hp.group_by_length and group_by_length:
+        if self.passes.group_by_length and group_by_length:
             # a shared prompt costs nothing per row: chunk by completion length alone
             prompt_mask = rollout.prompt_mask if prefix is None else rollout.prompt_mask[:, :0]
             chunks = length_chunks(prompt_mask, rollout.completion_mask, self.forward_token_budget)
@@ -183,10 +201,8 @@ class LogProbEngine:
                 logits_to_keep=rollout.completion_ids.size(1),
                 use_cache=False,
             ).logits  # [n, C, V]: the last C positions, position P - 1 + t predicts completion token t
-        # the distribution that sampled: temperature, repetition penalty, top-k/top-p/min-p (lit_grpo.algorithm.sampling_filters)
-        filters = SamplingFilters.of_run(self.hp, transformers_penalises_padding=not penalty_skips_left_padding())
         return sampling_log_softmax(
-            logits, rollout.completion_ids, filters, rollout.prompt_ids, rollout.prompt_mask, with_entropy=with_entropy
+            logits, rollout.completion_ids, self.sampling_filters, rollout.prompt_ids, rollout.prompt_mask, with_entropy=with_entropy
         )
 
     def sampling_policy_logps(self, policy: torch.nn.Module, scored: ScoredRollout, later_rows: torch.Tensor) -> torch.Tensor:
@@ -205,9 +221,9 @@ class LogProbEngine:
         needed = later_rows
         # rows without gradient need no old log-probs, except to reweight another engine's samples
         if self.skips_rows_without_gradient() and scored.rollout.sampling_logps is None:
-            hp = self.hp
+            loss = self.loss_settings
             inert = algorithm.rows_without_gradient(
-                scored.group.advantages[later_rows], scored.loss_mask[later_rows], hp.loss_type, hp.beta
+                scored.group.advantages[later_rows], scored.loss_mask[later_rows], loss.loss_type, loss.beta
             )  # [n]
             count = agreed_over_sharded_ranks(int((~inert).sum()), policy, "max")  # every rank has n rows
             needed = torch.cat([later_rows[~inert], later_rows[inert]])[:count]
@@ -219,8 +235,8 @@ class LogProbEngine:
     def logps_no_grad(self, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
         """Log-probs ``[N, C]`` without gradient, padded back to the full width, in forwards of
         ``logprob_micro_batch_size`` rows (default ``micro_batch_size``; no backward, so it can be larger)."""
-        hp = self.hp
-        size = hp.logprob_micro_batch_size or hp.micro_batch_size or rollout.completion_ids.size(0)
+        passes = self.passes
+        size = passes.logprob_micro_batch_size or passes.micro_batch_size or rollout.completion_ids.size(0)
         full = torch.zeros(rollout.completion_ids.shape, device=rollout.completion_ids.device)
         for start in range(0, rollout.completion_ids.size(0), size):
             rows = torch.arange(start, min(start + size, rollout.completion_ids.size(0)), device=full.device)
@@ -251,7 +267,7 @@ class LogProbEngine:
     ) -> tuple[torch.Tensor, dict]:
         """The GRPO loss of the rows ``rows`` given their log-probs ``[n, C]`` (and entropy, for the
         statistics and ``top_entropy_quantile``; None skips both)."""
-        hp = self.hp
+        passes = self.passes
         width = logps.size(1)
         loss_mask = scored.loss_mask[rows, :width]
         sampling_logps = scored.rollout.sampling_logps  # [N, C] another engine's (vllm), or None
@@ -259,36 +275,26 @@ class LogProbEngine:
         old_logps = scored.old_logps[rows, :width] if scored.old_logps is not None else logps.detach()
         ref_logps = scored.ref_logps[rows, :width] if scored.ref_logps is not None else None
         policy_mask = None
-        if hp.top_entropy_quantile < 1.0:  # the threshold is over this micro-batch's tokens on all ranks
+        if passes.top_entropy_quantile < 1.0:  # the threshold is over this micro-batch's tokens on all ranks
             all_entropies = gather_real_values(entropy.detach(), loss_mask, self.all_gather)
-            policy_mask = algorithm.high_entropy_mask(entropy, loss_mask, hp.top_entropy_quantile, all_entropies)
+            policy_mask = algorithm.high_entropy_mask(entropy, loss_mask, passes.top_entropy_quantile, all_entropies)
         correction = None  # another engine sampled (vllm): its samples reweighted towards the trainer's policy
-        if sampling_logps is not None and hp.vllm_importance_sampling_correction:
+        if sampling_logps is not None and passes.vllm_importance_sampling_correction:
             correction = sampling_correction(
-                old_logps, sampling_logps, loss_mask, hp.vllm_importance_sampling_mode,
-                hp.vllm_importance_sampling_clip_min, hp.vllm_importance_sampling_clip_max,
+                old_logps, sampling_logps, loss_mask, passes.vllm_importance_sampling_mode,
+                passes.vllm_importance_sampling_clip_min, passes.vllm_importance_sampling_clip_max,
             )
-        out = algorithm.grpo_loss(
-            logps,
-            old_logps,
-            scored.group.advantages[rows],
-            loss_mask,
-            loss_type=hp.loss_type,
-            epsilon_low=hp.epsilon,
-            epsilon_high=hp.epsilon if hp.epsilon_high is None else hp.epsilon_high,
-            beta=hp.beta,
-            ref_logps=ref_logps,
-            importance_sampling_level=hp.importance_sampling_level,
-            max_completion_length=hp.max_completion_length,
+        inputs = LossInputs(
+            logps=logps,  # [n, C]
+            old_logps=old_logps,  # [n, C]
+            advantages=scored.group.advantages[rows],  # [n]
+            completion_mask=loss_mask,  # [n, C]
+            ref_logps=ref_logps,  # [n, C] or None
             num_items_in_batch=scored.num_items_in_batch,
-            delta=hp.delta,
-            sapo_temperature_pos=hp.sapo_temperature_pos,
-            sapo_temperature_neg=hp.sapo_temperature_neg,
-            kl_estimator=hp.kl_estimator,
-            use_bias_correction_kl=hp.use_bias_correction_kl,
-            policy_mask=policy_mask,
-            sampling_weights=None if correction is None else correction.weights,
+            policy_mask=policy_mask,  # [n, C] or None
+            sampling_weights=None if correction is None else correction.weights,  # [n, C] or [n, 1]
         )
+        out = algorithm.grpo_loss(inputs, self.loss_settings)
         if entropy is None:
             return out.loss, {}
         stats = {
@@ -396,10 +402,10 @@ class LogProbEngine:
         on every rank. Sharded (FSDP2) ranks leave out the same number of rows, so they keep running
         as many forwards and backwards as each other.
         """
-        hp = self.hp
         if not self.skips_rows_without_gradient():
             return None
-        inert = algorithm.rows_without_gradient(scored.group.advantages[rows], scored.loss_mask[rows], hp.loss_type, hp.beta)
+        loss = self.loss_settings
+        inert = algorithm.rows_without_gradient(scored.group.advantages[rows], scored.loss_mask[rows], loss.loss_type, loss.beta)
         positions = inert.nonzero().squeeze(1)[: len(rows) - 1]  # [f]
         left_out = rows[positions]
         backward_tokens = 2 * int(scored.rollout.prompt_mask[left_out].sum() + scored.rollout.completion_mask[left_out].sum())
@@ -410,16 +416,16 @@ class LogProbEngine:
     def skips_rows_without_gradient(self) -> bool:
         """``skip_zero_gradient_rows``, unless ``top_entropy_quantile < 1``, whose threshold is taken
         over every row's entropy in the loss."""
-        return self.hp.skip_zero_gradient_rows and self.hp.top_entropy_quantile >= 1.0
+        return self.passes.skip_zero_gradient_rows and self.passes.top_entropy_quantile >= 1.0
 
     def may_chunk_backward(self) -> bool:
         """Whether the settings let a micro-batch go backward in chunks: ``group_by_length`` with a
         ``forward_token_budget``, and a loss that is a sum of per-row terms (``rows_independent``; not
         ``top_entropy_quantile``, whose threshold needs every row)."""
-        hp = self.hp
-        if not hp.group_by_length or self.forward_token_budget is None or hp.top_entropy_quantile < 1.0:
+        passes = self.passes
+        if not passes.group_by_length or self.forward_token_budget is None or passes.top_entropy_quantile < 1.0:
             return False
-        return algorithm.LOSS_TYPES[hp.loss_type].rows_independent
+        return algorithm.LOSS_TYPES[self.loss_settings.loss_type].rows_independent
 
     def backward_chunks(self, policy: torch.nn.Module, micro: Rollout, groups: PromptGroups | None) -> list[torch.Tensor]:
         """The row chunks of a micro-batch for separate forward and backward passes: length chunks
@@ -441,6 +447,9 @@ class LogProbEngine:
             chunks = length_chunks(prompt_mask, micro.completion_mask, self.forward_token_budget)
         return split_chunks(chunks, agreed_over_sharded_ranks(len(chunks), policy, "max"))
 
+
+
+LogProbEngine = LogProbPasses  # the former name, while lit_grpo.train.update still imports it
 
 def sampling_statistics(
     trainer_logps: torch.Tensor,

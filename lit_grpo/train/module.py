@@ -76,7 +76,8 @@ from lit_grpo.run.checkpointing import (
 from lit_grpo.run.completions import log_step_completions
 from lit_grpo.run.directory import run_directory
 from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
-from lit_grpo.train.logprob_passes import LogProbEngine
+from lit_grpo.settings import RunSettings
+from lit_grpo.train.logprob_passes import LogProbPasses
 from lit_grpo.train.reference import ReferenceModelSync
 from lit_grpo.train.step_metrics import timing_metrics, update_metrics
 from lit_grpo.train.update import update_policy
@@ -289,8 +290,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         self.tokenizer = models.load_tokenizer(model_name_or_path, tokenizer)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
-        # every forward and backward after sampling (lit_grpo.train.logprob_passes), configured by these hparams
-        self.logprobs = LogProbEngine(self.hparams, self.all_gather, self._backward, self._grad_scaler_scale)
+        # every forward and backward after sampling (lit_grpo.train.logprob_passes), with settings built once
+        self.logprobs = LogProbPasses(RunSettings.from_hparams(self.hparams), self.all_gather, self._backward, self._grad_scaler_scale)
         self.run_log_dir: Path | None = None  # the logger's directory of this run, set in setup
         self._warned_prompt_truncation = False
         self.loggers_told: set[type] = set()  # loggers without a completions table, said once

@@ -14,6 +14,7 @@ import torch
 
 from lit_grpo.algorithm import (
     LOSS_TYPES,
+    LossInputs,
     aggregate_loss,
     clip_fractions,
     clipped_surrogate_loss,
@@ -26,9 +27,18 @@ from lit_grpo.algorithm import (
     k3_kl,
     selective_log_softmax,
 )
+from lit_grpo.settings import LossSettings
 
 NAN = float("nan")
 LOG2 = math.log(2.0)  # 0.693147
+
+
+def loss_of(logps, old_logps, advantages, completion_mask, *, ref_logps=None, num_items_in_batch=None,
+            policy_mask=None, sampling_weights=None, **settings):
+    """:func:`grpo_loss` of these tensors under ``LossSettings(**settings)``."""
+    inputs = LossInputs(logps, old_logps, advantages, completion_mask, ref_logps=ref_logps,
+                        num_items_in_batch=num_items_in_batch, policy_mask=policy_mask, sampling_weights=sampling_weights)
+    return grpo_loss(inputs, LossSettings(**settings))
 
 
 def close(actual, expected, atol=1e-6, rtol=1e-5):
@@ -108,7 +118,9 @@ def test_default_chunks_fill_the_element_budget_with_whole_rows(monkeypatch):
 
     # a budget of 2 rows of [4, 13] (104 elements): chunks of 2 + 2 + 1, the same values and
     # gradients as row by row, and as many float32 chunk copies as chunks
-    monkeypatch.setattr(algorithm, "LOGPROB_CHUNK_ELEMENTS", 2 * 4 * 13 + 3)
+    import lit_grpo.algorithm.token_logprobs as token_logprobs  # where the chunk functions read it
+
+    monkeypatch.setattr(token_logprobs, "LOGPROB_CHUNK_ELEMENTS", 2 * 4 * 13 + 3)
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(5, 4, 13, generator=g)
     tokens = torch.randint(0, 13, (5, 4), generator=g)
@@ -499,7 +511,7 @@ GMASK = torch.tensor([[1, 1, 0], [1, 1, 1]])  # 5 real tokens
 
 def test_grpo_loss_ratio_one_dapo():
     logps = LOGPS.clone().requires_grad_(True)
-    out = grpo_loss(logps, logps.detach(), ADV, GMASK, max_completion_length=3)
+    out = loss_of(logps, logps.detach(), ADV, GMASK, max_completion_length=3)
     # ratio 1 -> l = -A: sum m*l = -1.5*2 + .5*3 = -1.5 -> / 5 tokens = -.3
     close(out.loss, -0.3)
     assert out.kl is None
@@ -511,18 +523,18 @@ def test_grpo_loss_ratio_one_dapo():
 
 def test_grpo_loss_ratio_one_grpo_type_and_num_items():
     logps = LOGPS.clone().requires_grad_(True)
-    out = grpo_loss(logps, logps.detach(), ADV, GMASK, loss_type="grpo", max_completion_length=3)
+    out = loss_of(logps, logps.detach(), ADV, GMASK, loss_type="grpo", max_completion_length=3)
     # sequences: -1.5 and .5 -> mean -.5; grad row 0: -1.5/(2 tok * 2 seq) = -.375, row 1: .5/(3*2) = 1/12
     close(out.loss, -0.5)
     out.loss.backward()
     close(logps.grad, [[-0.375, -0.375, 0.0], [1 / 12, 1 / 12, 1 / 12]])
-    out10 = grpo_loss(LOGPS, LOGPS, ADV, GMASK, max_completion_length=3, num_items_in_batch=10)
+    out10 = loss_of(LOGPS, LOGPS, ADV, GMASK, max_completion_length=3, num_items_in_batch=10)
     close(out10.loss, -0.15)  # -1.5 / 10
 
 
 def test_grpo_loss_with_kl():
     logps = LOGPS.clone().requires_grad_(True)
-    out = grpo_loss(
+    out = loss_of(
         logps, logps.detach(), ADV, GMASK, beta=0.1, ref_logps=REF, max_completion_length=3, use_bias_correction_kl=False
     )
     # delta = ref - logp: row 0: log2, -log2, (pad); row 1: 0, log2, -log2
@@ -543,7 +555,7 @@ def test_bias_corrected_kl_on_policy_keeps_the_value_and_changes_the_gradient():
     """TRL 1.16's default (DeepSeek-V3.2): the per-token KL times the ratio, which is 1 on-policy but
     differentiable: the KL's gradient becomes beta * (logp - ref) instead of beta * (1 - exp(ref - logp))."""
     logps = LOGPS.clone().requires_grad_(True)
-    out = grpo_loss(logps, logps.detach(), ADV, GMASK, beta=0.1, ref_logps=REF, max_completion_length=3)
+    out = loss_of(logps, logps.detach(), ADV, GMASK, beta=0.1, ref_logps=REF, max_completion_length=3)
     close(out.kl, 0.2)  # as without the correction (test_grpo_loss_with_kl)
     close(out.loss, -0.28)
     out.loss.backward()
@@ -555,7 +567,7 @@ def test_bias_corrected_kl_on_policy_keeps_the_value_and_changes_the_gradient():
 def test_bias_corrected_kl_off_policy_weighs_each_token_by_its_ratio():
     logps = LOGPS.clone().requires_grad_(True)
     old_logps = LOGPS + torch.tensor([[math.log(2), 0.0, 0.0], [0.0, -math.log(2), 0.0]])  # ratios 1/2 and 2 there
-    out = grpo_loss(logps, old_logps, ADV, GMASK, beta=0.1, ref_logps=REF, max_completion_length=3)
+    out = loss_of(logps, old_logps, ADV, GMASK, beta=0.1, ref_logps=REF, max_completion_length=3)
     ratio = torch.exp(LOGPS - old_logps)
     k3 = torch.exp(REF - LOGPS) - (REF - LOGPS) - 1
     # k3 per token: row 0: 1 - log2, log2 - .5; row 1: 0, 1 - log2, log2 - .5; weighted by .5, 1 / 1, 2, 1
@@ -565,7 +577,7 @@ def test_bias_corrected_kl_off_policy_weighs_each_token_by_its_ratio():
     out.loss.backward()
     # d(rho * k3)/dlogp = rho * k3 + rho * (1 - exp(ref - logp)); the policy term's gradient as without KL
     plain = LOGPS.clone().requires_grad_(True)
-    grpo_loss(plain, old_logps, ADV, GMASK, max_completion_length=3).loss.backward()
+    loss_of(plain, old_logps, ADV, GMASK, max_completion_length=3).loss.backward()
     kl_grad = 0.1 * (ratio * k3 + ratio * (1 - torch.exp(REF - LOGPS))) * GMASK / 5
     close(logps.grad, plain.grad + kl_grad)
 
@@ -574,7 +586,7 @@ def test_bias_corrected_kl_at_sequence_level_uses_the_sequence_ratio():
     """GSPO: one ratio per completion, exp(mean log-ratio), multiplies each of its tokens' KL (TRL)."""
     logps = LOGPS.clone().requires_grad_(True)
     old_logps = LOGPS + torch.tensor([[math.log(2), math.log(2), 0.0], [0.0, 0.0, 0.0]])  # row 0: ratio 1/2
-    out = grpo_loss(
+    out = loss_of(
         logps, old_logps, ADV, GMASK, beta=0.1, ref_logps=REF, max_completion_length=3, importance_sampling_level="sequence"
     )
     # KL: row 0's two tokens sum to .5, times 1/2; row 1's to .5, times 1 -> .75 / 5 = .15
@@ -598,7 +610,7 @@ def test_dapo_normaliser_clamps_the_token_count_before_dividing():
 
 def test_grpo_loss_beta_without_ref_raises():
     with pytest.raises(ValueError, match="ref_logps"):
-        grpo_loss(LOGPS, LOGPS, ADV, GMASK, beta=0.1, max_completion_length=3)
+        loss_of(LOGPS, LOGPS, ADV, GMASK, beta=0.1, max_completion_length=3)
 
 
 def test_grpo_loss_sequence_level_importance_sampling():
@@ -610,7 +622,7 @@ def test_grpo_loss_sequence_level_importance_sampling():
     ratio = importance_ratio(logps, old, mask, "sequence")
     assert ratio.shape == (2, 1)
     assert torch.equal(ratio.expand(2, 3)[:, 0], ratio.expand(2, 3)[:, 2])
-    out = grpo_loss(logps, old, adv, mask, importance_sampling_level="sequence", max_completion_length=3)
+    out = loss_of(logps, old, adv, mask, importance_sampling_level="sequence", max_completion_length=3)
     # every token of a row has the same loss: row 0 -.904837 (x2 tokens), row 1 -1.2 (x3)
     # dapo: (-1.809675 - 3.6) / 5 = -1.081935
     close(out.loss, -1.081935)
@@ -620,7 +632,7 @@ def test_grpo_loss_sequence_level_importance_sampling():
     # row 1 clipped -> 0; padding -> 0
     close(logps.grad, [[-0.180967, -0.180967, 0.0], [0.0, 0.0, 0.0]])
     # token level on the same inputs: ratios differ per token, so the losses do too
-    token = grpo_loss(logps.detach(), old, adv, mask, importance_sampling_level="token", max_completion_length=3)
+    token = loss_of(logps.detach(), old, adv, mask, importance_sampling_level="token", max_completion_length=3)
     assert not torch.allclose(token.loss, out.loss)
 
 
@@ -697,7 +709,7 @@ def test_high_entropy_mask_keeps_the_top_quantile_of_real_tokens():
 
 
 def test_new_loss_types_in_the_registry_and_their_aggregation():
-    from lit_grpo.algorithm import LOSS_TYPES, grpo_loss
+    from lit_grpo.algorithm import LOSS_TYPES
 
     assert {"cispo", "sapo"} <= set(LOSS_TYPES)
     # cispo normalises like dapo, sapo like grpo
@@ -708,8 +720,8 @@ def test_new_loss_types_in_the_registry_and_their_aggregation():
         )
     # a policy mask removes tokens from the policy term but not from the normaliser
     logps = torch.tensor([[-1.0, -1.0]], requires_grad=True)
-    out_all = grpo_loss(logps, logps.detach(), torch.tensor([1.0]), torch.ones(1, 2), max_completion_length=2)
-    out_one = grpo_loss(
+    out_all = loss_of(logps, logps.detach(), torch.tensor([1.0]), torch.ones(1, 2), max_completion_length=2)
+    out_one = loss_of(
         logps, logps.detach(), torch.tensor([1.0]), torch.ones(1, 2), max_completion_length=2,
         policy_mask=torch.tensor([[1, 0]]),
     )
@@ -732,7 +744,7 @@ def test_rows_without_gradient_are_exactly_the_rows_whose_gradient_is_zero(loss_
     old_logps = -torch.rand(5, 3) - 0.1
     logps = (old_logps + 0.5 * torch.randn(5, 3)).requires_grad_()  # ratios inside and outside the clip
     ref_logps = old_logps - 0.3 * torch.rand(5, 3)
-    out = grpo_loss(
+    out = loss_of(
         logps, old_logps, advantages, loss_mask, loss_type=loss_type, beta=beta, ref_logps=ref_logps,
         max_completion_length=3, epsilon_high=5.0 if loss_type == "cispo" else 0.2,
     )

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from lit_grpo.algorithm import grpo_loss
 from lit_grpo.algorithm.sampling_correction import correction_settings, sampling_correction
 from lit_grpo.errors import ConfigError
 from lit_grpo.rollout.async_pipeline import check_async_settings
+from test_algorithm import loss_of  # grpo_loss of tensors and settings given as keywords
 
 TRAINER = torch.log(torch.tensor([[0.5, 0.5, 0.25], [0.25, 0.5, 0.5]]))
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
@@ -66,13 +66,13 @@ def test_weights_multiply_the_policy_term_and_not_the_kl():
     logps = TRAINER.clone().requires_grad_(True)
     advantages = torch.tensor([1.0, -1.0])
     weights = torch.tensor([[0.5], [2.0]])
-    plain = grpo_loss(logps, logps.detach(), advantages, MASK, max_completion_length=3)
-    weighted = grpo_loss(logps, logps.detach(), advantages, MASK, max_completion_length=3, sampling_weights=weights)
+    plain = loss_of(logps, logps.detach(), advantages, MASK, max_completion_length=3)
+    weighted = loss_of(logps, logps.detach(), advantages, MASK, max_completion_length=3, sampling_weights=weights)
     # on-policy per-token loss -A: row 0 two tokens of -1, row 1 three of +1; dapo over 5 tokens
     close(plain.loss, (-2.0 + 3.0) / 5)
     close(weighted.loss, (0.5 * -2.0 + 2.0 * 3.0) / 5)
     ref = TRAINER - 0.1
-    with_kl = grpo_loss(logps, logps.detach(), advantages, MASK, max_completion_length=3, sampling_weights=weights,
+    with_kl = loss_of(logps, logps.detach(), advantages, MASK, max_completion_length=3, sampling_weights=weights,
                         beta=0.5, ref_logps=ref)
     k3 = math.exp(-0.1) + 0.1 - 1
     close(with_kl.loss, (0.5 * -2.0 + 2.0 * 3.0 + 0.5 * 5 * k3) / 5)
@@ -135,7 +135,7 @@ def test_decoupled_ppo_weighs_the_clipped_proximal_ratio_by_the_masked_behaviour
     close(correction.ratio, [[0.5, 10.0], [0.1, 0.5]])  # w = prox / behav
     close(correction.weights, [[0.5, 0.0], [0.0, 0.5]])  # 10 > 8 and 0.1 < 1/8 leave the loss
     assert correction.changed.tolist() == [[False, True], [True, False]]
-    out = grpo_loss(theta, prox, advantages, mask, loss_type="dapo", max_completion_length=2,
+    out = loss_of(theta, prox, advantages, mask, loss_type="dapo", max_completion_length=2,
                     sampling_weights=correction.weights)
     # r = [[2, 1], [.5, 2]]; row 0 (A = 1): -min(2, 1.2) * .5 = -.6, -1 * 0 = 0;
     # row 1 (A = -1): -min(-.5, -.8) * 0 = 0, -min(-2, -1.2) * .5 = 1; dapo: sum over the 4 tokens / 4

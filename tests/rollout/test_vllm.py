@@ -45,6 +45,7 @@ from lit_grpo.errors import ConfigError  # noqa: E402
 from lit_grpo.train.module import GRPOModule  # noqa: E402
 from lit_grpo.rollout.engines.policy_weights import hf_named_weights  # noqa: E402
 from lit_grpo.tiny import build_tiny_model  # noqa: E402
+from conftest import set_hparams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 LIT_GRPO = str(Path(sys.executable).with_name("lit-grpo"))
@@ -287,7 +288,7 @@ def test_module_rollout_carries_the_samplers_logps_equal_to_the_trainers(vllm_mo
     assert difference.max() < LOGPROB_ATOL
     assert (rollout.sampling_logps[~rollout.completion_mask.bool()] == 0).all()
     # and the trainer at another temperature is far off: the check can tell
-    module.hparams.temperature = 1.0
+    set_hparams(module, temperature=1.0)
     wrong, _ = module.logprobs.completion_logps(module.policy, rollout)
     assert (rollout.sampling_logps[:, : wrong.size(1)] - wrong).abs()[mask].max() > 100 * LOGPROB_ATOL
 

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import test_module
 import torch
+from conftest import set_hparams
 
 from lit_grpo.data import GRPODataModule, PromptBatch
 from lit_grpo.train.module import GRPOModule
@@ -166,8 +167,7 @@ def test_logprob_micro_batch_size_sets_rows_per_forward_not_values(
     scored = rollout_of(module, fast_trainer)
     reference = module.logprobs.logps_no_grad(module.policy, scored.rollout)  # [8, C] in one forward
 
-    module.hparams.logprob_micro_batch_size = logprob_micro_batch_size
-    module.hparams.micro_batch_size = micro_batch_size
+    set_hparams(module, logprob_micro_batch_size=logprob_micro_batch_size, micro_batch_size=micro_batch_size)
     rows = count_policy_forwards(module)
     logps = module.logprobs.logps_no_grad(module.policy, scored.rollout)
     assert rows == forward_rows
@@ -234,7 +234,7 @@ def micro_batch_backward(module, scored, rows, budget, scale=0.5, loss_scale=1.0
     """``LogProbEngine.micro_batch_backward`` under ``forward_token_budget=budget``: the gradient, the statistics,
     the order of the forwards with gradient and the backward passes, and the peak saved bytes.
     ``loss_scale``: ``manual_backward`` multiplies every loss by it, as under a ``16-mixed`` GradScaler."""
-    module.hparams.forward_token_budget = budget
+    set_hparams(module, forward_token_budget=budget)
     module.policy.zero_grad(set_to_none=True)
     events = []
     hook = module.policy.register_forward_pre_hook(
@@ -357,9 +357,9 @@ def test_rows_without_gradient_skip_the_backward_and_change_nothing(
         scored.ref_logps = (current - 0.5 * torch.rand_like(current)) * mask
     rows = torch.tensor([1, 7, 0, 4, 6, 2])  # rows 1, 0, 2 with advantage 0; row 6 masked
 
-    module.hparams.skip_zero_gradient_rows = False
+    set_hparams(module, skip_zero_gradient_rows=False)
     expected, expected_stats, *_ = micro_batch_backward(module, scored, rows, budget)
-    module.hparams.skip_zero_gradient_rows = True
+    set_hparams(module, skip_zero_gradient_rows=True)
     trained_rows = rows_in_forwards_with_gradient(module)
     gradient, stats, events, _ = micro_batch_backward(module, scored, rows, budget)
 
@@ -397,7 +397,7 @@ def test_rows_without_gradient_keep_one_row_and_a_zero_gradient(tiny_model_dir, 
     monkeypatch.setattr(lit_grpo.train.logprob_passes, "FORWARD_OVERHEAD_TOKENS", 10_000)
     assert module.logprobs.rows_without_gradient(module.policy, scored, rows) is None
     monkeypatch.setattr(lit_grpo.train.logprob_passes, "FORWARD_OVERHEAD_TOKENS", 0)
-    module.hparams.top_entropy_quantile = 0.5  # the threshold is over every row's entropy in the loss
+    set_hparams(module, top_entropy_quantile=0.5)  # the threshold is over every row's entropy in the loss
     assert module.logprobs.rows_without_gradient(module.policy, scored, rows) is None
 
 
@@ -431,9 +431,9 @@ def test_token_budget_keeps_one_pass_where_the_loss_needs_every_row(tiny_model_d
     micro = scored.rollout.select(torch.arange(8))
     assert len(module.logprobs.backward_chunks(module.policy, micro, None)) == 8  # one row each
 
-    module.hparams.top_entropy_quantile = 0.5  # the entropy threshold is over every row of the micro-batch
+    set_hparams(module, top_entropy_quantile=0.5)  # the entropy threshold is over every row of the micro-batch
     assert [chunk.tolist() for chunk in module.logprobs.backward_chunks(module.policy, micro, None)] == [list(range(8))]
-    module.hparams.top_entropy_quantile = 1.0
+    set_hparams(module, top_entropy_quantile=1.0)
 
     # a registered loss type is trained in one pass unless it says its rows are independent
     @algorithm.register_loss_type("test_batch_max")
@@ -441,10 +441,9 @@ def test_token_budget_keeps_one_pass_where_the_loss_needs_every_row(tiny_model_d
         return (per_token_loss * completion_mask).max()
 
     try:
-        module.hparams.loss_type = "test_batch_max"
+        set_hparams(module, loss_type="test_batch_max")
         assert [chunk.tolist() for chunk in module.logprobs.backward_chunks(module.policy, micro, None)] == [list(range(8))]
-        module.hparams.group_by_length = False
-        module.hparams.loss_type = "dapo"
+        set_hparams(module, group_by_length=False, loss_type="dapo")
         assert [chunk.tolist() for chunk in module.logprobs.backward_chunks(module.policy, micro, None)] == [list(range(8))]
     finally:
         del algorithm.LOSS_TYPES["test_batch_max"]

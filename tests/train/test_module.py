@@ -21,7 +21,7 @@ import lit_grpo.train.logprob_passes
 import lit_grpo.train.module
 from lit_grpo import algorithm
 from lit_grpo.data import GRPODataModule, PromptBatch
-from lit_grpo.train.logprob_passes import LogProbEngine
+from lit_grpo.train.logprob_passes import LogProbPasses
 from lit_grpo.train.module import GRPOModule, ignore_expected_lightning_warnings
 
 CHAR_FRACTION = [{"name": "char_fraction", "weight": 1.0}]
@@ -173,10 +173,10 @@ def record_ratios(monkeypatch):
     calls = []
     original = algorithm.grpo_loss
 
-    def wrapper(logps, old_logps, advantages, completion_mask, **kwargs):
-        mask = completion_mask.bool()
-        calls.append(torch.exp(logps.detach() - old_logps)[mask])
-        return original(logps, old_logps, advantages, completion_mask, **kwargs)
+    def wrapper(inputs, settings):
+        mask = inputs.completion_mask.bool()
+        calls.append(torch.exp(inputs.logps.detach() - inputs.old_logps)[mask])
+        return original(inputs, settings)
 
     monkeypatch.setattr(lit_grpo.train.module.algorithm, "grpo_loss", wrapper)
     return calls
@@ -217,13 +217,13 @@ def test_second_optimizer_step_sees_moved_policy_and_clips(
 
 def count_completion_logps(monkeypatch):
     calls = []
-    original = LogProbEngine.completion_logps
+    original = LogProbPasses.completion_logps
 
     def counting(self, model, rollout, with_entropy=False):
         calls.append({"rows": rollout.completion_ids.size(0), "with_grad": torch.is_grad_enabled()})
         return original(self, model, rollout, with_entropy=with_entropy)
 
-    monkeypatch.setattr(LogProbEngine, "completion_logps", counting)
+    monkeypatch.setattr(LogProbPasses, "completion_logps", counting)
     return calls
 
 
@@ -332,9 +332,9 @@ def test_dapo_normalises_each_optimizer_step_by_its_share_of_the_generation_batc
     calls = []
     original = lit_grpo.train.module.algorithm.grpo_loss
 
-    def recording(*args, **kwargs):
-        calls.append(kwargs["num_items_in_batch"])
-        return original(*args, **kwargs)
+    def recording(inputs, settings):
+        calls.append(inputs.num_items_in_batch)
+        return original(inputs, settings)
 
     monkeypatch.setattr(lit_grpo.train.module.algorithm, "grpo_loss", recording)
     module = make_module(tiny_model_dir, steps_per_generation=steps_per_generation, micro_batch_size=2, loss_type="dapo")

@@ -3,7 +3,7 @@ attending to its KV cache (lit_grpo.train.shared_prompt). The reference is one p
 
 import pytest
 import torch
-from conftest import logps_entropy_grads
+from conftest import logps_entropy_grads, set_hparams
 
 import lit_grpo.train.logprob_passes
 import lit_grpo.train.module
@@ -65,7 +65,7 @@ def test_shared_prompt_logps_and_gradients_equal_one_forward(module, monkeypatch
     rollout = hand_made_rollout(module.tokenizer, lengths, order=[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2])
     P = rollout.prompt_mask.size(1)
     reference = logps_entropy_grads(module, rollout, share_prompt_forward=False, group_by_length=False)
-    module.hparams.forward_token_budget = 30  # with group_by_length: several chunks of completions
+    set_hparams(module, forward_token_budget=30)  # with group_by_length: several chunks of completions
     shapes = input_shapes(module.policy)
     shared = logps_entropy_grads(module, rollout, share_prompt_forward=True, group_by_length=group_by_length)
 
