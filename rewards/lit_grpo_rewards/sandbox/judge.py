@@ -19,11 +19,11 @@ last read (a test that calls ``push(1)`` and then reads the program's global ``s
 - a module: the judge's own import of the module of that name, never the program's module
   object, and only from a short list (:data:`JUDGE_IMPORTS`; with site-packages also
   :data:`SITE_PACKAGES_IMPORTS`), imported with a neutral argv, working directory and HOME and
-  ``sys.path`` restored after (:func:`import_for_the_tests`): never a command-line tool's
+  ``sys.path`` restored after (:func:`.judge_imports.import_for_the_tests`): never a command-line tool's
   ``__main__``. Another standard-library name, or one the judge cannot import, fails the test that
   reads the module (``types.ModuleType("math.forged")``, ``types.ModuleType("unittest.__main__")``);
 - anything else (functions, classes, instances of the program's classes, generators): a
-  :class:`Remote` reference. Calling it, reading its attributes, iterating it, ``len``, indexing,
+  :class:`.judge_protocol.Remote` reference. Calling it, reading its attributes, iterating it, ``len``, indexing,
   ``str`` and ``repr`` are done by the program and answered, again, as plain data or as
   references. A reference has no truth value and no equality or order: ``bool(ref)``, ``ref == x``,
   ``ref < x`` raise TypeError, so an object of the program cannot decide a comparison or an
@@ -46,14 +46,14 @@ in the judge, with the judge's ``builtins.print`` and to its ``sys.stdout`` as t
 test that redirects ``sys.stdout`` or patches ``builtins.print`` sees what the program printed.
 
 A test that may run the program's text as code in the judge (its syntax tree reads ``eval``,
-``getattr``, ``vars``, a dunder, a module off :data:`PLAIN_MODULES` such as ``pickle``, ``operator``
-or ``sympy``, or a name an earlier test bound to one: :func:`judged_apart`) runs in a child of the
+``getattr``, ``vars``, a dunder, a module off :data:`.judged_apart.PLAIN_MODULES` such as ``pickle``, ``operator``
+or ``sympy``, or a name an earlier test bound to one: :func:`.judged_apart.judged_apart`) runs in a child of the
 judge forked for it, which reports its verdict to the judge and holds no result descriptor: the
 program's code, once it runs there, decides that test only. (The last test runs in the judge
 itself: every other verdict is written by then.)
 
 What the judge hands to the program (the arguments a test passes, the values its callbacks return)
-leads nowhere into the judge's interpreter (:func:`leads_into_the_interpreter`): plain data goes
+leads nowhere into the judge's interpreter (:func:`.judge_values.leads_into_the_interpreter`): plain data goes
 as copies, modules by name only (the program's side imports its own), and the judge refuses to hand
 over frames, code objects, tracebacks and cells (a generator's ``gi_frame``, whatever the attribute
 is called), the globals of a module or of the tests, the builtins that reach attributes,

@@ -414,6 +414,7 @@ def _result(box: SandboxProcesses, streams: _Streams, n_tests: int, timed_out: b
     )
 
 
+# over 60 lines with its signature and docstring (the API's reference); its body is 30 lines, the steps in order
 def run_in_sandbox(
     code: str,
     *,
@@ -434,7 +435,7 @@ def run_in_sandbox(
 
     With ``tests`` (Python statements, typically assertions) the code is executed as ``__main__``
     with stdin at EOF and stdout discarded, then each test runs in the judge, in a namespace made
-    from the program's globals (see ``_sandbox_judge``); the result lists, test by test, whether it
+    from the program's globals (see ``judge``); the result lists, test by test, whether it
     ran without raising. Without ``tests`` the code runs as a stdin/stdout program fed ``stdin``;
     its stdout (up to ``max_output_bytes``) and exit status are returned for the caller to judge.
 
