@@ -222,6 +222,22 @@ class _Worker:
         return f"exited with code {code}"
 
 
+@dataclass
+class _Progress:
+    """Where one :meth:`WorkerPool.run` stands: each task's result (None: not yet), the tasks no worker
+    has picked up, how many have no result, and whether one failed."""
+
+    results: list[tuple[str, Any] | None]
+    pending: deque[int]
+    remaining: int
+    failed: bool = False
+
+    def finish(self, task: int, result: tuple[str, Any]) -> None:
+        self.results[task] = result
+        self.remaining -= 1
+        self.failed = self.failed or result[0] == "error"
+
+
 class WorkerPool:
     """``size`` persistent worker processes that each hold one unpickled copy of a reward
     (``payload``: :func:`pickle_reward`'s).
@@ -284,117 +300,119 @@ class WorkerPool:
         and unfinished tasks get ``None``. Setting ``cancel`` does the same and raises
         :class:`PoolCancelled`. Raises :class:`PoolInitError` if a worker cannot load the reward.
         """
-        results: list[tuple[str, Any] | None] = [None] * len(tasks)
-        pending = deque(range(len(tasks)))
-        remaining = len(tasks)
-        failed = False
+        progress = _Progress([None] * len(tasks), deque(range(len(tasks))), len(tasks))
         try:
-            while remaining and not (stop_on_error and failed):
+            while progress.remaining and not (stop_on_error and progress.failed):
                 if cancel is not None and cancel.is_set():
                     raise PoolCancelled(f"scoring with reward {self.name!r} was cancelled")
-                # Start workers for work that no idle or starting worker will pick up.
-                waiting = sum(w.state in ("idle", "starting") for w in self.workers)
-                for _ in range(min(len(pending) - waiting, self.size - len(self.workers))):
-                    self._start_worker()
-                # Hand out work.
-                now = time.monotonic()
-                for worker in self.workers:
-                    if worker.state == "idle" and pending:
-                        index = pending.popleft()
-                        try:
-                            worker.conn.send_bytes(tasks[index])
-                        except (OSError, ValueError):  # died while idle: retry the task elsewhere
-                            pending.appendleft(index)
-                            worker.state = "dead"
-                            continue
-                        worker.state, worker.task = "busy", index
-                        worker.deadline = now + timeout if timeout is not None else float("inf")
-                for worker in [w for w in self.workers if w.state == "dead"]:
-                    self._remove(worker)
+                self._start_workers(len(progress.pending))
+                self._hand_out(tasks, progress, timeout)
                 if not self.workers:
                     continue
-                # Wait for a message, a death or a deadline.
-                deadline = min(w.deadline for w in self.workers)
-                wait = max(0.0, min(deadline - time.monotonic(), _POLL))
-                ready = set(
-                    multiprocessing.connection.wait(
-                        [w.conn for w in self.workers] + [w.process.sentinel for w in self.workers], wait
-                    )
-                )
-                for worker in list(self.workers):
-                    if worker.conn in ready or worker.process.sentinel in ready:
-                        message = None
-                        try:
-                            if worker.conn.poll():
-                                data = worker.conn.recv_bytes()
-                                try:
-                                    message = pickle.loads(data)
-                                except Exception as exc:  # e.g. a value of a class this process lacks
-                                    if worker.state != "busy":
-                                        raise
-                                    message = (
-                                        "error",
-                                        worker.task,
-                                        (type(exc).__name__, f"the reward's result could not be unpickled: {exc}", ""),
-                                    )
-                        except (EOFError, OSError):
-                            message = None
-                        if message is None:  # the process died (or closed its pipe)
-                            how = worker.exit_description()
-                            if worker.state == "starting":
-                                raise PoolInitError(
-                                    f"a worker process for reward {self.name!r} {how} while loading the reward"
-                                )
-                            if worker.state == "busy":
-                                results[worker.task] = (
-                                    "error",
-                                    Failure("crash", "WorkerDied", f"the worker process {how} while scoring this sample"),
-                                )
-                                remaining -= 1
-                                failed = True
-                            self._remove(worker)
-                            continue
-                        kind = message[0]
-                        if kind == "ready":
-                            worker.state, worker.deadline = "idle", float("inf")
-                        elif kind == "init_error":
-                            raise PoolInitError(
-                                f"a worker process could not load reward {self.name!r}:\n{message[1]}"
-                            )
-                        else:
-                            _, task_id, payload = message
-                            if kind == "ok":
-                                results[task_id] = ("ok", payload)
-                            else:
-                                type_name, text, tb = payload
-                                results[task_id] = ("error", Failure("exception", type_name, text, tb))
-                                failed = True
-                            remaining -= 1
-                            worker.state, worker.task, worker.deadline = "idle", None, float("inf")
-                # Kill workers whose task ran out of time (or that never finished starting).
-                now = time.monotonic()
-                for worker in list(self.workers):
-                    if worker.deadline > now:
-                        continue
-                    if worker.state == "starting":
-                        raise PoolInitError(
-                            f"a worker process for reward {self.name!r} did not load the reward within "
-                            f"{STARTUP_TIMEOUT:g} seconds"
-                        )
-                    if worker.state == "busy":
-                        results[worker.task] = (
-                            "error",
-                            Failure("timeout", "TimeoutError", f"no result within the {timeout:g} s timeout"),
-                        )
-                        remaining -= 1
-                        failed = True
-                        self._remove(worker)
+                for worker in self._wait_for_workers():
+                    self._receive(worker, progress)
+                self._stop_overdue(progress, timeout)
         except BaseException:
             self._abandon_busy()
             raise
-        if remaining:  # stopped early: the unfinished tasks' workers are busy with unwanted work
+        if progress.remaining:  # stopped early: the unfinished tasks' workers are busy with unwanted work
             self._abandon_busy()
-        return results
+        return progress.results
+
+    def _start_workers(self, pending: int) -> None:
+        """Start workers for work that no idle or starting worker will pick up."""
+        waiting = sum(w.state in ("idle", "starting") for w in self.workers)
+        for _ in range(min(pending - waiting, self.size - len(self.workers))):
+            self._start_worker()
+
+    def _hand_out(self, tasks: list[bytes], progress: _Progress, timeout: float | None) -> None:
+        """Send each idle worker a pending task, its deadline ``timeout`` from now."""
+        now = time.monotonic()
+        for worker in self.workers:
+            if worker.state == "idle" and progress.pending:
+                index = progress.pending.popleft()
+                try:
+                    worker.conn.send_bytes(tasks[index])
+                except (OSError, ValueError):  # died while idle: retry the task elsewhere
+                    progress.pending.appendleft(index)
+                    worker.state = "dead"
+                    continue
+                worker.state, worker.task = "busy", index
+                worker.deadline = now + timeout if timeout is not None else float("inf")
+        for worker in [w for w in self.workers if w.state == "dead"]:
+            self._remove(worker)
+
+    def _wait_for_workers(self) -> list[_Worker]:
+        """The workers with a message or a death, waiting for one until the nearest deadline (at most
+        :data:`_POLL` seconds)."""
+        deadline = min(w.deadline for w in self.workers)
+        wait = max(0.0, min(deadline - time.monotonic(), _POLL))
+        ready = set(
+            multiprocessing.connection.wait(
+                [w.conn for w in self.workers] + [w.process.sentinel for w in self.workers], wait
+            )
+        )
+        return [w for w in list(self.workers) if w.conn in ready or w.process.sentinel in ready]
+
+    def _receive(self, worker: _Worker, progress: _Progress) -> None:
+        """Act on what ``worker`` sent: it is ready, could not load the reward, or finished its task; or
+        it died (its task fails with kind ``crash``)."""
+        message = self._read(worker)
+        if message is None:  # the process died (or closed its pipe)
+            how = worker.exit_description()
+            if worker.state == "starting":
+                raise PoolInitError(f"a worker process for reward {self.name!r} {how} while loading the reward")
+            if worker.state == "busy":
+                progress.finish(worker.task, ("error", Failure("crash", "WorkerDied",
+                                                               f"the worker process {how} while scoring this sample")))
+            self._remove(worker)
+            return
+        kind = message[0]
+        if kind == "ready":
+            worker.state, worker.deadline = "idle", float("inf")
+        elif kind == "init_error":
+            raise PoolInitError(f"a worker process could not load reward {self.name!r}:\n{message[1]}")
+        else:
+            _, task_id, payload = message
+            if kind == "ok":
+                progress.finish(task_id, ("ok", payload))
+            else:
+                type_name, text, tb = payload
+                progress.finish(task_id, ("error", Failure("exception", type_name, text, tb)))
+            worker.state, worker.task, worker.deadline = "idle", None, float("inf")
+
+    @staticmethod
+    def _read(worker: _Worker) -> tuple | None:
+        """The message ``worker`` sent, or None where its process died (or closed its pipe)."""
+        try:
+            if not worker.conn.poll():
+                return None
+            data = worker.conn.recv_bytes()
+        except (EOFError, OSError):
+            return None
+        try:
+            return pickle.loads(data)
+        except Exception as exc:  # e.g. a value of a class this process lacks
+            if worker.state != "busy":
+                raise
+            return "error", worker.task, (type(exc).__name__, f"the reward's result could not be unpickled: {exc}", "")
+
+    def _stop_overdue(self, progress: _Progress, timeout: float | None) -> None:
+        """Kill workers whose task ran out of time (it fails with kind ``timeout``); a worker that never
+        finished starting is a :class:`PoolInitError`."""
+        now = time.monotonic()
+        for worker in list(self.workers):
+            if worker.deadline > now:
+                continue
+            if worker.state == "starting":
+                raise PoolInitError(
+                    f"a worker process for reward {self.name!r} did not load the reward within "
+                    f"{STARTUP_TIMEOUT:g} seconds"
+                )
+            if worker.state == "busy":
+                progress.finish(worker.task, ("error", Failure("timeout", "TimeoutError",
+                                                               f"no result within the {timeout:g} s timeout")))
+                self._remove(worker)
 
     def _abandon_busy(self) -> None:
         """Kill workers that are busy (their results are no longer wanted) or still starting."""

@@ -17,7 +17,8 @@ from lit_grpo.config import AsWritten
 from lit_grpo.errors import ConfigError, UserError
 from lit_grpo.plugins import register_object_reward
 
-__all__ = ["ON_ERROR", "RewardError", "RewardSpec", "as_spec", "check_spec", "expand_reward_groups", "metric_names"]
+__all__ = ["ON_ERROR", "RewardError", "RewardSpec", "as_spec", "check_spec", "checked_specs", "expand_reward_groups",
+           "metric_names"]
 
 ON_ERROR = ("raise", "none", "zero")
 _SPEC_KEYS = ("name", "weight", "args", "on_error", "num_workers", "timeout")
@@ -99,6 +100,42 @@ def check_spec(where: str, spec: RewardSpec) -> None:
         raise ConfigError(
             f"{where}.timeout ({spec.name!r}) must be a number of seconds > 0, or null for no limit; got {timeout!r}"
         )
+
+
+def checked_specs(specs: Sequence[Any], key: str) -> list[RewardSpec]:
+    """The entries of ``key`` (``model.rewards``; mappings, names, or functions and classes given in
+    Python) as checked :class:`RewardSpec`, reward groups expanded: at least one, each a name configured
+    once (its name keys its metrics) with a finite weight and usable ``on_error``, ``num_workers`` and
+    ``timeout``; else a ``ConfigError`` naming the entry."""
+    specs = [as_spec(spec, f"{key}[{i}]") for i, spec in enumerate(specs or [])]
+    if not specs:
+        raise ConfigError(
+            f"{key} is empty: configure at least one reward, e.g. "
+            "`rewards: [{name: char_fraction, args: {chars: 'a'}}]`; "
+            "run `lit-grpo rewards` to list the installed ones"
+        )
+    first_index: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        if not isinstance(spec.name, str) or not spec.name:
+            raise ConfigError(f"{key}[{i}].name must be a non-empty string, got {spec.name!r}")
+        if spec.name in first_index:
+            raise ConfigError(
+                f"reward {spec.name!r} is configured twice in {key} (entries "
+                f"{first_index[spec.name]} and {i}); each reward may appear once, since its "
+                "name keys its metrics (rewards/<name>/mean)"
+            )
+        first_index[spec.name] = i
+        if isinstance(spec.weight, bool) or not isinstance(spec.weight, numbers.Real) or not math.isfinite(spec.weight):
+            raise ConfigError(
+                f"{key}[{i}] ({spec.name!r}): weight must be a finite number, got {spec.weight!r}"
+            )
+        check_spec(f"{key}[{i}]", spec)
+    specs = expand_reward_groups(specs, key)
+    duplicated = [name for name, count in Counter(spec.name for spec in specs).items() if count > 1]
+    if duplicated:
+        raise ConfigError(f"reward {duplicated[0]!r} is configured twice in {key} (once through a reward group); "
+                          "each reward may appear once, since its name keys its metrics")
+    return specs
 
 
 def expand_reward_groups(specs: Sequence[RewardSpec], key: str) -> list[RewardSpec]:
