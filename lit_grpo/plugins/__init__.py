@@ -46,7 +46,13 @@ from __future__ import annotations
 import pluggy  # noqa: F401  (plugins.pluggy: the plugin manager's library, for callers that check its type)
 
 from lit_grpo.hookspecs import RESERVED_ARGS
-from lit_grpo.plugins.loading import get_environment, get_reward, register_object_reward, reset_plugins, unknown_dataset_message
+from lit_grpo.plugins.loading import (
+    get_environment,
+    get_reward,
+    register_object_reward,
+    reset_plugins,
+    unknown_dataset_message,
+)
 from lit_grpo.plugins.messages import (
     INSTALL_HINT,
     PLUGINS_ENV,

@@ -25,7 +25,14 @@ from typing import Any
 import pluggy
 
 from lit_grpo.hookspecs import Hookspecs
-from lit_grpo.plugins.messages import PLUGINS_ENV, STRICT_ENV, DuplicateRewardError, PluginError, PluginLoadWarning, package_label
+from lit_grpo.plugins.messages import (
+    PLUGINS_ENV,
+    STRICT_ENV,
+    DuplicateRewardError,
+    PluginError,
+    PluginLoadWarning,
+    package_label,
+)
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from lit_grpo.errors import ConfigError, DataError
-from lit_grpo.plugins import RESERVED_ARGS, RewardArgumentError, RegistryEntry, get_reward
+from lit_grpo.plugins import RESERVED_ARGS, RegistryEntry, RewardArgumentError, get_reward
 
 __all__ = ["build_reward", "check_accepts", "check_columns", "needed_columns"]
 
