@@ -472,3 +472,39 @@ def test_a_missing_layer_is_warned_about_once(monkeypatch, caplog, tmp_path):
             assert result.test_results == [True] and result.layers["cgroup"] is False
     warnings = [r.getMessage() for r in caplog.records if "cgroup" in r.getMessage()]
     assert len(warnings) == 1 and "memory is bounded per process only" in warnings[0] and "pretend" in warnings[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# The runner's modules as the bootstrap loads them (the package _sandbox, in the sandbox)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_runners_modules_import_only_the_standard_library_and_those_loaded_before_them():
+    """The bootstrap runs them in ``_RUNNER_MODULES``' order, with the standard library only."""
+    import ast
+
+    from lit_grpo_rewards.sandbox import runner
+
+    folder = os.path.dirname(runner.__file__)
+    order = list(sandbox._RUNNER_MODULES)
+    assert order[-1] == "runner"
+    for position, name in enumerate(order):
+        with open(os.path.join(folder, name + ".py")) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                siblings = [node.module] if node.module else [alias.name for alias in node.names]
+                assert all(s in order[:position] for s in siblings), f"{name} imports {siblings}"
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                tops = [alias.name.split(".")[0] for alias in node.names] if isinstance(node, ast.Import) \
+                    else [node.module.split(".")[0]]
+                assert all(top in sys.stdlib_module_names for top in tops), f"{name} imports {tops}"
+
+
+@pytest.mark.parametrize("name", ["_sandbox", "_sandbox.judge", "_sandbox.judge_protocol", "_sandbox.runner"])
+def test_the_runners_own_modules_are_never_the_judges_business(name):
+    from lit_grpo_rewards.sandbox import runner
+
+    assert not runner._the_judges_module(name, site_packages=False)
+    assert not runner._the_judges_module(name, site_packages=True)
+    assert runner._the_judges_module("math", site_packages=False)  # while a standard-library module is
