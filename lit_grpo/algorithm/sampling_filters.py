@@ -76,8 +76,8 @@ class SamplingFilters:
 
     @classmethod
     def of_run(cls, hp, transformers_penalises_padding: bool = False) -> SamplingFilters:
-        """The training sampling settings of a run (``hp``: the module's ``model.*`` settings), in
-        the order of its ``generation_backend``; ``transformers_penalises_padding``: the installed
+        """The training sampling settings of a run (``hp``: a :class:`lit_grpo.settings.SamplingSettings`,
+        or anything with the same ``model.*`` names), in the order of its ``generation_backend``; ``transformers_penalises_padding``: the installed
         ``transformers`` penalises left padding (< 5.23), which then holds for the ``lit`` and
         ``transformers`` backends (never for vLLM)."""
         vllm = hp.generation_backend in VLLM_BACKENDS

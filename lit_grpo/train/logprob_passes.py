@@ -353,19 +353,7 @@ class LogProbPasses:
             learner = learner.trimmed()
             prefix = encode_prompts(policy, learner.prompt_ids, learner.prompt_mask, groups)
             leaves = prefix.detached()
-        width = int(micro.completion_mask.any(dim=0).sum())  # the micro-batch's longest completion
-        # [n, C] each row's log-probs: constants (the sampling policy's) until its chunk has run
-        if scored.old_logps is not None:
-            logps = scored.old_logps[rows, :width].clone()
-        else:
-            logps = torch.zeros(len(rows), width, device=rows.device)
-        entropy = torch.zeros_like(logps)
-        if frozen is not None:  # their values for the loss and statistics; their gradient is 0
-            with torch.no_grad():
-                frozen_logps, frozen_entropy = self.completion_logps(policy, micro.select(frozen), with_entropy=True)
-            padding = (0, width - frozen_logps.size(1))
-            logps[frozen] = torch.nn.functional.pad(frozen_logps, padding)
-            entropy[frozen] = torch.nn.functional.pad(frozen_entropy, padding)
+        logps, entropy = self.logps_before_chunks(policy, scored, rows, frozen)  # [n, C] each
         for index, chunk in enumerate(chunks):
             positions = trained[chunk]  # the chunk's rows in the micro-batch
             chunk_logps, chunk_entropy = self.chunk_logps(
@@ -374,7 +362,7 @@ class LogProbPasses:
                 True,
                 leaves.select(chunk) if leaves is not None else None,
             )
-            padding = (0, width - chunk_logps.size(1))  # [k, c] -> [k, C]
+            padding = (0, logps.size(1) - chunk_logps.size(1))  # [k, c] -> [k, C]
             chunk_logps = torch.nn.functional.pad(chunk_logps, padding)
             chunk_loss, _ = self.policy_loss(scored, rows, logps.index_put((positions,), chunk_logps))
             last = index == len(chunks) - 1 and prefix is None
@@ -388,6 +376,28 @@ class LogProbPasses:
             loss, stats = self.policy_loss(scored, rows, logps, entropy)
         stats["loss"] = (loss * scale).detach()
         return stats, logps
+
+    def logps_before_chunks(
+        self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor, frozen: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropy ``[n, C]`` of the micro-batch ``rows`` before its chunks run (``C`` its
+        longest completion): each row's sampling-policy log-probs (0 without them) as constants until
+        its chunk replaces them, and the rows without gradient (positions ``frozen``) computed without
+        autograd, for the loss's value and the statistics (their gradient is 0)."""
+        micro = scored.rollout.select(rows)
+        width = int(micro.completion_mask.any(dim=0).sum())
+        if scored.old_logps is not None:
+            logps = scored.old_logps[rows, :width].clone()
+        else:
+            logps = torch.zeros(len(rows), width, device=rows.device)
+        entropy = torch.zeros_like(logps)
+        if frozen is not None:
+            with torch.no_grad():
+                frozen_logps, frozen_entropy = self.completion_logps(policy, micro.select(frozen), with_entropy=True)
+            padding = (0, width - frozen_logps.size(1))
+            logps[frozen] = torch.nn.functional.pad(frozen_logps, padding)
+            entropy[frozen] = torch.nn.functional.pad(frozen_entropy, padding)
+        return logps, entropy
 
     def rows_without_gradient(self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor) -> torch.Tensor | None:
         """Positions in the micro-batch ``rows`` that need no backward pass, or None.

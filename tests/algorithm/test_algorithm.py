@@ -1,4 +1,4 @@
-"""Unit tests for lit_grpo.algorithm (DESIGN.md section 4, TRL 1.16 semantics).
+"""Unit tests for lit_grpo.algorithm (TRL 1.16 semantics).
 
 Expected values are worked out by hand in the comments next to each literal; the reference
 implementations used (torch.log_softmax, -(p log p).sum) are independent textbook forms, not a
