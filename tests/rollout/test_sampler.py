@@ -10,6 +10,7 @@ from conftest import logps_entropy_grads
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lit_grpo.models import cache_argument
+from lit_grpo.rollout.engines.base import GenerationEngine
 from lit_grpo.rollout.engines.lit_sampler import PreallocatedKVLayer, lit_sampler_unsupported
 from lit_grpo.rollout.engines.policy import generate_completions
 from lit_grpo.rollout.records import length_chunks
@@ -370,3 +371,46 @@ def test_training_step_is_the_same_with_and_without_chunking(tiny_model_dir, say
         torch.testing.assert_close(torch.tensor(chunked[name]), torch.tensor(one_forward[name]), atol=1e-5, rtol=1e-4)
     assert (weights != 0).any()
     torch.testing.assert_close(chunked_weights, weights, atol=1e-5, rtol=1e-4)
+
+
+class EchoEngine(GenerationEngine):
+    """A fifth engine as its author writes it: a class that checks a run's settings and builds itself,
+    named by one line of the registry."""
+
+    checked: list[str] = []
+
+    @classmethod
+    def check_run(cls, hp) -> None:
+        cls.checked.append(hp.generation_backend)
+
+    @classmethod
+    def for_run(cls, hp, model_source, precision, grows_with_tools):
+        return cls()
+
+
+def test_a_backend_is_a_registry_line_naming_its_engine_class(monkeypatch):
+    """Issue 52.1: model.generation_backend picks its engine from the registry (no if/elif): the four
+    built-in backends in their order (the error message lists them), a fifth added by one entry; a
+    backend not in it, or server addresses given to another backend, is refused as before."""
+    from types import SimpleNamespace
+
+    from lit_grpo.errors import ConfigError
+    from lit_grpo.rollout import engines
+    from lit_grpo.rollout.engines.policy import PolicyEngine
+
+    assert engines.GENERATION_BACKENDS == tuple(engines.ENGINES) == ("lit", "transformers", "vllm", "vllm_server")
+    transformers = SimpleNamespace(generation_backend="transformers", vllm_server_urls=None)
+    engines.check_backend(transformers)
+    engine = engines.engine_for_run(transformers, None, "32-true", grows_with_tools=False)
+    assert type(engine) is PolicyEngine and engine.backend == "transformers"
+
+    monkeypatch.setitem(engines.ENGINES, "echo", f"{EchoEngine.__module__}:EchoEngine")
+    monkeypatch.setattr(EchoEngine, "checked", [])
+    echo = SimpleNamespace(generation_backend="echo", vllm_server_urls=None)
+    engines.check_backend(echo)
+    assert EchoEngine.checked == ["echo"]
+    assert type(engines.engine_for_run(echo, None, "32-true", grows_with_tools=False)) is EchoEngine
+    with pytest.raises(ConfigError, match="model.vllm_server_urls is set but model.generation_backend is 'echo'"):
+        engines.check_backend(SimpleNamespace(generation_backend="echo", vllm_server_urls=["http://localhost:8000"]))
+    with pytest.raises(ConfigError, match=r"must be one of \('lit', 'transformers', 'vllm', 'vllm_server'\), got 'sglang'"):
+        engines.engine_for_run(SimpleNamespace(generation_backend="sglang"), None, "32-true", grows_with_tools=False)

@@ -207,16 +207,40 @@ def generation_config_eos_ids(generation_config: GenerationConfig) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
+def prefill(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
+            max_new_tokens: int) -> tuple[Cache, torch.Tensor, torch.Tensor]:
+    """Step 1 of :func:`sample_groups`: the left-padded prompts ``[B, P]`` go through the model once,
+    into a cache of ``P + max_new_tokens`` positions, of which each of a prompt's G completions then
+    gets a copy. Returns that cache, the logits of each completion's first token ``[B * G, V]`` and
+    the position of its next token ``[B * G]``."""
+    P, G = prompt_ids.size(1), num_generations
+    block = cpu.kv_cache_block(model, prompt_ids.device)  # see PreallocatedKVLayer
+    layers = text_config(model).num_hidden_layers
+    cache = Cache(layers=[PreallocatedKVLayer(P + max_new_tokens, block) for _ in range(layers)])
+    with_cache = cache_argument(model, cache)
+    positions = (prompt_mask.long().cumsum(dim=-1) - 1).clamp(min=0)  # [B, P]
+    logits = model(
+        input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, **with_cache,
+        use_cache=True, logits_to_keep=1,
+    ).logits[:, -1].float()  # [B, V]
+    for layer in cache.layers:
+        layer.batch_repeat_interleave(G)
+    next_position = positions[:, -1] + 1  # [B]
+    return cache, logits.repeat_interleave(G, dim=0), next_position.repeat_interleave(G)
+
+
+def draw_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """One token per row of the processed ``scores`` ``[n, V]``: drawn from their softmax, or the
+    argmax without ``do_sample``; ``[n]``."""
+    if do_sample:
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    return scores.argmax(dim=-1)
+
+
 @torch.no_grad()
-def sample_groups(
-    model: PreTrainedModel,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    num_generations: int,
-    generation_config: GenerationConfig,
-    compact_fraction: float = 0.125,
-    return_logprobs: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def sample_groups(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
+                  generation_config: GenerationConfig, compact_fraction: float = 0.125,
+                  return_logprobs: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``[B * G, C]`` completion tokens for the left-padded prompts ``[B, P]``, G per prompt (pad after EOS),
     and with ``return_logprobs`` the log-probs ``[B * G, C]`` of the distribution each token was drawn
     from (``log_softmax`` of the processed scores: what vLLM calls ``processed_logprobs``; 0 after EOS).
@@ -227,30 +251,19 @@ def sample_groups(
     3. A completion that emits EOS stops; once finished rows make up ``compact_fraction`` of the
        batch they are removed from it (and from the cache), so later steps cost less.
     """
-    G, max_new = num_generations, generation_config.max_new_tokens
-    B, P = prompt_ids.shape
+    (B, P), G, max_new = prompt_ids.shape, num_generations, generation_config.max_new_tokens
     N, device = B * G, prompt_ids.device
     pad_token_id = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
     eos = torch.tensor(generation_config_eos_ids(generation_config), device=device, dtype=torch.long)
     repeated_mask = prompt_mask.repeat_interleave(G, dim=0)  # [N, P]
     processors = logits_processors(generation_config, repeated_mask)
-    block = cpu.kv_cache_block(model, device)  # see PreallocatedKVLayer
-    cache = Cache(layers=[PreallocatedKVLayer(P + max_new, block) for _ in range(text_config(model).num_hidden_layers)])
 
     # 1. Prefill once per prompt, then give each completion its own copy of the prompt's cache.
-    positions = (prompt_mask.long().cumsum(dim=-1) - 1).clamp(min=0)  # [B, P]
+    cache, logits, next_position = prefill(model, prompt_ids, prompt_mask, G, max_new)  # [N, V], [N]
     with_cache = cache_argument(model, cache)
-    logits = model(
-        input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, **with_cache,
-        use_cache=True, logits_to_keep=1,
-    ).logits[:, -1].float()  # [B, V]
-    for layer in cache.layers:
-        layer.batch_repeat_interleave(G)
-    logits = logits.repeat_interleave(G, dim=0)  # [N, V]
     # every completion's tokens so far (prompt, then sampled) and attention mask, for all steps
     token_ids = torch.cat([prompt_ids.repeat_interleave(G, dim=0), prompt_ids.new_full((N, max_new), pad_token_id)], dim=1)
     attention_mask = torch.cat([repeated_mask, prompt_mask.new_ones(N, max_new)], dim=1)
-    next_position = positions[:, -1].repeat_interleave(G) + 1  # [N]
     completions = prompt_ids.new_full((N, max_new), pad_token_id)  # [N, C] the result
     completion_logps = torch.zeros(N, max_new, device=device)  # [N, C] with return_logprobs
     running_logps = torch.zeros(N, max_new, device=device)  # [n, C] the rows in the batch
@@ -260,11 +273,7 @@ def sample_groups(
     # 2-3. Decode.
     for t in range(max_new):
         scores = processors(token_ids[:, : P + t], logits)  # [n, V]
-        if generation_config.do_sample:
-            next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)  # [n]
-        else:
-            next_tokens = scores.argmax(dim=-1)
-        next_tokens = next_tokens.masked_fill(finished, pad_token_id)
+        next_tokens = draw_tokens(scores, generation_config.do_sample).masked_fill(finished, pad_token_id)  # [n]
         token_ids[:, P + t] = next_tokens
         if return_logprobs:
             step_logps = torch.log_softmax(scores, dim=-1).gather(1, next_tokens[:, None]).squeeze(1)  # [n]
@@ -281,16 +290,9 @@ def sample_groups(
             for layer in cache.layers:
                 layer.batch_select_indices(keep)
             select_rows(processors, keep)
-        logits = model(
-            input_ids=next_tokens[:, None],
-            attention_mask=attention_mask[:, : P + t + 1],
-            position_ids=next_position[:, None],
-            **with_cache,
-            use_cache=True,
-        ).logits[:, -1].float()  # [n, V]
+        step = model(input_ids=next_tokens[:, None], attention_mask=attention_mask[:, : P + t + 1],
+                     position_ids=next_position[:, None], **with_cache, use_cache=True)
+        logits = step.logits[:, -1].float()  # [n, V]
         next_position = next_position + 1
-    completions[rows] = token_ids[:, P:]
-    if not return_logprobs:
-        return completions
-    completion_logps[rows] = running_logps
-    return completions, completion_logps
+    completions[rows], completion_logps[rows] = token_ids[:, P:], running_logps
+    return (completions, completion_logps) if return_logprobs else completions

@@ -411,7 +411,7 @@ class VLLMServerEngine(GenerationEngine):
         start, deadline = time.perf_counter(), None
         sends = process_rank() == 0
         device = next(policy.parameters()).device
-        while True:  # by hand, not tenacity: every rank must agree on each try's end (a collective), then on going on
+        while True:  # by hand, not tenacity: every rank agrees on each try's outcome (a collective) before the next
             failure = self._push(policy, version, sends)
             if not any_rank(failure is not None, device):
                 break
