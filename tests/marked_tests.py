@@ -7,7 +7,9 @@ that test function; ``tests/test_marked_tests.py`` checks that every name still 
 - integration: runs the ``lit-grpo`` command (in this process through ``lit_grpo.cli``, or as a program),
   or starts processes or a server of its own (training on two processes, a vLLM or fake server, a
   subprocess that imports or trains); the code sandbox's own processes do not count.
-- slow: took over 10 s on CI's 2 CPU cores (CI's log lists the 25 slowest tests with their seconds).
+- slow: over about 10 s on CI's 2 CPU cores: a training run in another process or on two processes, or a task
+  learned over many steps (CI's log lists the 25 slowest tests with their seconds: one that appears there
+  belongs here).
 """
 
 from __future__ import annotations
@@ -182,6 +184,86 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
     ),
 }
 
-# measured with --durations on 2 CPU cores; a test near 10 s may fall on either side on another machine
+# from --durations on 2 CPU cores; a test near 10 s may fall on either side on another machine
 SLOW: dict[str, str | tuple[str, ...]] = {
+    "tests/bench/test_bench_gpu_check.py": (
+        "test_gpu_check_reports_every_part_on_cpu",
+    ),
+    "tests/cli/test_errors.py": (
+        "test_a_user_error_is_one_line_and_status_2_and_a_traceback_on_request",
+        "test_a_real_run_prints_no_unactionable_warnings_and_its_error_starts_a_fresh_line",
+    ),
+    "tests/cli/test_newcomer_runs.py": (
+        "test_the_lora_recipe_learns_the_quickstart",
+    ),
+    "tests/cli/test_python_api.py": (
+        "test_the_python_path_gives_the_reward_series_of_the_cli",
+        "test_a_model_object_under_fsdp2_on_two_processes",
+        "test_the_example_script_learns",
+    ),
+    "tests/cli/test_user_runs.py": (
+        "test_two_process_fit_with_logger_completions_validation_and_checkpoints",
+        "test_shipped_recipe_trains",
+    ),
+    "tests/cpu/test_allocator.py": (
+        "test_opt_out_and_the_users_own_settings_win",
+    ),
+    "tests/rollout/test_async_learning.py": EVERY_TEST,
+    "tests/rollout/test_async_rollouts.py": (
+        "test_one_step_off_trains_each_batch_one_optimizer_step_after_it_was_sampled",
+        "test_killed_one_step_off_run_resumes_with_no_prompt_lost_or_trained_twice",
+        "test_batches_older_than_max_staleness_are_dropped_and_counted",
+        "test_two_processes_keep_every_ranks_batches_in_flight_across_a_resume",
+        "test_a_reward_that_raises_in_the_background_on_one_rank_stops_both_ranks_with_a_checkpoint",
+        "test_signals_while_the_pipeline_fills_and_while_a_slow_reward_scores_checkpoint_at_once",
+        "test_reward_errors_are_logged_at_the_step_that_trains_the_batch",
+    ),
+    "tests/rollout/test_dynamic_sampling.py": (
+        "test_dynamic_sampling_on_two_processes_keeps_ranks_in_step",
+    ),
+    "tests/rollout/test_tools.py": (
+        "test_tools_quickstart_config_runs_through_the_cli_with_the_environment",
+        "test_long_tool_results_are_cut_to_max_tool_result_length_in_a_real_run",
+        "test_tool_results_that_would_pass_the_models_context_are_dropped_in_a_real_run",
+        "test_two_processes_with_different_numbers_of_turns",
+    ),
+    "tests/rollout/test_vllm.py": (
+        "test_bfloat16_pushed_engine_equals_engine_loaded_from_disk",
+        "test_multi_turn_tool_rollouts_with_vllm_equal_transformers_greedy",
+        "test_long_tool_results_neither_crash_the_engine_nor_pass_its_max_model_len",
+        "test_quickstart_learns_with_the_vllm_backend",
+        "test_one_step_off_with_the_colocated_engine_trains_on_its_older_samples",
+        "test_two_processes_each_with_its_own_engine",
+    ),
+    "tests/rollout/test_vllm_server.py": (
+        "test_the_server_samples_what_the_colocated_engine_samples",
+        "test_quickstart_learns_through_a_server",
+        "test_two_processes_on_one_and_two_servers_and_a_server_killed_mid_run_resumes_exactly",
+        "test_one_step_off_samples_on_the_server_while_the_trainer_trains",
+        "test_one_step_off_run_whose_server_dies_while_sampling_in_the_background_resumes_with_every_prompt",
+        "test_a_request_refused_on_one_rank_ends_every_rank_with_its_line",
+    ),
+    "tests/run/test_preemption.py": (
+        "test_signal_mid_step_checkpoints_the_step_reached_and_the_resume_is_exact",
+        "test_two_processes_stop_after_the_same_step_when_only_rank_0_gets_sigterm",
+        "test_under_slurm_lightnings_requeue_runs_after_the_checkpoint",
+        "test_full_log_disk_mid_run_ends_with_one_error_line_and_the_earlier_checkpoint_loads",
+    ),
+    "tests/run/test_resume.py": (
+        "test_sigkilled_run_resumed_with_ckpt_path_last_matches_uninterrupted_run",
+        "test_sigkilled_multi_turn_tool_run_resumes_exactly",
+        "test_a_one_process_checkpoint_resumed_on_two_processes_mid_epoch_stops_before_any_step",
+    ),
+    "tests/train/test_distributed.py": (
+        "test_two_processes_match_one_process",
+        "test_rows_without_gradient_skipped_on_two_processes_match_one_process_training_every_row",
+        "test_old_logps_pass_leaves_out_zero_advantage_rows_on_two_processes",
+        "test_fsdp2_resume_from_sharded_checkpoint_continues_exactly",
+        "test_fsdp2_generation_gathers_weights_once_and_ranks_finish_independently",
+        "test_validation_metrics_reduce_over_ranks_like_one_process",
+        "test_a_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message",
+    ),
+    "tests/train/test_module.py": (
+        "test_seeded_quickstart_task_learns",
+    ),
 }

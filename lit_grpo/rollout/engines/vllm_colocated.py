@@ -144,6 +144,7 @@ def preserved_random_state() -> Iterator[None]:
                 numpy.random.set_state(numpy_state)
 
 
+# Whole: over 60 lines only for its 17 arguments and their documentation; the body is under 50.
 def build_engine(
     model_dir: str | Path,
     *,
@@ -201,29 +202,21 @@ def build_engine(
     on_cpu = is_cpu_platform()
     if on_cpu:
         enable_sleep_mode = False
-        if enforce_eager is None:
-            enforce_eager = True
+        enforce_eager = True if enforce_eager is None else enforce_eager
         if kv_cache_memory_bytes is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         _check_cpu_head_size(Path(model_dir))
         if torch.cpu._is_amx_tile_supported():
             request_amx_permission()
-    if isinstance(dtype, torch.dtype):
-        dtype = str(dtype).removeprefix("torch.")
     if distributed_executor_backend is None and _world_size() > 1:
         # one engine per trainer process, joined to the trainer's torch.distributed world (TRL's
         # colocate mode): vLLM reads RANK / LOCAL_RANK and reuses the initialised default group
         distributed_executor_backend = "external_launcher"
     if distributed_executor_backend == "external_launcher" and torch.distributed.is_initialized():
-        os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
-        os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
-        if "LOCAL_RANK" not in os.environ:
-            if not on_cpu:
-                raise RuntimeError("set LOCAL_RANK (the GPU index of this process) before building the engine")
-            os.environ["LOCAL_RANK"] = "0"
+        _name_this_rank(on_cpu)
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
-        dtype=dtype,
+        dtype=str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype,
         seed=seed,
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,
@@ -243,7 +236,23 @@ def build_engine(
     )
     kwargs.update({key: value for key, value in optional.items() if value is not None})
     kwargs.update(llm_kwargs)
+    return _construct_llm(vllm, kwargs, num_threads, warmup)
 
+
+def _name_this_rank(on_cpu: bool) -> None:
+    """RANK, WORLD_SIZE and LOCAL_RANK in the environment, where vLLM's ``external_launcher`` reads
+    them, from the trainer's process group when not set (LOCAL_RANK=0 on the CPU)."""
+    os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+    os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
+    if "LOCAL_RANK" not in os.environ:
+        if not on_cpu:
+            raise RuntimeError("set LOCAL_RANK (the GPU index of this process) before building the engine")
+        os.environ["LOCAL_RANK"] = "0"
+
+
+def _construct_llm(vllm: Any, kwargs: dict[str, Any], num_threads: int | None, warmup: bool):
+    """``vllm.LLM(**kwargs)`` with ``num_threads`` torch threads, the caller's random state and
+    ``torch.set_num_threads`` left as they were; warmed up when asked (:func:`build_engine`)."""
     trainer_owns_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     original_set_num_threads = torch.set_num_threads
     if num_threads is not None:
