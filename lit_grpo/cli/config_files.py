@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,22 +49,28 @@ def _entry(node: yaml.Node, name: str) -> tuple[yaml.Node, yaml.Node] | None:
     return next(((k, v) for k, v in entries if getattr(k, "value", None) == name), None)
 
 
-def _find_inside(node: yaml.Node, name: str, path: str, value: str | None) -> tuple[str, int] | None:
-    """The first key ``name`` anywhere inside ``node`` (whose value is ``value``, when given), depth
-    first: its dotted path and line."""
+def _nodes_inside(node: yaml.Node, path: str) -> Iterator[tuple[str, yaml.Node]]:
+    """``node`` and every node inside it, depth first, each with its dotted path (``model.rewards[0]``)."""
+    yield path, node
     if isinstance(node, yaml.MappingNode):
-        found = _entry(node, name)
-        if found is not None and (value is None or getattr(found[1], "value", None) == value):
-            return f"{path}.{name}", found[0].start_mark.line + 1
         children = [(f"{path}.{k.value}", v) for k, v in node.value]
     elif isinstance(node, yaml.SequenceNode):
         children = [(f"{path}[{i}]", item) for i, item in enumerate(node.value)]
     else:
         children = []
     for child_path, child in children:
-        found = _find_inside(child, name, child_path, value)
-        if found is not None:
-            return found
+        yield from _nodes_inside(child, child_path)
+
+
+def _find_inside(node: yaml.Node, name: str, path: str, value: str | None) -> tuple[str, int] | None:
+    """The first key ``name`` anywhere inside ``node`` (whose value is ``value``, when given), depth
+    first: its dotted path and line."""
+    for mapping_path, mapping in _nodes_inside(node, path):
+        if not isinstance(mapping, yaml.MappingNode):
+            continue
+        found = _entry(mapping, name)
+        if found is not None and (value is None or getattr(found[1], "value", None) == value):
+            return f"{mapping_path}.{name}", found[0].start_mark.line + 1
     return None
 
 
@@ -119,23 +126,16 @@ def find_duplicate_key(files: list[str]) -> str | None:
 
 def _duplicate_inside(node: yaml.Node, path: str) -> tuple[str, int, int] | None:
     """The first key written twice in a mapping inside ``node``: its dotted path and both lines."""
-    if isinstance(node, yaml.MappingNode):
+    for mapping_path, mapping in _nodes_inside(node, path):
+        if not isinstance(mapping, yaml.MappingNode):
+            continue
         lines: dict[str, int] = {}
-        for key, value in node.value:
+        for key, _ in mapping.value:
             name, line = getattr(key, "value", None), key.start_mark.line + 1
             if isinstance(name, str) and name != "<<":  # a merge key (<<: *base) may repeat
                 if name in lines:
-                    return f"{path}.{name}".lstrip("."), lines[name], line
+                    return f"{mapping_path}.{name}".lstrip("."), lines[name], line
                 lines[name] = line
-        children = [(f"{path}.{k.value}", v) for k, v in node.value]
-    elif isinstance(node, yaml.SequenceNode):
-        children = [(f"{path}[{i}]", item) for i, item in enumerate(node.value)]
-    else:
-        children = []
-    for child_path, child in children:
-        found = _duplicate_inside(child, child_path)
-        if found is not None:
-            return found
     return None
 
 
