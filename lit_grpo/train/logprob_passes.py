@@ -458,9 +458,6 @@ class LogProbPasses:
         return split_chunks(chunks, agreed_over_sharded_ranks(len(chunks), policy, "max"))
 
 
-
-LogProbEngine = LogProbPasses  # the former name, while lit_grpo.train.update still imports it
-
 def sampling_statistics(
     trainer_logps: torch.Tensor,
     sampling_logps: torch.Tensor,

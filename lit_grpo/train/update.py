@@ -5,7 +5,7 @@ accumulation). The forwards and backwards are the log-prob passes' (:mod:`lit_gr
 
 Before the first optimizer step the policy is the sampling policy, so the first mini-batch's rows
 take their ``old_logps`` from their own forward in that step; the rows trained after the policy has
-moved get theirs from a pass without gradient first (step 4's rest, :meth:`LogProbEngine.sampling_policy_logps`).
+moved get theirs from a pass without gradient first (step 4's rest, :meth:`LogProbPasses.sampling_policy_logps`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import torch
 from lit_grpo import algorithm
 from lit_grpo.distributed import clip_grad_norm
 from lit_grpo.rollout.records import ScoredRollout
-from lit_grpo.train.logprob_passes import LogProbEngine
+from lit_grpo.train.logprob_passes import LogProbPasses
 
 __all__ = ["update_policy"]
 
 
-def update_policy(scored: ScoredRollout, logprobs: LogProbEngine, policy: torch.nn.Module,
+def update_policy(scored: ScoredRollout, logprobs: LogProbPasses, policy: torch.nn.Module,
                   parameters: Callable[[], Iterable[torch.nn.Parameter]], optimizer: Any, scheduler: Any, hp: Any,
                   after_optimizer_step: Callable[[], None]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
     """Step 5 on ``scored`` (its ``old_logps`` filled where the update needs them, its ``timings``
@@ -67,7 +67,7 @@ def update_policy(scored: ScoredRollout, logprobs: LogProbEngine, policy: torch.
     return step_stats, grad_norm
 
 
-def mini_batch_backward(scored: ScoredRollout, logprobs: LogProbEngine, policy: torch.nn.Module, hp: Any,
+def mini_batch_backward(scored: ScoredRollout, logprobs: LogProbPasses, policy: torch.nn.Module, hp: Any,
                         order: torch.Tensor | None, positions: range, fills_old_logps: bool) -> list[dict[str, torch.Tensor]]:
     """The accumulated gradient of one mini-batch (the rows at ``positions`` of ``order``, in
     micro-batches); every micro-batch's statistics. With ``fills_old_logps`` the forwards' log-probs

@@ -231,7 +231,7 @@ class SavedTensorBytes:
 
 
 def micro_batch_backward(module, scored, rows, budget, scale=0.5, loss_scale=1.0):
-    """``LogProbEngine.micro_batch_backward`` under ``forward_token_budget=budget``: the gradient, the statistics,
+    """``LogProbPasses.micro_batch_backward`` under ``forward_token_budget=budget``: the gradient, the statistics,
     the order of the forwards with gradient and the backward passes, and the peak saved bytes.
     ``loss_scale``: ``manual_backward`` multiplies every loss by it, as under a ``16-mixed`` GradScaler."""
     set_hparams(module, forward_token_budget=budget)
