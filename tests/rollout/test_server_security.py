@@ -115,7 +115,7 @@ def test_the_key_middleware_guards_every_endpoint_but_health():
 def test_the_trainer_sends_the_key_on_every_request_and_a_refusal_names_the_variable(monkeypatch):
     from vllm_server_fake import FakeVLLMServer
 
-    from lit_grpo.rollout.engines.vllm_server import ServerFleet, VLLMServer
+    from lit_grpo.rollout.engines.vllm_server_api import ServerFleet, VLLMServer
 
     fake = FakeVLLMServer().start()
     try:

@@ -66,7 +66,8 @@ from vllm_server_fake import COMPLETION, FakeVLLMServer  # noqa: E402
 
 from lit_grpo.rollout.engines.server_lost import GenerationFailed, GenerationServerLost  # noqa: E402
 from lit_grpo.rollout.engines.vllm_sampling import sampling_requests  # noqa: E402
-from lit_grpo.rollout.engines.vllm_server import MAX_CONCURRENT_REQUESTS, ServerFleet, VLLMServerEngine  # noqa: E402
+from lit_grpo.rollout.engines.vllm_server import VLLMServerEngine  # noqa: E402
+from lit_grpo.rollout.engines.vllm_server_api import MAX_CONCURRENT_REQUESTS, ServerFleet  # noqa: E402
 from lit_grpo.errors import ConfigError  # noqa: E402
 from lit_grpo.train.module import GRPOModule  # noqa: E402
 from lit_grpo.tiny import build_tiny_model  # noqa: E402
