@@ -617,7 +617,7 @@ def scoring_thread_devices(model_dir: Path, device: str, steps: int = 2) -> dict
     threads: set[str] = set()
     module = GRPOModule(str(model_dir), rewards=[{"name": "char_fraction"}], num_generations=4, max_completion_length=8,
                         max_staleness=1, log_completions_every_n_steps=0)
-    score = module._score
+    score = module.collector.score
 
     def recording_score(scorer, batch, rollout, k, device=None):
         completions, rewards = score(scorer, batch, rollout, k, device=device)
@@ -626,7 +626,7 @@ def scoring_thread_devices(model_dir: Path, device: str, steps: int = 2) -> dict
             devices.update(str(value.device) for value in [*vars(rollout).values(), rewards] if isinstance(value, torch.Tensor))
         return completions, rewards
 
-    module._score = recording_score
+    module.collector.score = recording_score
     rows = [json.loads(line) for line in QUICKSTART_DATA.read_text().splitlines() if line.strip()][: 4 * (steps + 1)]
     data = GRPODataModule.from_data(datasets.Dataset.from_list(rows), batch_size=2, seed=0)
     with tempfile.TemporaryDirectory(prefix="gpu-check-async-") as root:

@@ -83,12 +83,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lit_grpo import algorithm
 from lit_grpo.data import PromptBatch
-from lit_grpo.distributed import gather_rows
 from lit_grpo.errors import ConfigError
+from lit_grpo.rollout.collector import RolloutCollector
 from lit_grpo.rollout.engines.base import agreed_failure
-from lit_grpo.rollout.engines.requests import render_prompts, tokenize_prompts
 from lit_grpo.rollout.engines.server_lost import GenerationFailed
 from lit_grpo.rollout.records import Rollout, ScoredRollout
 
@@ -268,8 +266,7 @@ class RolloutPipeline(pl.Callback):
         pipeline fills (or when every batch in it was too old)."""
         self._restore(module)
         waited = 0.0
-        elsewhere = getattr(module.engine, "samples_elsewhere", False)
-        if elsewhere:
+        if module.engine.samples_elsewhere:
             # The servers take new weights between two requests only: wait until what they sample for
             # the pipeline is done (the batch trained next, sampled while the last step trained), then
             # agree over the ranks that nothing failed, before anything of this step changes.
@@ -278,7 +275,7 @@ class RolloutPipeline(pl.Callback):
                 agree_on_background_failure(item.failure if item.sampled.is_set() else None, module.device)
         wait_for_weights = 0.0
         if module.engine.holds_weights:
-            wait_for_weights = module.engine.sync_weights(module.policy, module.policy_version)
+            wait_for_weights = module.collector.sync_weights()
         for item in self.in_flight:  # restored unsampled (sampled again first) or unscored (scored again)
             if item.work is None and item.rewards_per_func is None and item.failure is None:
                 self._start(module, item)
@@ -319,15 +316,11 @@ class RolloutPipeline(pl.Callback):
     def _start(self, module, item: InFlight) -> None:
         """Sample ``item`` unless it is (on servers: in the background) and score it in the background.
         The background thread gets the rollout on the CPU and never touches the trainer's device."""
-        hp = module.hparams
         item.sampled.clear()
         item.failure = None
         sample = None
-        if item.rollout is None and getattr(module.engine, "samples_elsewhere", False):
-            texts = render_prompts(module.tokenizer, item.batch.prompts, hp.chat_template_kwargs)
-            ids, mask, cut = tokenize_prompts(module.tokenizer, texts, hp.max_prompt_length, torch.device("cpu"))
-            sample = module.engine.sampler(ids, mask, cut, hp.num_generations, module.generation_config,
-                                           module.tokenizer.pad_token_id)  # draws the seed now; its rollout on the CPU
+        if item.rollout is None and module.engine.samples_elsewhere:
+            sample = module.collector.background_sampler(item.batch)  # draws the seed now; its rollout on the CPU
         elif item.rollout is None:
             start = time.perf_counter()
             rollout = module.generate(item.batch.prompts, columns=item.batch.columns)
@@ -337,10 +330,10 @@ class RolloutPipeline(pl.Callback):
                 rollout.sampling_logps = module.logprobs.logps_no_grad(module.policy, rollout)  # [N, C]
                 item.timings["logprobs"] = time.perf_counter() - start
             item.rollout, item.copied = to_host(rollout)
-        item.work = self._thread().submit(self._sample_and_score, module, item, sample, self._stopping)
+        item.work = self._thread().submit(self._sample_and_score, module.collector, item, sample, self._stopping)
 
     @staticmethod
-    def _sample_and_score(module, item: InFlight, sample, stopping: threading.Event) -> None:
+    def _sample_and_score(collector: RolloutCollector, item: InFlight, sample, stopping: threading.Event) -> None:
         """In the background thread (no collective, nothing on the trainer's device): on servers the
         sampling, then the rewards. Every exception is the batch's ``failure``, agreed on by every rank
         when the batch is trained (``exchange``), never raised here."""
@@ -362,46 +355,22 @@ class RolloutPipeline(pl.Callback):
             return
         try:
             start = time.perf_counter()
-            item.completions, rewards_per_func = module._score(module.scorer, item.batch, item.rollout,
-                                                               module.hparams.num_generations, device=torch.device("cpu"))
-            item.reward_errors = dict(module.scorer.last_error_counts)
+            item.completions, rewards_per_func = collector.score(collector.scorer, item.batch, item.rollout,
+                                                                 collector.hparams.num_generations, device=torch.device("cpu"))
+            item.reward_errors = dict(collector.scorer.last_error_counts)
             item.rewards_per_func = rewards_per_func
             item.timings["rewards"] = time.perf_counter() - start
         except Exception as error:  # noqa: BLE001
             item.failure = error
 
     def _scored(self, module, item: InFlight) -> ScoredRollout:
-        """Steps 3-4 of a sampled and scored batch, as ``GRPOModule.generate_and_score``: advantages
-        from every rank's rewards, the loss mask, the dapo normaliser, the reference log-probs."""
-        hp = module.hparams
+        """Steps 3-4 of a sampled and scored batch, as in the synchronous step: advantages from every
+        rank's rewards (the collector's), then the loss mask, the dapo normaliser and the reference
+        log-probs (``GRPOModule.prepare_update``)."""
         rollout = rollout_on(item.rollout, module.device)
         rewards_per_func = item.rewards_per_func.to(module.device)  # [N, K]
-        all_rewards_per_func = gather_rows(rewards_per_func, module.all_gather)  # [world * N, K]
-        all_rewards = algorithm.combine_rewards(all_rewards_per_func, module._reward_weights(module.scorer))
-        all_group = algorithm.group_advantages(all_rewards, hp.num_generations, hp.scale_rewards)
-        N = rewards_per_func.size(0)
-        local_rows = slice(module.global_rank * N, (module.global_rank + 1) * N)
-        loss_mask = rollout.policy_token_mask
-        if hp.mask_truncated_completions:
-            loss_mask = loss_mask * (~rollout.is_truncated).unsqueeze(1).long()
-        all_tokens = float(module.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum"))
-        num_items_in_batch = algorithm.dapo_normaliser(all_tokens, module.trainer.world_size, hp.steps_per_generation)
-        start = time.perf_counter()
-        ref_logps = module.logprobs.reference_logps(module.policy, module.ref_model, rollout) if hp.beta > 0 else None
-        timings = dict(item.timings)
-        timings["logprobs"] = timings.get("logprobs", 0.0) + time.perf_counter() - start
-        return ScoredRollout(
-            rollout=rollout,
-            loss_mask=loss_mask,
-            rewards_per_func=rewards_per_func,
-            rewards=all_rewards[local_rows],
-            group=all_group.rows(local_rows),
-            old_logps=None,
-            ref_logps=ref_logps,
-            num_items_in_batch=num_items_in_batch,
-            timings=timings,
-            prompts=list(item.batch.prompts),
-        )
+        sampled = module.collector.groups(item.batch, rollout, item.completions, rewards_per_func)
+        return module.prepare_update(sampled, dict(item.timings))
 
     def _thread(self) -> ThreadPoolExecutor:
         if self._executor is None:  # one thread: batches are scored in order, one at a time

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +27,14 @@ from lit_grpo.errors import DataError, MissingFileError, writing
 
 __all__ = [
     "COMPLETIONS_FILE",
+    "CompletionLog",
     "append_records",
     "as_text",
     "completion_records",
     "format_table",
     "log_step_completions",
     "log_table",
+    "logged_step",
     "read_records",
     "show_step",
     "table_rows",
@@ -217,35 +221,54 @@ def show_step(path: Path, step: int | None = None, limit: int = 16, width: int =
     return header + "\n" + format_table(selected, width=width)
 
 
-def log_step_completions(module: Any, scored: Any, completions: list) -> None:
-    """The completions of a ``GRPOModule``'s training step (``scored``: its ``ScoredRollout``):
-    this rank's first rows as every logger's completions table
-    every ``log_completions_every_n_steps`` steps; every rank's appended to ``completions.jsonl``
-    in the run's log directory (rank 0 writes) and printed if asked, every ``trainer.log_every_n_steps``."""
+def logged_step(trainer: Any) -> int:
+    """The step the trainer logs this batch's scalars at: Lightning's public ``global_step`` counts
+    optimizer steps (several per batch here), so this reads the fit loop's private count of logged batches."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+@dataclass
+class CompletionLog:
+    """Where and how often a run logs the completions of its training steps: a table in every logger
+    every ``table_every`` steps (``model.log_completions_every_n_steps``; 0: never) with ``table_rows`` rows
+    (``model.num_completions_to_log``); every ``file_every`` steps (``trainer.log_every_n_steps``) all
+    ranks' appended to ``completions.jsonl`` in ``log_dir`` (``model.save_completions``; None: no logger,
+    nowhere to write) and the first ``print_rows`` printed (``model.print_completions``)."""
+
+    table_every: int
+    table_rows: int
+    file_every: int
+    save: bool
+    print_rows: int
+    log_dir: Path | None
+    loggers_told: set[type] = field(default_factory=set)  # loggers without a completions table, said once
+
+    def wanted(self, step: int, is_global_zero: bool, has_loggers: bool) -> tuple[bool, bool]:
+        """Whether ``step``'s completions go to the loggers' table (rank 0) and to the file or console."""
+        to_table = bool(self.table_every) and step % self.table_every == 0 and is_global_zero and has_loggers
+        to_file = bool(self.save or self.print_rows) and step % max(self.file_every, 1) == 0
+        return to_table, to_file
+
+
+def log_step_completions(log: CompletionLog, loggers: list, step: int, is_global_zero: bool,
+                         make_records: Callable[[], list[dict[str, Any]]]) -> None:
+    """The completions of a training step (``make_records``: this rank's :func:`completion_records`,
+    made only on a step that logs them): this rank's first rows as every logger's completions table,
+    every rank's appended to ``completions.jsonl`` (rank 0 writes) and printed if asked (see :class:`CompletionLog`)."""
     from lightning.pytorch.utilities import rank_zero_info
 
     from lit_grpo.distributed import gather_objects
 
-    hp = module.hparams
-    step = module.trainer.fit_loop.epoch_loop._batches_that_stepped  # the step of this batch's scalars
-    every = hp.log_completions_every_n_steps
-    to_table = bool(every) and step % every == 0 and module.trainer.is_global_zero and bool(module.loggers)
-    to_file = bool(hp.save_completions or hp.print_completions) and step % max(module.trainer.log_every_n_steps, 1) == 0
+    to_table, to_file = log.wanted(step, is_global_zero, bool(loggers))
     if not (to_table or to_file):
         return
-    prompts = [prompt for prompt in scored.prompts for _ in range(hp.num_generations)]
-    # the columns of rewards_per_func: the rewards', then the environments' (logged even at weight 0)
-    reward_names = module.scorer.names + (module.tool_use.reward_names if module.tool_use is not None else [])
-    records = completion_records(
-        step, prompts, completions, reward_names,
-        scored.rewards_per_func.tolist(), scored.rewards.tolist(), scored.group.advantages.tolist(),
-    )
-    for logger in module.loggers if to_table else []:
+    records = make_records()
+    for logger in loggers if to_table else []:
         where = logger.log_dir or logger.save_dir  # rank 0 only: the directory the logger writes to
         with writing(f"the completions table of step {step} ({type(logger).__name__})", where):
-            shown = log_table(logger, records[: hp.num_completions_to_log], step)
-        if not shown and type(logger) not in module.loggers_told:
-            module.loggers_told.add(type(logger))
+            shown = log_table(logger, records[: log.table_rows], step)
+        if not shown and type(logger) not in log.loggers_told:
+            log.loggers_told.add(type(logger))
             rank_zero_info(
                 f"{type(logger).__name__} has no table or text form for the completions table; "
                 f"completions.jsonl in the run's log directory holds them (model.save_completions)"
@@ -253,10 +276,10 @@ def log_step_completions(module: Any, scored: Any, completions: list) -> None:
     if not to_file:
         return
     records = gather_objects(records)  # a collective: every rank takes part
-    if not module.trainer.is_global_zero:  # no collective below this line: rank 0 only
+    if not is_global_zero:  # no collective below this line: rank 0 only
         return
-    if hp.save_completions and module.run_log_dir is not None:  # without a logger there is nowhere to write
-        append_records(module.run_log_dir / COMPLETIONS_FILE, records)
-    if hp.print_completions:  # above the progress bar, if one is shown, not at its end
-        tqdm.write(f"completions at step {step}:\n{format_table(records[: hp.print_completions])}")
+    if log.save and log.log_dir is not None:  # without a logger there is nowhere to write
+        append_records(log.log_dir / COMPLETIONS_FILE, records)
+    if log.print_rows:  # above the progress bar, if one is shown, not at its end
+        tqdm.write(f"completions at step {step}:\n{format_table(records[: log.print_rows])}")
         sys.stdout.flush()

@@ -1,8 +1,9 @@
 """GRPO as a LightningModule: ``training_step`` reads as the numbered steps of the algorithm.
 
-One call of ``training_step`` handles one *generation batch* (B prompts from the data module):
+One call of ``training_step`` handles one *generation batch* (B prompts from the data module); steps
+1-3 are the rollout collector's (:mod:`lit_grpo.rollout.collector`):
 
-1. sample G completions per prompt with the current policy (:mod:`lit_grpo.rollout.engines.requests`);
+1. sample G completions per prompt with the current policy (:mod:`lit_grpo.rollout.engines`);
 2. score every completion with the configured reward functions (:mod:`lit_grpo.scoring`);
 3. turn rewards into group-relative advantages (:func:`lit_grpo.algorithm.group_advantages`);
 4. compute, without gradient, the log-probs the update needs besides the policy's own: the
@@ -14,8 +15,10 @@ One call of ``training_step`` handles one *generation batch* (B prompts from the
 5. run ``num_iterations`` passes over the generation batch; each pass is ``steps_per_generation``
    optimizer steps on mini-batches of ``B * G / steps_per_generation`` completions, and each
    mini-batch is processed in micro-batches of ``micro_batch_size`` completions (gradient
-   accumulation) to bound memory (the forwards and backwards: :mod:`lit_grpo.train.logprob_passes`);
-6. log the metrics (TRL's names) and, every few steps, a table of completions (:mod:`lit_grpo.run.completions`).
+   accumulation) to bound memory (:mod:`lit_grpo.train.update`; the forwards and backwards:
+   :mod:`lit_grpo.train.logprob_passes`);
+6. log the metrics (TRL's names, :mod:`lit_grpo.train.step_metrics`) and, every few steps, a table of
+   completions (:mod:`lit_grpo.run.completions`).
 
 So one ``training_step`` makes ``num_iterations * steps_per_generation`` optimizer steps and
 ``trainer.max_steps`` counts optimizer steps, as in TRL. Optimization is manual
@@ -42,14 +45,15 @@ from lit_grpo.algorithm.evaluation import ValidationMetrics
 from lit_grpo.algorithm.sampling_correction import correction_settings
 from lit_grpo.config import AsWritten, check_batch_sizes, check_settings
 from lit_grpo.data import PromptBatch
-from lit_grpo.distributed import data_parallel_mesh, gather_rows, mixed_precision_policy, shard_model
+from lit_grpo.distributed import data_parallel_mesh, mixed_precision_policy, shard_model
 from lit_grpo.errors import ConfigError
 from lit_grpo.plugins.python_objects import RedactedSettings, save_settings
 from lit_grpo.rollout.async_pipeline import RolloutPipeline
-from lit_grpo.rollout.dynamic_sampling import dynamic_sampling
+from lit_grpo.rollout.collector import Collectives, RolloutCollector
+from lit_grpo.rollout.dynamic_sampling import check_data_fetcher, next_prompt_batch
 from lit_grpo.rollout.engines import GENERATION_BACKENDS, check_backend, engine_for_run
-from lit_grpo.rollout.engines.base import GenerationEngine, agreeing_on_failure
-from lit_grpo.rollout.engines.requests import NO_CHAT_TEMPLATE, render_prompts, run_generation_configs, tokenize_prompts
+from lit_grpo.rollout.engines.base import GenerationEngine
+from lit_grpo.rollout.engines.requests import NO_CHAT_TEMPLATE, run_generation_configs
 from lit_grpo.rollout.engines.server_lost import CheckpointWhenServerLost
 from lit_grpo.rollout.records import (
     Rollout,
@@ -57,7 +61,6 @@ from lit_grpo.rollout.records import (
     ScoredRollout,
     decode_completions,
     rollout_statistics,
-    score_groups,
 )
 from lit_grpo.rollout.tools.tool_use import ToolUse
 from lit_grpo.run.callbacks import (
@@ -73,7 +76,7 @@ from lit_grpo.run.checkpointing import (
     check_resumed_partition,
     default_checkpointing_of,
 )
-from lit_grpo.run.completions import log_step_completions
+from lit_grpo.run.completions import CompletionLog, completion_records, log_step_completions, logged_step
 from lit_grpo.run.directory import run_directory
 from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
 from lit_grpo.settings import RunSettings
@@ -264,27 +267,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.automatic_optimization = False
-        check_settings(self.hparams, GENERATION_BACKENDS)
-        # "auto": the correction of this run's staleness, in the hparams the loss reads (lit_grpo.train.logprob_passes)
-        self.hparams.update(correction_settings(vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
-                                                vllm_importance_sampling_clip_max, max_staleness).as_hparams())
-        if lora is not None:
-            models.lora_config(lora)  # a bad model.lora fails before any model is loaded
-            # The module's state dict, so every checkpoint (FSDP2's sharded ones too), holds only the
-            # adapter: the base weights are model_name_or_path's. on_load_checkpoint checks a full
-            # checkpoint and adds them back; a sharded one loads the keys the state dict has.
-            self.register_state_dict_post_hook(models.without_frozen_policy_weights)
-            self.strict_loading = False
-
-        # Rewards are resolved now, so a misspelt name fails before any model is loaded.
-        # what the run knows that a reward may ask for by name (DAPO's soft_overlong_punishment)
-        run_settings = {"max_completion_len": max_completion_length}
-        self.scorer = RewardScorer(rewards, run_settings)
-        self.eval_scorer = RewardScorer(eval_rewards, run_settings, key="model.eval_rewards") if eval_rewards else self.scorer
-        self.tool_use = ToolUse.from_settings(settings)  # multi-turn rollouts with tools, or None
-        clash = set(self.tool_use.reward_names if self.tool_use else []) & set(self.scorer.names)
-        if clash:
-            raise ConfigError(f"model.environment and model.rewards both name {sorted(clash)}: rename one")
+        self._check_settings(settings)
+        self._resolve_rewards_and_tools(settings)  # so a misspelt name fails before any model is loaded
         # validation metrics, reduced over every rank's prompts at the end of the validation epoch
         self.val_metrics = ValidationMetrics(sorted(set(eval_pass_k or [1, num_generations_eval or num_generations])))
         self.tokenizer = models.load_tokenizer(model_name_or_path, tokenizer)
@@ -294,11 +278,43 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         self.logprobs = LogProbPasses(RunSettings.from_hparams(self.hparams), self.all_gather, self._backward, self._grad_scaler_scale)
         self.run_log_dir: Path | None = None  # the logger's directory of this run, set in setup
         self._warned_prompt_truncation = False
-        self.loggers_told: set[type] = set()  # loggers without a completions table, said once
-        self.engine: GenerationEngine | None = None  # what samples (lit_grpo.rollout.engines), made by configure_model
+        self.completion_log: CompletionLog | None = None  # where and how often completions are logged, set in setup
         self.policy_version = 0  # optimizer steps the policy has taken (checkpointed): the weights' version
+        # steps 1-3: the engine (made by configure_model), the rewards, the tools (lit_grpo.rollout.collector)
+        self.collector = RolloutCollector(self.scorer, self.tool_use, self.tokenizer, self.hparams,
+                                          weights=lambda: (self.policy, self.policy_version),
+                                          collectives=Collectives(self.all_gather, self._reduce, lambda: self.global_rank,
+                                                                  lambda: self.device))
         self.rollout_pipeline = RolloutPipeline.for_settings(self.hparams)  # max_staleness > 0, else None
         check_backend(self.hparams)  # a missing extra or server address fails before any model is loaded
+
+    def _check_settings(self, settings: dict[str, Any]) -> None:
+        """The checks of the settings as given that need no model; the importance-sampling correction's
+        ``auto`` values resolved; with LoRA, a state dict of the adapter only."""
+        check_settings(self.hparams, GENERATION_BACKENDS)
+        # "auto": the correction of this run's staleness, in the hparams the loss reads (lit_grpo.train.logprob_passes)
+        self.hparams.update(correction_settings(settings["vllm_importance_sampling_mode"], settings["vllm_importance_sampling_clip_min"],
+                                                settings["vllm_importance_sampling_clip_max"], settings["max_staleness"]).as_hparams())
+        if settings["lora"] is not None:
+            models.lora_config(settings["lora"])  # a bad model.lora fails before any model is loaded
+            # The module's state dict, so every checkpoint (FSDP2's sharded ones too), holds only the
+            # adapter: the base weights are model_name_or_path's. on_load_checkpoint checks a full
+            # checkpoint and adds them back; a sharded one loads the keys the state dict has.
+            self.register_state_dict_post_hook(models.without_frozen_policy_weights)
+            self.strict_loading = False
+
+    def _resolve_rewards_and_tools(self, settings: dict[str, Any]) -> None:
+        """The training and evaluation rewards (``scorer``, ``eval_scorer``) and the tool use (None
+        without tools), from the settings as given (in Python, functions and classes too)."""
+        # what the run knows that a reward may ask for by name (DAPO's soft_overlong_punishment)
+        run_settings = {"max_completion_len": settings["max_completion_length"]}
+        self.scorer = RewardScorer(settings["rewards"], run_settings)
+        eval_rewards = settings["eval_rewards"]
+        self.eval_scorer = RewardScorer(eval_rewards, run_settings, key="model.eval_rewards") if eval_rewards else self.scorer
+        self.tool_use = ToolUse.from_settings(settings)  # multi-turn rollouts with tools, or None
+        clash = set(self.tool_use.reward_names if self.tool_use else []) & set(self.scorer.names)
+        if clash:
+            raise ConfigError(f"model.environment and model.rewards both name {sorted(clash)}: rename one")
 
     # ------------------------------------------------------------------------------------------
     # Setup
@@ -313,14 +329,14 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         hp = self.hparams
         precision = self._precision()
         # the engine first: vLLM's memory check then sees none of the trainer's; a server not found fails now
-        self.engine = engine_for_run(hp, self.model_source, precision, grows_with_tools=self.tool_use is not None)
+        self.collector.engine = engine_for_run(hp, self.model_source, precision, grows_with_tools=self.tool_use is not None)
         self.engine.start()
         if hp.beta > 0 and hp.lora is None:  # with LoRA: the policy, adapter disabled
             self.ref_model = models.build_reference(self.model_source, hp.model_init_kwargs, precision)
         self.policy = models.build_policy(self.model_source, models.model_init_kwargs(hp.model_init_kwargs), lora=hp.lora,
                                           gradient_checkpointing=hp.gradient_checkpointing)
         eos_token_ids = models.completion_end_token_ids(self.policy, self.tokenizer)
-        self.generation_config, self.eval_generation_config = run_generation_configs(hp, self.tokenizer, eos_token_ids)
+        self.collector.generation_config, self.eval_generation_config = run_generation_configs(hp, self.tokenizer, eos_token_ids)
         if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: shard with FSDP2
             mesh = data_parallel_mesh(self.device_mesh)
             mp_policy = mixed_precision_policy(precision)  # float32 shards, half-precision compute
@@ -338,6 +354,9 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         # where completions are written, would pair with another collective of the other ranks.
         log_dir = self.trainer.log_dir if self.trainer.logger is not None else None
         self.run_log_dir = run_directory(self.trainer.logger, log_dir, self.trainer.default_root_dir)
+        hp = self.hparams
+        self.completion_log = CompletionLog(hp.log_completions_every_n_steps, hp.num_completions_to_log, self.trainer.log_every_n_steps,
+                                            hp.save_completions, hp.print_completions, self.run_log_dir)
         device = self.trainer.strategy.root_device
         cpu.prepare(device, self._precision(), self.policy)  # a no-op off the CPU
         self.logprobs.device_defaults = device_defaults.for_run(device, self.policy, self.hparams)  # and said once
@@ -357,13 +376,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
     def on_train_start(self) -> None:
         """``dynamic_sampling`` draws prompt batches through the fit loop's data fetcher (no public
         interface of Lightning's): check that this Lightning has it before the first step."""
-        fetcher = getattr(self.trainer.fit_loop, "_data_fetcher", None)
-        if self.hparams.dynamic_sampling and not (hasattr(fetcher, "__next__") and hasattr(fetcher, "done")):
-            raise RuntimeError(
-                "model.dynamic_sampling draws further prompt batches through Lightning's "
-                f"`trainer.fit_loop._data_fetcher`, which Lightning {pl.__version__} does not provide "
-                "(lit-grpo is tested with Lightning 2.6); set model.dynamic_sampling: false or use that Lightning"
-            )
+        if self.hparams.dynamic_sampling:
+            check_data_fetcher(self.trainer)
 
     def teardown(self, stage: str) -> None:
         if self.engine is not None:
@@ -460,29 +474,47 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
             metrics[f"dynamic_sampling/{name}"] = value
         for name, value in metrics.items():
             self.log(name, value.float(), on_step=True, prog_bar=name == "reward", batch_size=len(batch.prompts))
-        log_step_completions(self, scored, completions)
+        self._log_completions(scored, completions)
+
+    def _log_completions(self, scored: ScoredRollout, completions: list) -> None:
+        """The step's completions to the loggers' table, ``completions.jsonl`` and the console (:mod:`lit_grpo.run.completions`)."""
+        step = logged_step(self.trainer)  # the step of this batch's scalars
+        prompts = [prompt for prompt in scored.prompts for _ in range(self.hparams.num_generations)]
+
+        def make_records() -> list[dict[str, Any]]:  # only on a step that logs them
+            return completion_records(step, prompts, completions, self.collector.reward_names, scored.rewards_per_func.tolist(),
+                                      scored.rewards.tolist(), scored.group.advantages.tolist())
+
+        log_step_completions(self.completion_log, self.loggers, step, self.trainer.is_global_zero, make_records)
 
     def _count_optimizer_step(self) -> None:
         self.policy_version += 1  # the engine's weights are stale from here (engine.sync_weights)
 
     def _reduce(self, value: torch.Tensor, reduce_op: str) -> torch.Tensor:
-        """``value`` reduced over every rank (``sum``, ``mean``, ``max``, ``min``)."""
-        return self.trainer.strategy.reduce(value, reduce_op=reduce_op)
+        """``value`` reduced over every rank (``sum``, ``mean``, ``max``, ``min``); itself without a trainer."""
+        return self.trainer.strategy.reduce(value, reduce_op=reduce_op) if self._trainer is not None else value
 
     def generate_and_score(self, batch: PromptBatch, training: bool = True) -> tuple[ScoredRollout, list]:
         """Steps 1-4 for one generation batch; ``training=False`` skips the log-prob passes.
         Returns the scored rollout and the completions as the rewards saw them."""
-        hp = self.hparams
         timings = {"generate": 0.0, "rewards": 0.0}  # seconds per phase, logged as time/<phase>
 
         # 1-3. Sample G completions per prompt, score them, group-relative advantages; with dynamic
         #      sampling, drop groups without signal and sample more prompts to replace them.
-        sampled = self._sample_and_score(batch, timings)
-        dynamic_sampling_stats = None
-        if training and hp.dynamic_sampling:
-            sampled, dynamic_sampling_stats = dynamic_sampling(self, sampled, timings)
-        rollout = sampled.rollout
+        more_prompts = (lambda: next_prompt_batch(self.trainer)) if training and self.hparams.dynamic_sampling else None
+        sampled, dynamic_sampling_stats = self.collector.collect(batch, timings, more_prompts)
 
+        # 4. Log-probs of the reference model (only with a KL penalty); those of the policy that
+        #    sampled, where the update needs them, come in ``training_step``.
+        scored = self.prepare_update(sampled, timings, with_reference=training)
+        scored.dynamic_sampling = dynamic_sampling_stats
+        return scored, sampled.completions
+
+    def prepare_update(self, sampled: SampledGroups, timings: dict[str, float], with_reference: bool = True) -> ScoredRollout:
+        """Step 4 for sampled groups (of this step, or of the asynchronous pipeline): the loss mask, the
+        dapo normaliser and, with a KL penalty, the reference model's log-probs (``timings["logprobs"]``)."""
+        hp = self.hparams
+        rollout = sampled.rollout
         loss_mask = rollout.policy_token_mask  # with tools: the tokens the policy generated
         if hp.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.is_truncated).unsqueeze(1).long()
@@ -492,14 +524,10 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         # of its own rows (not half of one with two steps per pass)
         all_tokens = float(self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum"))
         num_items_in_batch = algorithm.dapo_normaliser(all_tokens, self.trainer.world_size, hp.steps_per_generation)
-
-        # 4. Log-probs of the reference model (only with a KL penalty); those of the policy that
-        #    sampled, where the update needs them, come in ``training_step``.
         start = time.perf_counter()
-        ref_logps = self.logprobs.reference_logps(self.policy, self.ref_model, rollout) if training and hp.beta > 0 else None
-        timings["logprobs"] = time.perf_counter() - start
-
-        scored = ScoredRollout(
+        ref_logps = self.logprobs.reference_logps(self.policy, self.ref_model, rollout) if with_reference and hp.beta > 0 else None
+        timings["logprobs"] = timings.get("logprobs", 0.0) + time.perf_counter() - start
+        return ScoredRollout(
             rollout=rollout,
             loss_mask=loss_mask,
             rewards_per_func=sampled.rewards_per_func,
@@ -510,93 +538,24 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
             num_items_in_batch=num_items_in_batch,
             timings=timings,
             prompts=sampled.prompts,
-            dynamic_sampling=dynamic_sampling_stats,
-        )
-        return scored, sampled.completions
-
-    def _sample_and_score(self, batch: PromptBatch, timings: dict[str, float]) -> SampledGroups:
-        """Steps 1-3 for one batch of prompts: sample, score, group-relative advantages."""
-        hp = self.hparams
-        G = hp.num_generations
-
-        # 1. Sample G completions per prompt (an engine with weights of its own gets the current ones first).
-        if self.engine.holds_weights:
-            timings["weight_sync"] = timings.get("weight_sync", 0.0) + self.engine.sync_weights(self.policy, self.policy_version)
-        start = time.perf_counter()
-        rollout = self.generate(batch.prompts, columns=batch.columns)
-        timings["generate"] += time.perf_counter() - start
-
-        # 2. Score them: every reward sees one prompt, one completion and one value of each column.
-        start = time.perf_counter()
-        with agreeing_on_failure(self.device):  # a reward failing on one rank stops every rank with its message
-            completions, rewards_per_func = self._score(self.scorer, batch, rollout, G)  # [N, K]
-        timings["rewards"] += time.perf_counter() - start
-
-        # 3. Group-relative advantages. Groups never straddle ranks, but the rewards of every rank
-        #    are gathered so that batch-level statistics (scale_rewards: batch, the logged reward
-        #    metrics) describe the global batch; this rank keeps its own rows.
-        all_rewards_per_func = gather_rows(rewards_per_func, self.all_gather)  # [world * N, K]
-        all_rewards = algorithm.combine_rewards(all_rewards_per_func, self._reward_weights(self.scorer))  # [world * N]
-        all_group = algorithm.group_advantages(all_rewards, G, hp.scale_rewards)
-        N = rewards_per_func.size(0)
-        local_rows = slice(self.global_rank * N, (self.global_rank + 1) * N)
-        return SampledGroups(
-            prompts=list(batch.prompts),
-            rollout=rollout,
-            completions=completions,
-            rewards_per_func=rewards_per_func,
-            rewards=all_rewards[local_rows],
-            group=all_group.rows(local_rows),
         )
 
-    @torch.no_grad()
     def generate(self, prompts: list, num_generations: int | None = None, config: GenerationConfig | None = None,
                  columns: dict[str, list] | None = None) -> Rollout:
         """Sample completions for each prompt (strings or chat messages): ``num_generations`` (default
         G) with ``config`` (default the training sampling settings); with tools, multi-turn rollouts
         (``columns``: the prompts' dataset columns, which environments are built from)."""
-        with self.engine.generation_phase():  # an engine that sleeps between generations sleeps once, after it
-            return self._generate(prompts, num_generations, config, columns)
+        return self.collector.generate(prompts, num_generations, config, columns)
 
-    def _generate(self, prompts: list, num_generations: int | None, config: GenerationConfig | None,
-                  columns: dict[str, list] | None) -> Rollout:
-        hp = self.hparams
-        G, config = num_generations or hp.num_generations, config or self.generation_config
-        if self.tool_use is not None:
-            conversations = self.tool_use.start(prompts, columns or {}, G, self.tokenizer, hp.max_prompt_length,
-                                                hp.chat_template_kwargs)
-            any_rank_active = lambda local: bool(self.trainer.strategy.reduce(
-                torch.tensor(float(local), device=self.device), reduce_op="max")) if self._trainer is not None else local
-            self.engine.sync_weights(self.policy, self.policy_version)  # then it knows its longest sequence
-            return self.tool_use.rollout(conversations, self._generate_ids, self.tokenizer, config, hp.max_completion_length,
-                                         hp.chat_template_kwargs, any_rank_active, self.device, self.engine.max_sequence_length())
-        texts = render_prompts(self.tokenizer, prompts, hp.chat_template_kwargs)
-        ids, mask, cut = tokenize_prompts(self.tokenizer, texts, hp.max_prompt_length, self.device)
-        return self._generate_ids(ids, mask, config, G, cut)
+    @property
+    def engine(self) -> GenerationEngine | None:
+        """What samples (:mod:`lit_grpo.rollout.engines`), made by :meth:`configure_model`."""
+        return self.collector.engine
 
-    def _generate_ids(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
-                      num_generations: int = 1, prompt_truncated: torch.Tensor | None = None) -> Rollout | None:
-        """G completions of each left-padded prompt ``[B, P]`` with the run's engine, which gets this
-        step's weights first (None for no prompts: the engine's collectives are still joined)."""
-        prompt_truncated = torch.zeros(len(prompt_ids), dtype=torch.bool, device=self.device) if prompt_truncated is None else prompt_truncated
-        self.engine.sync_weights(self.policy, self.policy_version)  # nothing to do when it has them already
-        return self.engine.generate(prompt_ids, prompt_mask, prompt_truncated, num_generations, config, self.tokenizer.pad_token_id)
-
-    def _score(self, scorer: RewardScorer, batch: PromptBatch, rollout: Rollout, k: int,
-               device: torch.device | None = None) -> tuple[list, torch.Tensor]:
-        """The completions as the rewards saw them and ``[B * k, K]`` rewards on ``device`` (default the
-        module's; the async pipeline's scoring thread keeps them on the CPU): ``scorer``'s, then the
-        environments' (multi-turn rollouts)."""
-        texts, completion_ids = decode_completions(self.tokenizer, rollout)
-        completions, rewards_per_func = score_groups(scorer, batch.prompts, batch.columns, texts, completion_ids, k,
-                                                     rollout.conversations)
-        if self.tool_use is not None and self.tool_use.reward_names:
-            rewards_per_func = torch.cat([rewards_per_func, self.tool_use.environment_rewards(rollout.conversations)], dim=1)
-        return completions, rewards_per_func.to(device or self.device)
-
-    def _reward_weights(self, scorer: RewardScorer) -> torch.Tensor:  # [K + environments]
-        extra = self.tool_use.reward_weights if self.tool_use is not None else []
-        return torch.cat([scorer.weights, torch.tensor(extra, dtype=scorer.weights.dtype)]) if extra else scorer.weights
+    @property
+    def generation_config(self) -> GenerationConfig | None:
+        """The training sampling settings, made by :meth:`configure_model`."""
+        return self.collector.generation_config
 
     def _grad_scaler_scale(self) -> float:
         """The loss scale of a ``16-mixed`` GradScaler (1 without one)."""
@@ -621,8 +580,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         num_prompts = len(batch.prompts)
         rollout = self.generate(batch.prompts, k, self.eval_generation_config, batch.columns)
         texts, _ = decode_completions(self.tokenizer, rollout)
-        _, rewards_per_func = self._score(self.eval_scorer, batch, rollout, k)
-        rewards = algorithm.combine_rewards(rewards_per_func, self._reward_weights(self.eval_scorer)).view(num_prompts, k)  # [B, k]
+        _, rewards_per_func = self.collector.score(self.eval_scorer, batch, rollout, k)
+        rewards = algorithm.combine_rewards(rewards_per_func, self.collector.reward_weights(self.eval_scorer)).view(num_prompts, k)  # [B, k]
         answers = [[" ".join(text.split()) for text in texts[b * k : (b + 1) * k]] for b in range(num_prompts)]
         self.val_metrics.add_batch(
             rewards, answers, hp.eval_success_threshold, lambda value: self.trainer.strategy.reduce(value, reduce_op="min")
@@ -637,8 +596,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
     def _rollout_metrics(self, scored: ScoredRollout) -> dict[str, torch.Tensor]:
         """Statistics of the generation batch over all ranks (identical on every rank), with how
         many samples each reward failed on (``rewards/<name>/errors``)."""
-        tool_use_rewards = self.tool_use.reward_names if self.tool_use is not None else []
-        metrics = rollout_statistics(scored, self.scorer.names + tool_use_rewards, self.all_gather)
+        metrics = rollout_statistics(scored, self.collector.reward_names, self.all_gather)
         if scored.rollout.conversations is not None:
             metrics.update(self.tool_use.metrics(scored.rollout.conversations,
                                                  lambda value: self.trainer.strategy.reduce(value.to(self.device), reduce_op="sum")))

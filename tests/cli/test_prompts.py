@@ -13,7 +13,7 @@ import pytest
 import yaml
 from conftest import GSM8K_ROWS
 
-import lit_grpo.train.module
+import lit_grpo.rollout.collector
 from lit_grpo.cli import main, run_cli
 from lit_grpo.data import GRPODataModule, PromptFormat
 
@@ -87,8 +87,8 @@ def test_training_validation_and_rewards_see_the_rendered_prompts(tmp_path, qwen
     seen_by_reward = []
     reward_plugin(record=lambda prompts, completions, **kw: (seen_by_reward.extend(prompts), [0.0] * len(prompts))[1])
     texts_sampled = []
-    render = lit_grpo.train.module.render_prompts  # the texts that are tokenized and sampled from
-    monkeypatch.setattr(lit_grpo.train.module, "render_prompts",
+    render = lit_grpo.rollout.collector.render_prompts  # the texts that are tokenized and sampled from
+    monkeypatch.setattr(lit_grpo.rollout.collector, "render_prompts",
                         lambda *a, **k: (texts := render(*a, **k), texts_sampled.extend(texts))[0])
     data = {"prompt_template": "Solve: {question}\nAnswer in <answer></answer> tags.", "system_prompt": "You add numbers.",
             "chat_template_kwargs": {"enable_thinking": False}, "val_split": "train[2:4]"}

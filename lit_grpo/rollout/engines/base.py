@@ -11,7 +11,7 @@ them (``Rollout.sampling_logps``: vLLM's, for the importance-sampling correction
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
@@ -23,14 +23,19 @@ __all__ = ["GenerationEngine", "agreed_failure", "agreeing_on_failure", "any_ran
 
 
 class GenerationEngine:
-    """Samples completions for the trainer.
+    """Samples completions for the trainer: every capability its callers (the rollout collector, the
+    asynchronous pipeline, the module) use is declared here, with the default of an engine that samples
+    with the policy itself on the trainer's devices."""
 
-    ``holds_weights``: the engine keeps a copy of the policy's weights of its own (vLLM), which
-    :meth:`sync_weights` brings up to date, and whose seconds are logged as ``time/weight_sync``;
-    without one (the ``lit`` and ``transformers`` samplers) it samples with the policy itself.
-    """
+    holds_weights: bool = False
+    """The engine keeps a copy of the policy's weights of its own (vLLM), which :meth:`sync_weights`
+    brings up to date, and whose seconds are logged as ``time/weight_sync``; without one (the ``lit``
+    and ``transformers`` samplers) it samples with the policy itself."""
 
-    holds_weights = False
+    samples_elsewhere: bool = False
+    """The engine samples on other machines (``vllm_server``): :meth:`sampler` gives a sampling that any
+    thread may run while the trainer trains (no collective, nothing on the trainer's devices), which
+    the asynchronous pipeline (:mod:`lit_grpo.rollout.async_pipeline`) runs in its background thread."""
 
     def start(self) -> None:
         """Build the engine or connect to it: called once, before the trainer builds the policy."""
@@ -47,6 +52,14 @@ class GenerationEngine:
         whose rows ``i*G .. i*G+G-1`` are prompt i's. None for no prompts: a rank without prompts still
         calls it when the others do (it may take part in collectives)."""
         raise NotImplementedError
+
+    def sampler(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_truncated: torch.Tensor,
+                num_generations: int, config: GenerationConfig, pad_token_id: int,
+                ) -> Callable[..., tuple[Rollout | None, Exception | None]]:
+        """Only where :attr:`samples_elsewhere`: :meth:`generate` in two halves, the seed drawn now, the
+        requests sent by the call returned (its argument, optional: a ``threading.Event`` that stops it),
+        which returns the rollout or the failure that stopped it, never raising."""
+        raise NotImplementedError(f"{type(self).__name__} samples on the trainer's devices: it has no background sampler")
 
     def generation_phase(self) -> AbstractContextManager:
         """Around every call of :meth:`generate` that one generation makes (a multi-turn rollout calls
