@@ -17,7 +17,7 @@ weights and the optimizer are not enough to continue a run exactly. A lit-grpo c
 
 Checkpoints are written by :class:`AtomicCheckpointIO`, so a crash while writing leaves the previous
 checkpoint intact, and a write that fails (a full disk) ends the run with one line naming the file.
-Checkpoints are read only from local files and with ``weights_only=True`` (:func:`load_checkpoint_file`;
+Checkpoints are read only from local files and with ``weights_only=True`` (:mod:`lit_grpo.run.safe_loading`;
 ``AtomicCheckpointIO.load_checkpoint`` for a resume): a checkpoint is a pickle, and one that holds
 anything but tensors and plain values (which is all a lit-grpo checkpoint holds) could run code as it
 loads, so it is refused, in one line naming the file.
@@ -31,15 +31,10 @@ steps of :mod:`lit_grpo.run.preemption` (every 30 minutes; on SIGTERM, SIGINT, S
 from __future__ import annotations
 
 import importlib
-import io
 import os
-import pickle
 import random
-import re
 import tempfile
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,16 +46,20 @@ from jsonargparse import Namespace
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.utils.data import DataLoader
 
-from lit_grpo.errors import ConfigError, ModelLoadError, WriteError, os_error_in
+from lit_grpo.errors import ConfigError, WriteError, os_error_in
 from lit_grpo.run.preemption import (
     DEFAULT_CHECKPOINT_EVERY_N_MINUTES,
     DEFAULT_STOP_SIGNALS,
     CheckpointEveryNMinutes,
     CheckpointOnSignal,
+)
+from lit_grpo.run.safe_loading import (  # the names of reading checkpoints safely, found here too
+    UnsafeCheckpointError,
+    check_local_checkpoint,
+    load_checkpoint_file,
+    refusing_unsafe_checkpoints,
 )
 
 __all__ = [
@@ -305,111 +304,6 @@ class ResumableDataLoader(DataLoader):
             self._batches_yielded += 1
             if self._batches_yielded > batches_to_skip:
                 yield batch
-
-
-# ----------------------------------------------------------------------------------------------
-# Reading checkpoints safely
-# ----------------------------------------------------------------------------------------------
-
-
-def check_local_checkpoint(path, what: str = "--ckpt_path") -> None:
-    """Refuse a checkpoint named by a URL or a remote file system path (``https://``, ``s3://``): checkpoints
-    are read from local files only, before anything is downloaded or loaded."""
-    if "://" in str(path):
-        raise ConfigError(
-            f"{what} {path}: lit-grpo reads checkpoints from local files only (a checkpoint is a pickle, and one "
-            "fetched from elsewhere as it loads is not one to trust); download it, check where it comes from, and "
-            "give the local file"
-        )
-
-
-def load_checkpoint_file(path, map_location: Any = "cpu") -> dict[str, Any]:
-    """``torch.load(path, weights_only=True)``: tensors and plain Python values, all that a lit-grpo
-    checkpoint holds. A file holding other objects (which unpickling could run as code) is refused with
-    an :class:`UnsafeCheckpointError` naming the file and the object."""
-    with refusing_unsafe_checkpoints(path):
-        return torch.load(path, map_location=map_location, weights_only=True)
-
-
-class UnsafeCheckpointError(ModelLoadError):
-    """A checkpoint that holds Python objects other than tensors and plain values."""
-
-
-@contextmanager
-def refusing_unsafe_checkpoints(path) -> Iterator[None]:
-    """Turn the ``pickle.UnpicklingError`` of a ``weights_only`` load into an :class:`UnsafeCheckpointError`:
-    one line naming the checkpoint and the object it would have built."""
-    try:
-        yield
-    except pickle.UnpicklingError as error:
-        raise unsafe_checkpoint_error(path, error) from None
-    except CheckpointException as error:  # torch.distributed.checkpoint's wrapper of every rank's failure
-        refused = [failure for failure, _ in error.failures.values() if isinstance(failure, pickle.UnpicklingError)]
-        if not refused:
-            raise
-        raise unsafe_checkpoint_error(path, refused[0]) from None
-
-
-def unsafe_checkpoint_error(path, error: pickle.UnpicklingError) -> UnsafeCheckpointError:
-    """One line naming the checkpoint and the object whose unpickling ``weights_only`` refused."""
-    found = re.search(r"GLOBAL (\S+)", str(error))
-    what = f"a Python object ({found.group(1)})" if found else "Python objects"
-    return UnsafeCheckpointError(
-        f"{path} holds {what} that loading would run as code, not only tensors and plain values as lit-grpo's "
-        "checkpoints do; refused (it was not loaded). Use a checkpoint written by lit-grpo fit"
-    )
-
-
-class ShardMetadataUnpickler(pickle.Unpickler):
-    """Reads the ``.metadata`` of a sharded checkpoint (``torch.distributed.checkpoint``) building only the
-    objects it holds: DCP's metadata records, torch dtypes and sizes, paths."""
-
-    MODULES = frozenset({"torch.distributed.checkpoint.metadata"})  # DCP's records (dataclasses)
-    GLOBALS = frozenset({("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                         ("pathlib", "WindowsPath"), ("collections", "OrderedDict"),
-                         ("torch.distributed.checkpoint.filesystem", "_StorageInfo")})
-
-    def find_class(self, module: str, name: str) -> Any:
-        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if module in self.MODULES or (module, name) in self.GLOBALS or is_dtype:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"Unsupported GLOBAL {module}.{name}")
-
-
-def check_shard_metadata(directory: Path) -> None:
-    """``torch.distributed.checkpoint`` reads a sharded checkpoint's ``.metadata`` with a plain ``pickle.load``,
-    which runs whatever code a crafted file names: read it first with :class:`ShardMetadataUnpickler`, so
-    that such a file is refused (:class:`UnsafeCheckpointError`) before it is loaded."""
-    metadata = Path(directory) / ".metadata"
-    if metadata.is_file():
-        with refusing_unsafe_checkpoints(metadata), metadata.open("rb") as file:
-            ShardMetadataUnpickler(file).load()
-
-
-class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """``torch.distributed.checkpoint``'s default load planner, except that the items of a shard that are
-    not tensors (an optimizer's ``param_groups``: learning rates, betas) are read with
-    ``torch.load(weights_only=True)``: DCP's own planner reads them with ``weights_only=False``, which
-    runs whatever code a crafted ``.distcp`` file names."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        torch.load(value, weights_only=True)  # refuses (pickle.UnpicklingError) any object but tensors and plain values
-        value.seek(0)
-        super().load_bytes(read_item, value)  # the same bytes, now known to build only those
-
-
-def load_shards(state_dict: dict[str, Any], directory: Path) -> None:
-    """``torch.distributed.checkpoint.load`` of ``state_dict`` (filled in place) from the sharded checkpoint
-    ``directory``, reading nothing that could run code: its ``.metadata`` is checked first
-    (:func:`check_shard_metadata`) and the shards' other items are read ``weights_only``
-    (:class:`WeightsOnlyLoadPlanner`). A crafted file is an :class:`UnsafeCheckpointError`, one line.
-    In a process without ``torch.distributed`` (``lit-grpo export``) this process reads every shard."""
-    from torch.distributed.checkpoint import load
-
-    check_shard_metadata(directory)
-    with refusing_unsafe_checkpoints(directory):
-        load(state_dict, checkpoint_id=str(directory), planner=WeightsOnlyLoadPlanner(),
-             no_dist=not torch.distributed.is_initialized())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ multi-process run resolves the same one from the same files, before any of them 
   with its own ``dirpath``, a logger version set in the config) is written only by the run that
   resumes its ``last.ckpt``: another run there is refused, naming the checkpoints it would mix with;
 - a ``--ckpt_path`` naming a URL or remote storage (``https://``, ``s3://``) is refused, before anything is
-  fetched: checkpoints are read from local files only (:func:`lit_grpo.run.checkpointing.check_local_checkpoint`).
+  fetched: checkpoints are read from local files only (:func:`lit_grpo.run.safe_loading.check_local_checkpoint`).
 
 A new TensorBoard or CSV run that fails before its first optimizer step (a reward that raises on the
 first batch, a setting refused as the model loads, Ctrl-C) takes its ``version_N`` directory away
@@ -62,7 +62,8 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 from lit_grpo.errors import CheckpointedError, ConfigError, FileInTheWayError, MissingFileError, WriteError, writing
-from lit_grpo.run.checkpointing import check_local_checkpoint, is_class_config
+from lit_grpo.run.checkpointing import is_class_config
+from lit_grpo.run.safe_loading import check_local_checkpoint
 
 __all__ = ["CSVLogger", "RemoveRunWithoutSteps", "Runs", "TensorBoardLogger", "find_last_checkpoint", "place_run", "resume_config_name", "run_directory"]
 

@@ -8,7 +8,7 @@ Two ways in, one way out:
 - the :class:`ExportOnFitEnd` callback exports the policy in memory when ``trainer.fit`` ends.
 
 A checkpoint is read from a local file with ``weights_only=True``
-(:func:`lit_grpo.run.checkpointing.load_checkpoint_file`): one holding other Python objects is refused.
+(:func:`lit_grpo.run.safe_loading.load_checkpoint_file`): one holding other Python objects is refused.
 Both rebuild the policy from the module's hyperparameters exactly as training built it
 (:func:`lit_grpo.models.build_policy`: ``model_name_or_path``, ``model_init_kwargs``, ``lora``),
 load the trained weights into it, and write it (:func:`export_policy`). A LoRA policy is written
@@ -40,7 +40,7 @@ from transformers import AutoTokenizer
 from lit_grpo import models
 from lit_grpo.errors import ConfigError, FileInTheWayError, MissingFileError, ModelLoadError
 from lit_grpo.redaction import without_redacted
-from lit_grpo.run.checkpointing import (
+from lit_grpo.run.safe_loading import (
     UnsafeCheckpointError,
     check_local_checkpoint,
     check_shard_metadata,

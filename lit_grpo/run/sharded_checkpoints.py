@@ -18,7 +18,8 @@ from lightning.pytorch.strategies import (
     ModelParallelStrategy as _LightningModelParallelStrategy,
 )
 
-from lit_grpo.run.checkpointing import fsync_directory, load_checkpoint_file, load_shards
+from lit_grpo.run.checkpointing import fsync_directory
+from lit_grpo.run.safe_loading import load_checkpoint_file, load_shards
 
 
 def _partial_and_previous(path: Path) -> tuple[Path, Path]:

@@ -12,8 +12,9 @@ import pytest
 import torch
 import yaml
 
-from lit_grpo.run.checkpointing import AtomicCheckpointIO, UnsafeCheckpointError, check_shard_metadata
 from lit_grpo.cli import main
+from lit_grpo.run.checkpointing import AtomicCheckpointIO
+from lit_grpo.run.safe_loading import UnsafeCheckpointError, check_shard_metadata
 
 REPO = Path(__file__).resolve().parents[2]
 
