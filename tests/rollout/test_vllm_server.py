@@ -858,19 +858,11 @@ def test_gloo_listens_on_loopback_toward_a_loopback_rendezvous_even_with_vllm_ho
     assert local_address_toward("198.51.100.1") == "192.0.2.7"  # toward another machine: the address given
 
 
-def test_a_stranger_at_the_rendezvous_cannot_join_in_place_of_a_server_or_push_weights():
+def test_a_stranger_at_the_rendezvous_cannot_join_in_place_of_a_server():
     """Issue 50.1: someone who reaches the rendezvous port and knows lit-grpo's protocol, but not the secret the
     trainer gave its servers in the (key-guarded) init call: (1) joining in the server's place ends the
-    transfer at once on the trainer's side, naming the ranks; (2) a stranger's group (or one relaying the
-    trainer's) pushing its own weights, or replaying the trainer's last push, is refused by the server
-    before it answers /update_weights."""
-    from lit_grpo.rollout.engines.vllm_gloo import (
-        GlooWeightTransferInitInfo,
-        PushAuthenticator,
-        check_members,
-        gloo_group,
-        rendezvous_socket,
-    )
+    transfer at once on the trainer's side, naming the ranks ((2): the next test)."""
+    from lit_grpo.rollout.engines.vllm_gloo import gloo_group
 
     class StrangerInPlaceOfTheServer:
         def init_weight_transfer_engine(self, init_info: dict) -> None:  # the server never joins; a stranger does
@@ -884,7 +876,19 @@ def test_a_stranger_at_the_rendezvous_cannot_join_in_place_of_a_server_or_push_w
         trainer_side(StrangerInPlaceOfTheServer(), Weights(WEIGHTS))
     assert time.monotonic() - started < 10
 
-    # (2) the server's worker in a group whose rank 0 is not the trainer (it even shows the right proof: a relay)
+
+def test_a_stranger_at_the_rendezvous_cannot_push_weights_or_replay_the_trainers():
+    """Issue 50.1 (2): a stranger's group (or one relaying the trainer's) pushing its own weights, or
+    replaying the trainer's last push, is refused by the server before it answers /update_weights."""
+    from lit_grpo.rollout.engines.vllm_gloo import (
+        GlooWeightTransferInitInfo,
+        PushAuthenticator,
+        check_members,
+        gloo_group,
+        rendezvous_socket,
+    )
+
+    # the server's worker in a group whose rank 0 is not the trainer (it even shows the right proof: a relay)
     secret = "ab" * 32
     listening = rendezvous_socket("127.0.0.1")
     port = listening.getsockname()[1]
