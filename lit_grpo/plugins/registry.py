@@ -151,22 +151,17 @@ class _Registry:
 
 
 lock = threading.RLock()  # held by every lookup; loading.py's own cache shares it
-_registry: _Registry | None = None
+
+
+@functools.cache  # one registry per process, made on first use; forget_plugins clears it
+def _get_registry() -> _Registry:
+    return _Registry()
 
 
 def forget_plugins() -> None:
     """Forget every loaded plugin; the next lookup discovers entry points again."""
-    global _registry
     with lock:
-        _registry = None
-
-
-def _get_registry() -> _Registry:
-    global _registry
-    with lock:
-        if _registry is None:
-            _registry = _Registry()
-        return _registry
+        _get_registry.cache_clear()
 
 
 def failure_messages() -> list[str]:
