@@ -86,7 +86,7 @@ def test_the_step_reweights_an_engines_samples_and_logs_how_far_it_is(tiny_model
 
     pl.seed_everything(0)
     module = make_module(tiny_model_dir, vllm_importance_sampling_mode="sequence_mask", max_completion_length=24)
-    sample = module.generate
+    sample = module.collector.generate  # step 1, where the training step samples
     seen = []
 
     def generate_with_engine_logps(prompts, *args, **kwargs):
@@ -96,7 +96,7 @@ def test_the_step_reweights_an_engines_samples_and_logs_how_far_it_is(tiny_model
         seen.append(rollout)
         return rollout
 
-    module.generate = generate_with_engine_logps
+    module.collector.generate = generate_with_engine_logps
     recorder = MetricRecorder()
     fast_trainer(max_steps=1, callbacks=[recorder]).fit(module, make_data(say_a_or_b_file))
     metrics = recorder.steps[0]
