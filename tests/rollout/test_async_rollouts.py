@@ -55,14 +55,21 @@ def run(directory: Path, config: dict, *args: str):
     return logged_scalars(directory / "runs/resume/version_0")
 
 
-def test_one_step_off_trains_each_batch_one_optimizer_step_after_it_was_sampled(tiny_model_dir, tmp_path):
-    config = async_config(tiny_model_dir, tmp_path, max_staleness=1)
-    logged = run(tmp_path / "run", config)
+@pytest.fixture(scope="module")
+def one_step_off_run(tmp_path_factory, tiny_model_dir) -> tuple[Path, dict]:
+    """An uninterrupted run with k = 1 (its directory and logged scalars), which two tests read."""
+    directory = tmp_path_factory.mktemp("one-step-off")
+    return directory / "run", run(directory / "run", async_config(tiny_model_dir, directory, max_staleness=1))
+
+
+def test_one_step_off_trains_each_batch_one_optimizer_step_after_it_was_sampled(one_step_off_run, tiny_model_dir,
+                                                                                  tmp_path):
+    run_directory, logged = one_step_off_run
     synchronous = run(tmp_path / "synchronous", async_config(tiny_model_dir, tmp_path, max_staleness=0))
     assert not [tag for tag in synchronous if tag.startswith("async/")]  # k = 0: the synchronous step
     # The first batch is sampled from the same random state by the same weights, and trained before
     # any optimizer step: the same completions, rewards and loss as the synchronous run's first step.
-    first = trained_prompts(tmp_path / "run", completions=True)[: 2 * 4]
+    first = trained_prompts(run_directory, completions=True)[: 2 * 4]
     assert first == trained_prompts(tmp_path / "synchronous", completions=True)[: 2 * 4]
     assert logged["reward"][1] == synchronous["reward"][0]
     assert logged["loss"][1] == pytest.approx(synchronous["loss"][0], abs=1e-6)
@@ -81,13 +88,13 @@ def test_one_step_off_trains_each_batch_one_optimizer_step_after_it_was_sampled(
     assert min(logged["sampling/sampling_logp_difference/mean"][step] for step in range(2, 7)) > 0.01
     # the prompts trained, in the data loader's order (6 prompts, 2 per batch, reshuffled each epoch):
     # 6 batches of 2 prompts, 4 completions each
-    prompts = trained_prompts(tmp_path / "run")
+    prompts = trained_prompts(run_directory)
     assert len(prompts) == 6 * 2 * 4
 
 
-def test_killed_one_step_off_run_resumes_with_no_prompt_lost_or_trained_twice(tiny_model_dir, tmp_path):
+def test_killed_one_step_off_run_resumes_with_no_prompt_lost_or_trained_twice(one_step_off_run, tiny_model_dir, tmp_path):
     config = async_config(tiny_model_dir, tmp_path, max_staleness=1)
-    reference = run(tmp_path / "reference", config)
+    reference_directory, reference = one_step_off_run
 
     directory = tmp_path / "interrupted"
     directory.mkdir()
@@ -106,7 +113,7 @@ def test_killed_one_step_off_run_resumes_with_no_prompt_lost_or_trained_twice(ti
     assert sorted(logged["reward"]) == sorted(reference["reward"]) == [1, 2, 3, 4, 5, 6]
     for tag, values in reference.items():
         assert logged[tag] == values, tag
-    expected = trained_prompts(tmp_path / "reference")
+    expected = trained_prompts(reference_directory)
     # 2 epochs of the 6 prompts (the first batch of the second filled the pipeline of the first)
     assert Counter(expected) == {row["prompt"]: 2 * 4 for row in PROMPTS}
     assert Counter(trained_prompts(directory)) == Counter(expected)

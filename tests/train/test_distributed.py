@@ -185,20 +185,29 @@ def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_mode
         assert moved > 1e-3
 
 
+# beta 0 and a reward that is constant for a third of the prompts (the worker's gated reward)
+GATED_MODEL = {"beta": 0.0, "rewards": [{"name": "gated"}], "micro_batch_size": 8}
+GATED_FLAGS = ["--fixed-completions", "--gated-reward", "--share-prompts-always"]  # no forward-overhead threshold
+
+
+@pytest.fixture(scope="module")
+def single_process_run_training_every_row(run_dir):
+    """One process on GATED_MODEL that trains every row: one run for both strategies' comparisons."""
+    overrides = {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH},
+                 "model": {**GATED_MODEL, "skip_zero_gradient_rows": False}}
+    return run_worker(run_dir, "single_every_row", 1, overrides, *GATED_FLAGS)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_rows_without_gradient_skipped_on_two_processes_match_one_process_training_every_row(run_dir, strategy):
+def test_rows_without_gradient_skipped_on_two_processes_match_one_process_training_every_row(
+        run_dir, single_process_run_training_every_row, strategy):
     """beta 0 and a reward that is constant for a third of the prompts: those groups' rows (advantage
     0) skip the backward on each rank (FSDP2 ranks agree to leave out as many rows as each other);
     losses, statistics and weights equal one process that trains every row."""
-    model = {"beta": 0.0, "rewards": [{"name": "gated"}], "micro_batch_size": 8}
-    flags = ["--fixed-completions", "--gated-reward", "--share-prompts-always"]  # no forward-overhead threshold
-    one = run_worker(
-        run_dir, "single_every_row", 1,
-        {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}, "model": {**model, "skip_zero_gradient_rows": False}},
-        *flags,
-    )
-    overrides = {"trainer": {"devices": 2, "strategy": STRATEGIES[strategy]}, "data": {"batch_size": GLOBAL_BATCH // 2}, "model": model}
-    two = run_worker(run_dir, f"{strategy}_skipping", 2, overrides, *flags)
+    one = single_process_run_training_every_row
+    overrides = {"trainer": {"devices": 2, "strategy": STRATEGIES[strategy]}, "data": {"batch_size": GLOBAL_BATCH // 2},
+                 "model": GATED_MODEL}
+    two = run_worker(run_dir, f"{strategy}_skipping", 2, overrides, *GATED_FLAGS)
     assert sum(one["skipped_rows"]) == 0 and sum(two["skipped_rows"]) > 0  # rank 0 left rows out
     assert any(step["frac_reward_zero_std"] > 0 for step in one["steps"])
     for step, (expected, actual) in enumerate(zip(one["steps"], two["steps"], strict=True)):
