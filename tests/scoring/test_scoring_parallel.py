@@ -377,6 +377,15 @@ def test_in_process_error_stops_the_pool_and_is_raised(make_scorer):
 
 
 
+def test_when_pool_and_async_rewards_both_fail_the_first_configured_is_raised_and_no_thread_is_left(make_scorer):
+    for first, second in (("async_fails_on_bad", "fails_on_bad"), ("fails_on_bad", "async_fails_on_bad")):
+        scorer = make_scorer(RewardSpec(first, num_workers=int(first == "fails_on_bad")),
+                             RewardSpec(second, num_workers=int(second == "fails_on_bad")))
+        with pytest.raises(RewardError, match=rf"^Reward '{first}' .* raised ValueError: cannot score 'bad'"):
+            call(scorer, ["ok", "bad"])
+        assert [t.name for t in threading.enumerate() if t.name.startswith("lit-grpo-reward")] == []
+
+
 # --------------------------------------------------------------------------------------------------
 # Off the main thread (the asynchronous pipeline's scoring thread, model.max_staleness > 0)
 # --------------------------------------------------------------------------------------------------
