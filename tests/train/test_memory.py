@@ -479,13 +479,13 @@ def test_gradients_are_freed_after_each_optimizer_step(tiny_model_dir, say_a_or_
 
     pl.seed_everything(0)
     module = make_module(tiny_model_dir, num_iterations=2)  # two optimizer steps per batch
-    sample = module.generate
+    sample = module.collector.generate  # step 1, where the training step samples
 
     def generate(prompts, *args, **kwargs):
         events.append(("generate", with_gradient(module)))
         return sample(prompts, *args, **kwargs)
 
-    module.generate = generate
+    module.collector.generate = generate
     fast_trainer(max_steps=4, callbacks=[Probe()]).fit(module, make_data(say_a_or_b_file))
 
     trainable = sum(p.requires_grad for p in module.policy.parameters())
