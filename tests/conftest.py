@@ -16,8 +16,9 @@ TESTS = Path(__file__).resolve().parent
 sys.path[:0] = [str(folder) for folder in sorted(TESTS.iterdir())
                 if folder.is_dir() and any(folder.glob("test_*.py")) and str(folder) not in sys.path]
 
-from lit_grpo.tiny import build_tiny_model  # noqa: E402
 from marked_tests import EVERY_TEST, INTEGRATION, SLOW  # noqa: E402  (tests/marked_tests.py)
+
+from lit_grpo.tiny import build_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -599,8 +599,7 @@ def scalars(log_dir: Path) -> dict[str, list[float]]:
 
 def fit_quickstart(tmp_path: Path, *overrides: str, config: dict | None = None) -> dict[str, list[float]]:
     """``lit-grpo fit --config configs/quickstart.yaml`` with the vllm backend on a 2-head tiny model."""
-    subprocess.run([LIT_GRPO, "init-tiny", str(tmp_path / "tiny-model"), "--num-heads", "2"], check=True,
-                   capture_output=True)
+    build_tiny_model(tmp_path / "tiny-model", num_attention_heads=2)  # `lit-grpo init-tiny DIR --num-heads 2`, in this process
     quickstart = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
     quickstart["data"]["data_files"] = str(REPO / quickstart["data"]["data_files"])
     (tmp_path / "quickstart.yaml").write_text(yaml.safe_dump(quickstart))
