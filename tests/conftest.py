@@ -20,6 +20,11 @@ from marked_tests import EVERY_TEST, INTEGRATION, SLOW  # noqa: E402  (tests/mar
 
 from lit_grpo.tiny import build_tiny_model  # noqa: E402
 
+# Lightning's loggers get their stream handler when lightning is first imported: import it now, while
+# stderr is the real one, not inside a test whose captured stderr is closed when it ends ("--- Logging
+# error ---" in the next test that runs the command in this process, whichever order tests run in).
+import lightning.pytorch  # noqa: E402, F401
+
 
 def pytest_collection_modifyitems(config, items):
     """Mark the tests that tests/marked_tests.py names ``integration`` or ``slow``; this hook runs
