@@ -27,6 +27,7 @@ import logging
 import os
 import random
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,10 @@ CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # worker reserves gpu_memory_utilization * total RAM (0.92 * 24 GiB here) and refuses to start when
 # that much is not free, which a second process or the trainer itself makes impossible.
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 2**20
+
+# The engines built inside the trainer's torch.distributed world, whose default group is the trainer's
+# (shutdown_engine leaves it alone).
+IN_TRAINER_GROUP: weakref.WeakSet = weakref.WeakSet()
 
 
 @contextlib.contextmanager
@@ -270,7 +275,8 @@ def _construct_llm(vllm: Any, kwargs: dict[str, Any], num_threads: int | None, w
         # that only logs a warning; in-process nothing is bound to cores, so the original is safe.
         torch.set_num_threads = original_set_num_threads
         torch.set_num_threads(threads)
-    llm._trainer_owns_process_group = trainer_owns_process_group
+    if trainer_owns_process_group:
+        IN_TRAINER_GROUP.add(llm)
     return llm
 
 
@@ -288,7 +294,7 @@ def shutdown_engine(llm) -> None:
     destroy = dist.destroy_process_group
 
     def destroy_own_groups_only(group=None):
-        if group is None and getattr(llm, "_trainer_owns_process_group", False):
+        if group is None and llm in IN_TRAINER_GROUP:
             return
         destroy(group)
 
