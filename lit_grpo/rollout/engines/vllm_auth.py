@@ -11,8 +11,8 @@ anything else).
 
 One variable serves both sides: the server reads the key from ``VLLM_API_KEY`` (``lit-grpo serve
 --api-key KEY`` puts it there), the trainer sends the same variable as ``Authorization: Bearer KEY``
-on every request (:mod:`lit_grpo.rollout.engines.vllm_server`). Without the variable the middleware lets
-everything through: ``lit-grpo serve`` then listens on 127.0.0.1 only.
+on every request (:mod:`lit_grpo.rollout.engines.vllm_server_api`). Without the variable the middleware
+lets everything through: ``lit-grpo serve`` then listens on 127.0.0.1 only.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Both vLLM engines sample with the same semantics, so that a run gives the same c
   renormalised over the kept tokens, as the trainer recomputes them, :mod:`lit_grpo.algorithm.sampling_filters`)
   and the weight version each completion was sampled with;
 * :func:`engine_rollout`: that output as a :class:`~lit_grpo.rollout.records.Rollout`;
-* :func:`engine_seed`: the seed of one call, drawn from the rank's checkpointed torch generator.
+* :func:`draw_engine_seed`: the seed of one call, drawn from the rank's checkpointed torch generator
+  and made distinct per rank (:func:`engine_seed`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from transformers import GenerationConfig
 
 from lit_grpo.rollout.records import Rollout
 
-__all__ = ["EngineOutput", "completion_tensors", "engine_rollout", "engine_seed", "process_rank", "sampling_requests",
-           "sampling_settings"]
+__all__ = ["EngineOutput", "completion_tensors", "draw_engine_seed", "engine_rollout", "engine_seed", "process_rank",
+           "sampling_requests", "sampling_settings"]
 
 
 def engine_seed(drawn: int, rank: int) -> int:
