@@ -206,7 +206,7 @@ if trainer.global_rank == 0:
 
 def test_a_model_object_under_fsdp2_on_two_processes(tmp_path, tiny_model_dir):
     script = tmp_path / "fsdp2.py"
-    script.write_text(FSDP2_SCRIPT.format(tests=str(REPO / "tests"), model=str(tiny_model_dir), root=str(tmp_path)))
+    script.write_text(FSDP2_SCRIPT.format(tests=str(Path(__file__).resolve().parent), model=str(tiny_model_dir), root=str(tmp_path)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
