@@ -23,9 +23,9 @@ LIT_GRPO = str(Path(sys.executable).with_name("lit-grpo"))
 pytestmark = pytest.mark.usefixtures("fresh_cli")  # tests/conftest.py
 
 
-@pytest.fixture
-def config(tmp_path, tiny_model_dir):
-    """``config(**changes) -> path``: the quickstart with the tiny model, sections updated."""
+def quickstart_writer(tmp_path: Path, tiny_model_dir: Path):
+    """``write(name="config.yaml", **sections) -> path``: the quickstart with the tiny model, one step,
+    no logger or checkpoints, its sections updated, written in ``tmp_path``."""
 
     def write(name="config.yaml", **sections):
         quickstart = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
@@ -39,6 +39,12 @@ def config(tmp_path, tiny_model_dir):
         return path
 
     return write
+
+
+@pytest.fixture
+def config(tmp_path, tiny_model_dir):
+    """``config(**changes) -> path``: the quickstart with the tiny model, sections updated."""
+    return quickstart_writer(tmp_path, tiny_model_dir)
 
 
 def error_line(capsys, *args: str) -> str:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
+from test_errors import quickstart_writer
 
 from lit_grpo.cli import main
 
@@ -32,19 +32,7 @@ def config(tmp_path, tiny_model_dir, monkeypatch):
     """``config(**sections) -> path``: the quickstart with the tiny model, sections updated, in a
     working directory of its own (``tmp_path``)."""
     monkeypatch.chdir(tmp_path)
-
-    def write(name="config.yaml", **sections):
-        quickstart = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
-        quickstart["model"]["model_name_or_path"] = str(tiny_model_dir)
-        quickstart["data"]["data_files"] = str(REPO / quickstart["data"]["data_files"])
-        quickstart["trainer"].update(max_steps=1, logger=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
-        for section, values in sections.items():
-            quickstart.setdefault(section, {}).update(values)
-        path = tmp_path / name
-        path.write_text(yaml.safe_dump(quickstart, sort_keys=False))
-        return path
-
-    return write
+    return quickstart_writer(tmp_path, tiny_model_dir)
 
 
 def error_line(capsys, *args: str) -> str:
