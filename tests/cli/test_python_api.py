@@ -184,7 +184,7 @@ def test_a_model_and_reward_objects_are_neither_copied_nor_warned_about(tmp_path
 FSDP2_SCRIPT = """
 import sys, torch, lightning.pytorch as pl
 from transformers import AutoModelForCausalLM
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}
 from test_python_api import QUICKSTART_ROWS, char_fraction
 from lit_grpo import GRPODataModule, GRPOModule
 from lit_grpo.run.sharded_checkpoints import ModelParallelStrategy
@@ -206,7 +206,7 @@ if trainer.global_rank == 0:
 
 def test_a_model_object_under_fsdp2_on_two_processes(tmp_path, tiny_model_dir):
     script = tmp_path / "fsdp2.py"
-    script.write_text(FSDP2_SCRIPT.format(tests=str(Path(__file__).resolve().parent), model=str(tiny_model_dir), root=str(tmp_path)))
+    script.write_text(FSDP2_SCRIPT.format(tests=[str(Path(__file__).resolve().parent), str(REPO / "tests")], model=str(tiny_model_dir), root=str(tmp_path)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
