@@ -8,7 +8,7 @@
   the compute floor of ``bench/flops.py``;
 * machine facts (CPU, cores, load) and Markdown helpers.
 
-Run the drivers from the repository root (``python -m bench.compare_trl``, ``python -m bench.scaling``,
+Run the drivers from the repository root (``python -m bench.compare_trl``,
 ``python -m bench.learning``, ...) with the benchmark extra installed: ``pip install -e ".[bench]"
 -e ./rewards`` (TRL is only a benchmark extra).
 """

@@ -66,8 +66,8 @@ class RunSpec:
     count_matmuls: bool = False  # one extra, untimed step that counts matmul FLOPs by dtype
     profile_ops: bool = False  # one extra, untimed step with every operator timed (bench/profile_step.py)
     threads: int | None = None  # torch.set_num_threads; None keeps torch's default (one per core)
-    lit_options: dict = field(default_factory=dict)  # extra GRPOModule arguments (bench/ablation.py), lit-grpo only
-    lit_code_dir: str | None = None  # import lit_grpo from this checkout instead of the installed one (bench/ablation.py --against-commit)
+    lit_options: dict = field(default_factory=dict)  # extra GRPOModule arguments (the ablations in git history at d59a9c4), lit-grpo only
+    lit_code_dir: str | None = None  # import lit_grpo from this checkout instead of the installed one (d59a9c4's bench/ablation.py --against-commit)
     record_weight_change: bool = False  # keep a copy of the trainable weights to report how far training moved them
 
 

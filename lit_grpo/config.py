@@ -47,6 +47,7 @@ def check_reference_sync(sync_steps: int, alpha: float) -> None:
         raise ConfigError(f"model.ref_model_mixup_alpha must be in (0, 1], got {alpha}")
 
 
+# Whole: one independent check per key, in the order of the keys, each its own one-line error.
 def check_settings(hp, generation_backends: tuple[str, ...]) -> None:
     """Reject settings that cannot work, naming the config key, before anything is loaded
     (``generation_backends``: the names ``model.generation_backend`` may take)."""

@@ -172,3 +172,12 @@ def test_every_former_import_path_is_the_module_where_it_moved():
     from lit_grpo.run.sharded_checkpoints import ModelParallelStrategy as moved
 
     assert ModelParallelStrategy is moved
+
+
+def test_the_records_still_import_from_lit_grpo_rollout():
+    """``lit_grpo.rollout`` was the records module before it became the rollout package."""
+    from lit_grpo.rollout import Rollout, ScoredRollout, records
+
+    assert Rollout is records.Rollout and ScoredRollout is records.ScoredRollout
+    with pytest.raises(ImportError, match="Nothing"):
+        from lit_grpo.rollout import Nothing  # noqa: F401

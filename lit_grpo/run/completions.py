@@ -227,6 +227,12 @@ def logged_step(trainer: Any) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
+def unlog_step(trainer: Any) -> None:
+    """Count the last logged batch as not logged (a step stopped before its end, checkpointed as the
+    end of the step before): the other side of :func:`logged_step`'s private count."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped -= 1
+
+
 @dataclass
 class CompletionLog:
     """Where and how often a run logs the completions of its training steps: a table in every logger

@@ -283,9 +283,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         self.policy_version = 0  # optimizer steps the policy has taken (checkpointed): the weights' version
         # steps 1-3: the engine (made by configure_model), the rewards, the tools (lit_grpo.rollout.collector)
         self.collector = RolloutCollector(self.scorer, self.tool_use, self.tokenizer, self.hparams,
-                                          weights=lambda: (self.policy, self.policy_version),
-                                          collectives=Collectives(self.all_gather, self._reduce, lambda: self.global_rank,
-                                                                  lambda: self.device))
+                                          weights=self._current_weights,
+                                          collectives=Collectives(self.all_gather, self._reduce, self._current_rank, self._current_device))
         self.rollout_pipeline = RolloutPipeline.for_settings(self.hparams)  # max_staleness > 0, else None
         check_backend(self.hparams)  # a missing extra or server address fails before any model is loaded
 
@@ -487,6 +486,16 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
                                       scored.rewards.tolist(), scored.group.advantages.tolist())
 
         log_step_completions(self.completion_log, self.loggers, step, self.trainer.is_global_zero, make_records)
+
+    # bound methods, not lambdas, for the collector: a module that pickles (ddp_spawn, torch.save) still does
+    def _current_weights(self) -> tuple[torch.nn.Module | None, int]:
+        return self.policy, self.policy_version
+
+    def _current_rank(self) -> int:
+        return self.global_rank
+
+    def _current_device(self) -> torch.device:
+        return self.device
 
     def _count_optimizer_step(self) -> None:
         self.policy_version += 1  # the engine's weights are stale from here (engine.sync_weights)

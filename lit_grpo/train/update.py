@@ -76,7 +76,8 @@ def mini_batch_backward(scored: ScoredRollout, logprobs: LogProbPasses, policy: 
     micro_batch_size = hp.micro_batch_size or len(positions)
     micro_batches = len(positions) // micro_batch_size
     step_scored = replace(scored, old_logps=None) if fills_old_logps else scored
-    scale = 1 / micro_batches if algorithm.LOSS_TYPES[hp.loss_type].accumulates_by_mean else 1.0
+    # the loss type grpo_loss aggregates with (the passes' settings, built once), so the two never disagree
+    scale = 1 / micro_batches if algorithm.LOSS_TYPES[logprobs.settings.loss.loss_type].accumulates_by_mean else 1.0
     step_stats = []
     # the gradients are None here: set so after every optimizer step
     for micro_start in range(positions.start, positions.stop, micro_batch_size):

@@ -786,3 +786,17 @@ def test_top_entropy_quantile_trains_only_the_highest_entropy_tokens(tiny_model_
     assert 0 < kept.sum() < mask.sum()
     expected = -(scored.group.advantages.unsqueeze(1) * kept).sum() / scored.num_items_in_batch
     assert float(loss) == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
+
+
+def test_a_module_pickles_and_its_copy_samples_with_its_own_policy(tiny_model_dir):
+    """Lightning's ddp_spawn and ``torch.save(module)`` pickle the module: what the collector is handed
+    (the policy and its version, the rank, the device) pickles with it and belongs to the copy."""
+    import pickle
+
+    module = make_module(tiny_model_dir)
+    module.configure_model()
+    copy = pickle.loads(pickle.dumps(module))
+    policy, version = copy.collector.weights()
+    assert policy is copy.policy and policy is not module.policy and version == 0
+    rollout = copy.generate(["Say a:"], num_generations=2)
+    assert rollout.completion_ids.size(0) == 2

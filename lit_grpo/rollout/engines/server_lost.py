@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lit_grpo.errors import CheckpointedError
 from lit_grpo.run.checkpointing import ResumableDataLoader, capture_rng_states, restore_rng_states
+from lit_grpo.run.completions import unlog_step
 from lit_grpo.run.preemption import last_checkpoint_keeper, save_checkpoint_now
 
 __all__ = ["CheckpointWhenServerLost", "GenerationFailed", "GenerationServerLost"]
@@ -87,6 +88,6 @@ class CheckpointWhenServerLost(Callback):
             if self._loader_state is not None:  # the step's batch (and any drawn since) was not trained on
                 trainer.train_dataloader.rewind(self._loader_state, batches=1)
             # the checkpoint of the end of the previous step, written there, counts that step as not yet logged
-            trainer.fit_loop.epoch_loop._batches_that_stepped -= 1
+            unlog_step(trainer)
         keeper = last_checkpoint_keeper(trainer)
         exception.checkpoint = save_checkpoint_now(trainer, keeper) if keeper is not None else None

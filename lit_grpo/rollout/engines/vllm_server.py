@@ -293,7 +293,8 @@ class VLLMServerEngine(GenerationEngine):
             return False
         retrying = Retrying(retry=retry_if_result(lambda answer: not answer), wait=wait_fixed(1.0),
                             stop=lambda state: time.monotonic() >= deadline, retry_error_callback=lambda state: False)
-        return retrying(lambda: all(server.answers() for server in self.servers))
+        # a try after a sleep that passed the deadline asks no server (as the loop before tenacity)
+        return retrying(lambda: time.monotonic() < deadline and all(server.answers() for server in self.servers))
 
     def _leave_transfer(self) -> None:
         if self.transfer is not None:
