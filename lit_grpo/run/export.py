@@ -15,7 +15,8 @@ load the trained weights into it, and write it (:func:`export_policy`). A LoRA p
 either merged into the base weights (``merge_and_unload``, the default: a plain model that
 ``AutoModelForCausalLM.from_pretrained`` loads) or as a peft adapter directory (which
 ``peft.AutoPeftModelForCausalLM.from_pretrained`` loads, fetching the base model named in its
-``adapter_config.json``).
+``adapter_config.json``). Merged, an output head tied to the input embeddings that has an adapter of its
+own is written untied (:func:`untie_adapted_head`).
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def merge_adapter_directory(adapter_dir: Path, output_dir: str | os.PathLike, ov
     model that training can start from."""
     base = models.adapter_base_model(adapter_dir)
     policy = models.load_causal_lm(base, models.model_init_kwargs(None))
-    merged = PeftModel.from_pretrained(policy, str(adapter_dir)).merge_and_unload()
+    adapted = PeftModel.from_pretrained(policy, str(adapter_dir))
+    untie_adapted_head(adapted)
+    merged = adapted.merge_and_unload()
     tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
     return _write_atomically(merged, AutoTokenizer.from_pretrained(str(tokenizer_dir)), Path(output_dir), overwrite)
 
@@ -177,6 +180,7 @@ def export_policy(
     policy = rebuild_policy(hparams, policy_state)
     if isinstance(policy, PeftModel):
         if merge_lora:
+            untie_adapted_head(policy)
             policy = policy.merge_and_unload()  # W + scale * B @ A, the adapter layers removed
         else:
             _point_adapter_at_base_model(policy, hparams["model_name_or_path"])
@@ -185,6 +189,21 @@ def export_policy(
             "merge_lora=False (--no-merge-lora) keeps a LoRA adapter, but this policy has none (model.lora is null)"
         )
     return _write_atomically(policy, models.load_tokenizer(hparams["model_name_or_path"]), output_dir, overwrite)
+
+
+def untie_adapted_head(policy: PeftModel) -> None:
+    """Before merging: an output head tied to the input embeddings (one weight, ``tie_word_embeddings``) with
+    an adapter of its own gets a copy of that weight, and the model is marked untied. Merged into the tied
+    weight, the head's update would change the embeddings too (the trained model embeds its inputs with the
+    base weight); untied, the merged model computes what the trained one does, its head written apart."""
+    model = policy.get_base_model()
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    head_weights = getattr(head, "base_layer", None)  # peft's adapter layer wraps the head it adapts
+    if head_weights is None or embeddings is None or head_weights.weight is not embeddings.weight:
+        return
+    head_weights.weight = torch.nn.Parameter(head_weights.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    model.config.get_text_config().tie_word_embeddings = False  # the same config for a text-only model
 
 
 def _write_atomically(policy, tokenizer, output_dir: Path, overwrite: bool) -> Path:

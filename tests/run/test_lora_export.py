@@ -371,3 +371,33 @@ def test_export_refuses_a_directory_that_is_not_a_sharded_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"is a directory but not a sharded Lightning checkpoint \(it needs the shards' \.metadata"):
         export_checkpoint(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_merged_export_of_an_adapted_tied_head_computes_what_the_trained_model_computes(tiny_model_dir, tmp_path):
+    """configs/lora/quickstart-lora.yaml: an adapter on ``lm_head``, which the tiny model ties to its input
+    embeddings. Merged into the one tied weight, the head's update would change the embeddings too; the
+    export (from a checkpoint's weights, and from an adapter directory) must give the trained logits."""
+    from lit_grpo.run.export import export_policy
+
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "lm_head"]}
+    policy = models.build_policy(str(tiny_model_dir), models.model_init_kwargs(None), lora=lora)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained adapter: lora_B is zero at initialization, so the adapter would change nothing
+        for name, weight in policy.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(0.0, 0.5)
+    input_ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+    with torch.no_grad():
+        trained_logits = policy.eval()(input_ids).logits  # [1, 6, vocab]
+    adapter_state = {name: weight for name, weight in policy.state_dict().items() if "lora_" in name}
+    hparams = {"model_name_or_path": str(tiny_model_dir), "lora": lora}
+
+    merged = export_policy(hparams, adapter_state, tmp_path / "merged")
+    adapter_dir = export_policy(hparams, adapter_state, tmp_path / "adapter", merge_lora=False)
+    main(["export", str(adapter_dir), str(tmp_path / "merged-from-adapter")])
+    for directory in (merged, tmp_path / "merged-from-adapter"):
+        exported = AutoModelForCausalLM.from_pretrained(directory).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(exported(input_ids).logits, trained_logits, rtol=1e-4, atol=1e-4)
+        base_embeddings = AutoModelForCausalLM.from_pretrained(tiny_model_dir).get_input_embeddings().weight
+        assert torch.equal(exported.get_input_embeddings().weight, base_embeddings)  # the head's update not in them
