@@ -38,6 +38,12 @@ from lit_grpo.algorithm.advantages import (
     register_advantage_estimator,
     unscaled,
 )
+from lit_grpo.algorithm.fused_lm_head import (
+    LOGITS_TILE_BYTES,
+    fused_token_logprobs,
+    sampling_transform,
+    tokens_per_tile,
+)
 from lit_grpo.algorithm.losses import (
     ADVANTAGE_PROPORTIONAL_OBJECTIVES,
     LOSS_TYPES,
