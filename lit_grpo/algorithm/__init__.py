@@ -20,14 +20,17 @@ The modules, in the order of a step: :mod:`~lit_grpo.algorithm.token_logprobs` (
 the completion mask), :mod:`~lit_grpo.algorithm.advantages` (rewards and the advantage estimators'
 registry), :mod:`~lit_grpo.algorithm.token_terms` (KL, importance ratio, per-token objectives, clip
 statistics), :mod:`~lit_grpo.algorithm.losses` (the loss types' registry and :func:`grpo_loss`);
-beside them :mod:`~lit_grpo.algorithm.sampling_filters`, :mod:`~lit_grpo.algorithm.sampling_correction`
-and :mod:`~lit_grpo.algorithm.evaluation`. This package re-exports the public names of the first four.
+beside them :mod:`~lit_grpo.algorithm.sampling_filters`, :mod:`~lit_grpo.algorithm.sampling_correction`,
+:mod:`~lit_grpo.algorithm.evaluation` and :mod:`~lit_grpo.algorithm.entropy_control` (the entropy
+bonus and its adaptive coefficient). This package re-exports the public names of the first four and
+of the last.
 """
 
 from __future__ import annotations
 
 from lit_grpo.algorithm.advantages import (
     ADVANTAGE_ESTIMATORS,
+    MULTI_OBJECTIVE_AGGREGATIONS,
     AdvantageEstimator,
     GroupAdvantages,
     GroupedRewards,
@@ -35,8 +38,18 @@ from lit_grpo.algorithm.advantages import (
     combine_rewards,
     group_advantages,
     group_scaled,
+    multi_objective_advantages,
+    normalize_then_sum,
     register_advantage_estimator,
+    register_multi_objective_aggregation,
+    sum_then_normalize,
     unscaled,
+)
+from lit_grpo.algorithm.entropy_control import (
+    EntropyCoefficient,
+    EntropyControlSettings,
+    entropy_bonus_loss,
+    entropy_sum_and_count,
 )
 from lit_grpo.algorithm.fused_lm_head import (
     LOGITS_TILE_BYTES,
@@ -50,6 +63,7 @@ from lit_grpo.algorithm.losses import (
     MASKED_AGGREGATIONS,
     Aggregation,
     LossInputs,
+    LossOptions,
     LossType,
     Objective,
     PolicyLossOutput,
@@ -61,11 +75,14 @@ from lit_grpo.algorithm.losses import (
     dr_grpo_aggregation,
     grpo_aggregation,
     grpo_loss,
+    luspo_aggregation,
     ppo_objective,
     register_loss_type,
     rows_without_gradient,
     sapo_objective,
+    vespo_objective,
 )
+from lit_grpo.algorithm.sampling_correction import off_policy_sequence_mask
 from lit_grpo.algorithm.token_logprobs import (
     LOGPROB_CHUNK_ELEMENTS,
     completion_mask_from_ids,
@@ -86,5 +103,7 @@ from lit_grpo.algorithm.token_terms import (
     kl_estimate,
     masked_mean,
     sapo_loss,
+    vespo_gamma_weights,
+    vespo_loss,
 )
 from lit_grpo.settings import LossSettings

@@ -140,3 +140,95 @@ def group_advantages(
         group_std=std.expand_as(grouped).reshape(-1),
         zero_std=zero_std.reshape(-1),
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Several rewards: summed then normalised (GRPO), or each normalised then summed (GDPO)
+# ----------------------------------------------------------------------------------------------
+
+# (rewards_per_func [N, K] NaN for None, weights [K], num_generations, scale_rewards) -> GroupAdvantages
+RewardAggregation = Callable[[torch.Tensor, torch.Tensor, int, str], GroupAdvantages]
+
+MULTI_OBJECTIVE_AGGREGATIONS: dict[str, RewardAggregation] = {}
+
+
+def register_multi_objective_aggregation(name: str) -> Callable[[RewardAggregation], RewardAggregation]:
+    """Register how several rewards become advantages, under a ``model.multi_objective_aggregation``
+    name (decorator)."""
+
+    def decorator(fn: RewardAggregation) -> RewardAggregation:
+        MULTI_OBJECTIVE_AGGREGATIONS[name] = fn
+        return fn
+
+    return decorator
+
+
+@register_multi_objective_aggregation("sum_then_normalize")
+def sum_then_normalize(
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int, scale_rewards: str = "group"
+) -> GroupAdvantages:
+    """GRPO's (TRL's default): the weighted sum of the rewards (:func:`combine_rewards`), then group
+    advantages by ``scale_rewards`` (:func:`group_advantages`)."""
+    return group_advantages(combine_rewards(rewards_per_func, weights), num_generations, scale_rewards)
+
+
+@register_multi_objective_aggregation("normalize_then_sum")
+def normalize_then_sum(
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
+) -> GroupAdvantages:
+    """GDPO (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for
+    Multi-reward RL"), as TRL 1.16's ``multi_objective_aggregation="normalize_then_sum"``:
+
+    1. each reward ``k`` normalised within its group, ``z_ik = (r_ik - mean_g(r_k)) / (std_g(r_k) + eps)``
+       (NaN rewards left out of the statistics and staying NaN; a reward equal over its group gives 0);
+    2. ``s_i = nansum_k w_k * z_ik``, NaN where every reward of the completion is None;
+    3. ``A_i = (s_i - mean(s)) / (std(s) + eps)`` over the whole batch, ``scale_rewards`` unused
+       (as in TRL); a completion with no reward gets 0.
+
+    A reward that varies widely no longer drowns another's signal in the sum. Each ``z_k`` sums to 0
+    over its group's rewards, so ``mean(s)`` is 0 and a group whose rewards are all equal gets
+    advantage 0, as under GRPO; the division is by the batch's std. Stds are Bessel-corrected;
+    a std of fewer than two values counts as 0 (TRL: NaN, then 0 after its ``nansum``: the same).
+    ``zero_std`` marks groups in which every reward is equal (no reward tells their completions
+    apart: dynamic sampling's test); ``group_mean`` / ``group_std`` are the batch's mean and std of
+    ``s`` (TRL's ``reward_std`` for this aggregation).
+    """
+    N, K = rewards_per_func.shape
+    if N % num_generations != 0:
+        raise ValueError(f"{N} rewards do not split into groups of {num_generations}")
+    grouped = rewards_per_func.view(-1, num_generations, K)  # [B, G, K]
+    valid = ~torch.isnan(grouped)
+    mean_k = torch.nan_to_num(grouped.nanmean(dim=1, keepdim=True), nan=0.0)  # [B, 1, K]
+    highest = torch.where(valid, grouped, -torch.inf).amax(dim=1, keepdim=True)  # [B, 1, K]
+    lowest = torch.where(valid, grouped, torch.inf).amin(dim=1, keepdim=True)
+    all_equal = highest <= lowest  # [B, 1, K]: one value or none counts as equal
+    std_k = torch.where(all_equal, 0.0, _nanstd(grouped, dim=1).unsqueeze(1))  # [B, 1, K]
+    normalized = torch.where(all_equal & valid, 0.0, (grouped - mean_k) / (std_k + eps))  # [B, G, K], NaN stays
+    summed = combine_rewards(normalized.reshape(N, K), weights)  # [N], NaN where every reward is None
+    batch_mean = torch.nan_to_num(summed.nanmean(), nan=0.0)
+    batch_std = _nanstd(summed)
+    advantages = torch.nan_to_num((summed - batch_mean) / (batch_std + eps), nan=0.0)  # [N]
+    group_equal = all_equal.all(dim=2).expand(-1, num_generations)  # [B, G]
+    return GroupAdvantages(
+        advantages=advantages,
+        group_mean=batch_mean.expand(N),
+        group_std=batch_std.expand(N),
+        zero_std=group_equal.reshape(-1),
+    )
+
+
+def multi_objective_advantages(
+    rewards_per_func: torch.Tensor,
+    weights: torch.Tensor,
+    num_generations: int,
+    scale_rewards: str = "group",
+    aggregation: str = "sum_then_normalize",
+) -> GroupAdvantages:
+    """Advantages of ``rewards_per_func [N, K]`` (NaN for None) with reward ``weights [K]`` by the
+    ``model.multi_objective_aggregation`` named ``aggregation`` (a key of
+    :data:`MULTI_OBJECTIVE_AGGREGATIONS`)."""
+    if aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(
+            f"multi_objective_aggregation must be one of {tuple(MULTI_OBJECTIVE_AGGREGATIONS)}, got {aggregation!r}"
+        )
+    return MULTI_OBJECTIVE_AGGREGATIONS[aggregation](rewards_per_func, weights, num_generations, scale_rewards)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_grpo.algorithm.sampling_correction import off_policy_sequence_mask
 from lit_grpo.algorithm.token_terms import (
     ClipFractions,
     cispo_loss,
@@ -22,6 +23,8 @@ from lit_grpo.algorithm.token_terms import (
     kl_estimate,
     masked_mean,
     sapo_loss,
+    vespo_gamma_weights,
+    vespo_loss,
 )
 from lit_grpo.settings import LossSettings
 
@@ -44,6 +47,23 @@ Aggregation = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 Objective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossSettings], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class LossOptions:
+    """TRL 1.16's loss options that :class:`~lit_grpo.settings.LossSettings` does not carry yet
+    (``model.*`` keys of the same names, TRL's defaults); :func:`grpo_loss` takes them beside it."""
+
+    vespo_k_pos: float = 2.0  # VESPO's Gamma exponent for A >= 0 (low weights damped)
+    vespo_lambda_pos: float = 3.0  # VESPO's Gamma decay for A >= 0 (high weights damped)
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask; None: off
+
+
+# An objective that reads more than the ratio (``reads_inputs``): (inputs, settings, options) -> per-token
+# loss [n, T]. It gets ``inputs.sampling_weights`` and applies them itself (grpo_loss does not).
+InputsObjective = Callable[["LossInputs", LossSettings, LossOptions], torch.Tensor]
+
+
 def ppo_objective(ratio, advantages, logps, settings: LossSettings) -> torch.Tensor:
     """:func:`clipped_surrogate_loss` (with ``delta``), the objective of grpo/bnpo/dr_grpo/dapo."""
     return clipped_surrogate_loss(ratio, advantages, settings.epsilon_low, settings.epsilon_high, settings.delta)
@@ -59,29 +79,57 @@ def sapo_objective(ratio, advantages, logps, settings: LossSettings) -> torch.Te
     return sapo_loss(ratio, advantages, settings.sapo_temperature_pos, settings.sapo_temperature_neg)
 
 
+def vespo_objective(inputs: LossInputs, settings: LossSettings, options: LossOptions) -> torch.Tensor:
+    """:func:`vespo_loss` weighted by :func:`vespo_gamma_weights` of the token log-ratios
+    ``logp - old_logp`` (whatever ``importance_sampling_level``; TRL warns unless it is ``token``)
+    and of a token-level ``sampling_weights`` (another engine's correction, folded into the weight
+    instead of multiplying the loss, as in TRL)."""
+    gamma_weights = vespo_gamma_weights(
+        inputs.advantages,
+        inputs.logps.detach() - inputs.old_logps,
+        inputs.completion_mask,
+        inputs.sampling_weights,
+        k_pos=options.vespo_k_pos,
+        lambda_pos=options.vespo_lambda_pos,
+        k_neg=options.vespo_k_neg,
+        lambda_neg=options.vespo_lambda_neg,
+    )  # [n, 1]
+    return vespo_loss(gamma_weights, inputs.advantages, inputs.logps)  # [n, T]
+
+
 @dataclass(frozen=True)
 class LossType:
     """One ``loss_type``: its per-token objective and its aggregation."""
 
     aggregate: Aggregation
-    objective: Objective = ppo_objective
+    objective: Objective | InputsObjective = ppo_objective
     accumulates_by_mean: bool = True
     rows_independent: bool = False  # the loss is a sum of per-row terms (normalisers from the masks only)
+    reads_inputs: bool = False  # ``objective`` is an :data:`InputsObjective`
 
 
 LOSS_TYPES: dict[str, LossType] = {}
 
 
 def register_loss_type(
-    name: str, objective: Objective = ppo_objective, accumulates_by_mean: bool = True, rows_independent: bool = False
+    name: str,
+    objective: Objective | InputsObjective = ppo_objective,
+    accumulates_by_mean: bool = True,
+    rows_independent: bool = False,
+    reads_inputs: bool = False,
 ) -> Callable[[Aggregation], Aggregation]:
     """Register a ``loss_type`` by its aggregation (decorator), with its per-token objective.
     ``rows_independent``: say so only if the loss is a sum of per-row terms whose weights depend on
-    the masks alone (then micro-batches may be trained in chunks of rows)."""
+    the masks alone (then micro-batches may be trained in chunks of rows). ``reads_inputs``: the
+    objective is an :data:`InputsObjective` (it reads the whole :class:`LossInputs`)."""
 
     def decorator(fn: Aggregation) -> Aggregation:
         LOSS_TYPES[name] = LossType(
-            aggregate=fn, objective=objective, accumulates_by_mean=accumulates_by_mean, rows_independent=rows_independent
+            aggregate=fn,
+            objective=objective,
+            accumulates_by_mean=accumulates_by_mean,
+            rows_independent=rows_independent,
+            reads_inputs=reads_inputs,
         )
         return fn
 
@@ -137,16 +185,29 @@ def dapo_aggregation(per_token_loss, completion_mask, max_completion_length, num
     return (per_token_loss * mask).sum() / (float(num_items_in_batch) or 1.0)
 
 
+@register_loss_type("luspo", rows_independent=True)
+def luspo_aggregation(per_token_loss, completion_mask, max_completion_length, num_items_in_batch):
+    """LUSPO ("Length-Unbiased Sequence Policy Optimization", arXiv:2602.05261): mean over sequences
+    of each sequence's token *sum*, so a sequence weighs by its length (GSPO's sequence mean has a
+    length bias); with ``importance_sampling_level: sequence`` (TRL warns otherwise) each token of a
+    sequence carries the sequence's loss. As TRL 1.16: ``(per_token_loss * mask).sum(-1).mean()``."""
+    mask = completion_mask.to(per_token_loss.dtype)
+    return (per_token_loss * mask).sum(-1).mean()
+
+
 # CISPO aggregates like DAPO (token sum over the generation batch's tokens), SAPO like GRPO
-# (sequence means), as in their papers and in TRL.
+# (sequence means), as in their papers and in TRL; VESPO like DAPO, as in TRL.
 LOSS_TYPES["cispo"] = LossType(dapo_aggregation, cispo_objective, accumulates_by_mean=False, rows_independent=True)
 LOSS_TYPES["sapo"] = LossType(grpo_aggregation, sapo_objective, accumulates_by_mean=True, rows_independent=True)
+register_loss_type("vespo", vespo_objective, accumulates_by_mean=False, rows_independent=True, reads_inputs=True)(
+    dapo_aggregation
+)
 
 
 # Objectives whose per-token loss is the advantage times a finite factor, and aggregations that
 # multiply every token's loss by its mask: see :func:`rows_without_gradient`.
-ADVANTAGE_PROPORTIONAL_OBJECTIVES = (ppo_objective, cispo_objective, sapo_objective)
-MASKED_AGGREGATIONS = (grpo_aggregation, bnpo_aggregation, dr_grpo_aggregation, dapo_aggregation)
+ADVANTAGE_PROPORTIONAL_OBJECTIVES = (ppo_objective, cispo_objective, sapo_objective, vespo_objective)
+MASKED_AGGREGATIONS = (grpo_aggregation, bnpo_aggregation, dr_grpo_aggregation, dapo_aggregation, luspo_aggregation)
 
 
 def rows_without_gradient(
@@ -217,6 +278,9 @@ class LossInputs:
     # [n, T] or [n, 1] weights of each token's policy term for a sampling engine other than the trainer
     # (:func:`lit_grpo.algorithm.sampling_correction.sampling_correction`); the KL term is not weighted.
     sampling_weights: torch.Tensor | None = None
+    # [n, T] the log-probs of the policy that sampled, where they differ from ``old_logps`` (another
+    # engine's): what ``off_policy_mask_threshold`` measures the KL to. None: ``old_logps``.
+    sampling_logps: torch.Tensor | None = None
 
 
 @dataclass
@@ -226,12 +290,35 @@ class PolicyLossOutput:
     clip: ClipFractions
 
 
-def grpo_loss(inputs: LossInputs, settings: LossSettings) -> PolicyLossOutput:
+def policy_term(inputs: LossInputs, settings: LossSettings, options: LossOptions, ratio: torch.Tensor) -> torch.Tensor:
+    """The per-token policy loss ``[n, T]`` (or ``[n, 1]``) of :func:`grpo_loss` before the KL term:
+    the loss type's objective, times ``policy_mask``, DeepSeek-V3.2's off-policy sequence mask
+    (``options.off_policy_mask_threshold``) and ``sampling_weights`` (unless the objective took them)."""
+    loss_type = LOSS_TYPES[settings.loss_type]
+    if loss_type.reads_inputs:
+        per_token_loss = loss_type.objective(inputs, settings, options)
+    else:
+        per_token_loss = loss_type.objective(ratio, inputs.advantages, inputs.logps, settings)
+    if options.off_policy_mask_threshold is not None:
+        sampling_logps = inputs.old_logps if inputs.sampling_logps is None else inputs.sampling_logps
+        keep = off_policy_sequence_mask(
+            inputs.advantages, inputs.logps, sampling_logps, inputs.completion_mask, options.off_policy_mask_threshold
+        )  # [n, 1]
+        per_token_loss = per_token_loss * keep
+    if inputs.policy_mask is not None:
+        per_token_loss = per_token_loss * inputs.policy_mask.to(per_token_loss.dtype)
+    if inputs.sampling_weights is not None and not loss_type.reads_inputs:
+        per_token_loss = per_token_loss * inputs.sampling_weights
+    return per_token_loss
+
+
+def grpo_loss(inputs: LossInputs, settings: LossSettings, options: LossOptions = LossOptions()) -> PolicyLossOutput:
     """GRPO loss of one micro-batch.
 
     ``l[i, t] = objective(rho, A_i, logp)[i, t] * policy_mask[i, t] + beta * kl[i, t]``, aggregated
     by ``loss_type`` over ``completion_mask``; the objective is PPO's clipped surrogate
-    ``-min(rho * A_i, clip(rho) * A_i)`` for grpo/bnpo/dr_grpo/dapo, CISPO's or SAPO's for those.
+    ``-min(rho * A_i, clip(rho) * A_i)`` for grpo/bnpo/dr_grpo/dapo/luspo, CISPO's, SAPO's or
+    VESPO's for those (:func:`policy_term`, with ``options``' off-policy mask).
 
     ``use_bias_correction_kl`` multiplies the per-token KL by the (unclipped, differentiable)
     importance ratio ``rho`` (DeepSeek-V3.2, arXiv:2512.02556; TRL 1.16's default), which makes its
@@ -243,11 +330,7 @@ def grpo_loss(inputs: LossInputs, settings: LossSettings) -> PolicyLossOutput:
         raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {settings.loss_type!r}")
     logps, mask = inputs.logps, inputs.completion_mask
     ratio = importance_ratio(logps, inputs.old_logps, mask, settings.importance_sampling_level)
-    per_token_loss = LOSS_TYPES[settings.loss_type].objective(ratio, inputs.advantages, logps, settings)
-    if inputs.policy_mask is not None:
-        per_token_loss = per_token_loss * inputs.policy_mask.to(per_token_loss.dtype)
-    if inputs.sampling_weights is not None:
-        per_token_loss = per_token_loss * inputs.sampling_weights
+    per_token_loss = policy_term(inputs, settings, options, ratio)
     kl = None
     if settings.beta != 0.0:
         if inputs.ref_logps is None:

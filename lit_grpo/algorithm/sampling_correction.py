@@ -49,6 +49,7 @@ __all__ = [
     "CorrectionSettings",
     "SamplingCorrection",
     "correction_settings",
+    "off_policy_sequence_mask",
     "sampling_correction",
 ]
 
@@ -132,3 +133,30 @@ def sampling_correction(
     else:
         weights = ratio.masked_fill(changed, 0.0)
     return SamplingCorrection(weights=weights, ratio=ratio, changed=changed)
+
+
+def off_policy_sequence_mask(
+    advantages: torch.Tensor,
+    logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """Off-policy sequence masking (DeepSeek-AI 2025, "DeepSeek-V3.2", arXiv:2512.02556, eq. 9), as
+    TRL 1.16's ``GRPOTrainer.get_off_policy_mask`` (``off_policy_mask_threshold``): ``[n, 1]``, 1.0 to
+    keep a sequence's policy loss, 0.0 to drop it.
+
+    A sequence is dropped when its advantage is negative *and* its mean KL to the sampling policy,
+    ``mean_t m * (sampling_logp - logp)`` over its real tokens (the k1 estimate of KL(sampling ||
+    policy); NaN differences, tokens the engine did not score, count as 0), is above ``threshold``:
+    pushing down a completion the policy has already moved far from is mostly noise.
+
+    ``advantages [n]``; ``logps [n, T]`` the current policy's (detached here); ``sampling_logps
+    [n, T]`` the policy's that sampled (another engine's where it scored them, else the trainer's
+    ``old_logps``); ``completion_mask [n, T]``.
+    """
+    mask = completion_mask.to(logps.dtype)
+    kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)  # [n, T]
+    mean_kl = (kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # [n, 1]
+    keep = (advantages.unsqueeze(-1) >= 0) | (mean_kl <= threshold)  # [n, 1]
+    return keep.to(mask.dtype)

@@ -1,5 +1,5 @@
 """The per-token terms of the GRPO loss: KL to the reference, the importance ratio, the policy
-objectives (PPO's clipped surrogate, CISPO, SAPO), which tokens train, and the clip statistics.
+objectives (PPO's clipped surrogate, CISPO, SAPO, VESPO's sequence weight), which tokens train, and the clip statistics.
 
 Shapes: ``N`` completions of padded length ``T``; ``logps[i, t]`` is the log-probability of
 completion token ``t`` of completion ``i``, ``completion_mask[i, t]`` 1 on real tokens.
@@ -7,6 +7,7 @@ completion token ``t`` of completion ``i``, ``completion_mask[i, t]`` 1 on real 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +121,56 @@ def sapo_loss(
     advantages = advantages.unsqueeze(-1)  # [N, 1]
     tau = torch.where(advantages > 0, temperature_pos, temperature_neg)  # [N, 1]
     return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1)) * advantages
+
+
+# VESPO clamps the log-weights to [log 1e-8, 20] (TRL 1.16, ``GRPOTrainer.get_gamma_weights``)
+VESPO_LOG_WEIGHT_MIN = math.log(1e-8)
+VESPO_LOG_WEIGHT_MAX = 20.0
+
+
+@torch.no_grad()
+def vespo_gamma_weights(
+    advantages: torch.Tensor,
+    log_ratio: torch.Tensor,
+    completion_mask: torch.Tensor,
+    sampling_weights: torch.Tensor | None = None,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> torch.Tensor:
+    """VESPO's sequence weight ``phi(w) = exp(lambda) * w**k * exp(-lambda * w)`` (Gamma-shaped,
+    ``phi(1) = 1``; "Variational Sequence-Level Soft Policy Optimization", arXiv:2602.10693), ``[n, 1]``,
+    without gradient. As TRL 1.16's ``GRPOTrainer.get_gamma_weights``:
+
+    - ``log w = sum_t m * clamp(logp - old_logp, -20, 20)``, the sequence's summed log-ratio (not a
+      mean), plus with ``sampling_weights`` (a token-level correction for another engine, ``[n, T]``)
+      the sum over every position of ``clamp(log weight, log 1e-8, 20)``; then clamped to
+      ``[log 1e-8, 20]``;
+    - ``(k, lambda) = (k_pos, lambda_pos)`` where ``A >= 0``, else ``(k_neg, lambda_neg)``;
+      ``lambda`` at least 1e-4;
+    - ``phi = exp(lambda + k * log w - lambda * w)``, non-finite values set to 0.
+
+    ``advantages [n]``, ``log_ratio [n, T]`` (``logp - old_logp`` per token), ``completion_mask [n, T]``.
+    """
+    mask = completion_mask.to(log_ratio.dtype)
+    seq_log_ratio = (log_ratio.clamp(-20.0, 20.0) * mask).sum(dim=-1, keepdim=True)  # [n, 1]
+    if sampling_weights is not None:
+        log_sampling = torch.log(sampling_weights).clamp(VESPO_LOG_WEIGHT_MIN, VESPO_LOG_WEIGHT_MAX)  # [n, T]
+        seq_log_ratio = seq_log_ratio + log_sampling.sum(dim=-1, keepdim=True)
+    log_w = seq_log_ratio.clamp(VESPO_LOG_WEIGHT_MIN, VESPO_LOG_WEIGHT_MAX)  # [n, 1]
+    non_negative = advantages.unsqueeze(-1) >= 0  # [n, 1]
+    k = torch.where(non_negative, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(non_negative, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [n, 1]
+
+
+def vespo_loss(gamma_weights: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
+    """VESPO's per-token loss ``-phi_i * A_i * logp[i, t]`` (``phi`` from :func:`vespo_gamma_weights`,
+    detached): the gradient is REINFORCE's ``A * grad logp`` scaled by the soft sequence weight,
+    which replaces PPO's hard clip. ``[n, 1], [n], [n, T] -> [n, T]``."""
+    return -gamma_weights.detach() * advantages.unsqueeze(-1) * logps
 
 
 def high_entropy_mask(

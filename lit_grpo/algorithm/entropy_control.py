@@ -1,0 +1,107 @@
+"""The entropy bonus (``entropy_coef``) and adaptive entropy control (Skywork-OR1), as TRL 1.16 has them.
+
+The bonus subtracts ``coefficient * H`` from a micro-batch's loss, ``H`` the mean per-token entropy
+of the policy over the tokens the policy term trains, the same for every ``loss_type``
+(:func:`entropy_bonus_loss`). Adaptive control (He et al. 2025, "Skywork Open Reasoner 1 Technical
+Report", arXiv:2505.22312) moves the coefficient by a fixed step after every optimizer step: up
+while the entropy is at or below a target, down above it, within ``[coef_min, coef_max]``; the bonus
+applies only while the entropy of the last step was at or below the target
+(:class:`EntropyCoefficient`). TRL 1.16: ``GRPOTrainer._compute_loss`` (the block after the loss
+types' aggregation) and ``_save_checkpoint`` / ``_load_from_checkpoint`` (the controller's state).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["EntropyControlSettings", "EntropyCoefficient", "entropy_bonus_loss", "entropy_sum_and_count"]
+
+
+@dataclass(frozen=True)
+class EntropyControlSettings:
+    """The ``model.*`` keys of the entropy bonus, TRL 1.16's names and defaults."""
+
+    entropy_coef: float = 0.0  # the bonus's coefficient; with adaptive control its first value
+    use_adaptive_entropy: bool = False
+    entropy_target: float = 0.2  # nats per token
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the bonus is in the loss at all (TRL's ``_entropy_bonus_enabled``): a non-zero
+        coefficient, or adaptive control, which may raise a coefficient that starts at 0."""
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
+
+def entropy_bonus_loss(
+    entropies: torch.Tensor, token_mask: torch.Tensor, coefficient: float, micro_batches: int = 1
+) -> torch.Tensor:
+    """The entropy bonus's term of a micro-batch's loss, ``-coefficient * H / micro_batches``, ``[]``.
+
+    ``H = sum(entropy * m) / max(sum(m), 1)`` is the mean per-token entropy over ``token_mask``
+    (the completion tokens that count, times ``top_entropy_quantile``'s mask where that is on), with
+    the gradient of ``entropies [n, T]``. It is never rescaled by a loss type's normaliser (dapo's
+    global token count included), only divided by the micro-batches of the optimizer step, as TRL
+    1.16 divides it by its gradient accumulation steps: add it to the loss *after* that loss's own
+    accumulation scaling.
+    """
+    mask = token_mask.to(entropies.dtype)
+    mean_entropy = (entropies * mask).sum() / mask.sum().clamp(min=1.0)
+    return -coefficient * mean_entropy / micro_batches
+
+
+def entropy_sum_and_count(entropies: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """``[2]``: the summed entropy over ``token_mask`` and the number of its tokens, detached. Summed
+    over the micro-batches of an optimizer step and over ranks, they give the step's token-weighted
+    mean entropy that :meth:`EntropyCoefficient.step` takes (TRL's ``_entropy_window_stats``)."""
+    mask = token_mask.to(entropies.dtype)
+    return torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
+
+
+class EntropyCoefficient:
+    """The entropy coefficient of a run: fixed, or adapted after every optimizer step (Skywork-OR1).
+
+    ``value`` is what TRL logs as ``entropy_coef`` (after each optimizer step);
+    :meth:`applied` the coefficient every micro-batch of the next optimizer step uses, the same for
+    all of them. The state (``value`` and the last step's entropy) goes into checkpoints through
+    :meth:`state_dict` / :meth:`load_state_dict`, with TRL's keys.
+    """
+
+    def __init__(self, settings: EntropyControlSettings):
+        self.settings = settings
+        self.value = settings.entropy_coef
+        # no measurement yet: infinity, so the first step applies no adaptive bonus (as TRL)
+        self.last_entropy = math.inf
+
+    def applied(self) -> float:
+        """The coefficient of this optimizer step's bonus: ``value``, or under adaptive control
+        ``value`` while the last step's entropy was at or below the target and 0 above it."""
+        if not self.settings.use_adaptive_entropy:
+            return self.value
+        return self.value if self.last_entropy <= self.settings.entropy_target else 0.0
+
+    def step(self, entropy: float) -> None:
+        """After an optimizer step, with its mean per-token entropy over all ranks (``entropy_sum /
+        max(count, 1)`` of :func:`entropy_sum_and_count`): under adaptive control, ``value`` moves by
+        ``entropy_coef_delta`` up (entropy at or below the target) or down, within
+        ``[entropy_coef_min, entropy_coef_max]``; a fixed coefficient stays."""
+        settings = self.settings
+        if not settings.use_adaptive_entropy:
+            return
+        if entropy <= settings.entropy_target:
+            self.value = min(self.value + settings.entropy_coef_delta, settings.entropy_coef_max)
+        else:
+            self.value = max(self.value - settings.entropy_coef_delta, settings.entropy_coef_min)
+        self.last_entropy = float(entropy)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"entropy_coef": self.value, "last_world_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["entropy_coef"])
+        self.last_entropy = float(state["last_world_entropy"])
