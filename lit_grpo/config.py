@@ -22,7 +22,7 @@ from lit_grpo import algorithm
 from lit_grpo.algorithm.sampling_correction import SAMPLING_CORRECTION_SETTINGS, correction_settings
 from lit_grpo.errors import ConfigError
 
-__all__ = ["AsWritten", "check_batch_sizes", "check_reference_sync", "check_settings"]
+__all__ = ["AsWritten", "check_batch_sizes", "check_reference_sync", "check_settings", "check_trl_options"]
 
 
 class AsWritten:
@@ -120,6 +120,36 @@ def check_settings(hp, generation_backends: tuple[str, ...]) -> None:
     if hp.beta < 0:
         raise ConfigError(f"model.beta must be >= 0, got {hp.beta}")
     check_vllm_settings(hp)
+    check_trl_options(hp)
+
+
+def check_trl_options(hp) -> None:
+    """TRL 1.16's ``multi_objective_aggregation``, ``vespo_*``, ``off_policy_mask_threshold`` and
+    entropy-bonus keys (issue 54), each checked where the run's settings have it."""
+    aggregation = hp.get("multi_objective_aggregation")
+    if aggregation is not None and aggregation not in algorithm.MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ConfigError(
+            f"model.multi_objective_aggregation must be one of {tuple(algorithm.MULTI_OBJECTIVE_AGGREGATIONS)}, "
+            f"got {aggregation!r}"
+        )
+    for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef_delta"):
+        if hp.get(key) is not None and not hp[key] >= 0:
+            raise ConfigError(f"model.{key} must be >= 0, got {hp[key]}")
+    threshold = hp.get("off_policy_mask_threshold")
+    if threshold is not None and not threshold >= 0:
+        raise ConfigError(f"model.off_policy_mask_threshold must be >= 0 (a KL in nats, e.g. 0.5) or null, got {threshold}")
+    low, high = hp.get("entropy_coef_min"), hp.get("entropy_coef_max")
+    if low is not None and high is not None and not low <= high:
+        raise ConfigError(f"model.entropy_coef_min ({low}) must not be above model.entropy_coef_max ({high})")
+    if hp.get("loss_type") == "vespo" and hp.get("generation_backend") in ("vllm", "vllm_server") and hp.get(
+        "vllm_importance_sampling_correction"
+    ):
+        mode = correction_settings(hp.vllm_importance_sampling_mode, None, None, hp.get("max_staleness") or 0).mode
+        if not mode.startswith("token"):
+            raise ConfigError(
+                "model.loss_type vespo folds the engine's importance weights into its sequence weight token by token: "
+                f"model.vllm_importance_sampling_mode must be token_truncate or token_mask (as in TRL), got {mode!r}"
+            )
 
 
 def check_vllm_settings(hp) -> None:

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 
 from lit_grpo.algorithm import (
     LOSS_TYPES,
@@ -34,6 +35,8 @@ from lit_grpo.algorithm import (
     vespo_gamma_weights,
 )
 from lit_grpo.algorithm.losses import dapo_aggregation
+from lit_grpo.config import check_trl_options
+from lit_grpo.errors import ConfigError
 from lit_grpo.settings import LossSettings
 
 NAN = float("nan")
@@ -522,3 +525,33 @@ def test_fixed_entropy_coefficient_and_enabled():
     assert EntropyControlSettings(entropy_coef=0.02).enabled
     assert EntropyControlSettings(entropy_coef=0.0, use_adaptive_entropy=True).enabled
     assert not EntropyControlSettings().enabled
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. the keys' values (lit_grpo.config.check_trl_options; the keys themselves come with the wiring)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"multi_objective_aggregation": "normalise_then_sum"}, "model.multi_objective_aggregation must be one of"),
+    ({"vespo_lambda_neg": -1.0}, "model.vespo_lambda_neg must be >= 0, got -1.0"),
+    ({"vespo_k_pos": NAN}, "model.vespo_k_pos must be >= 0"),
+    ({"off_policy_mask_threshold": -0.5}, "model.off_policy_mask_threshold must be >= 0"),
+    ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, r"model.entropy_coef_min \(0.5\) must not be above"),
+    ({"entropy_coef_delta": -0.01}, "model.entropy_coef_delta must be >= 0"),
+    ({"loss_type": "vespo", "generation_backend": "vllm", "vllm_importance_sampling_correction": True,
+      "vllm_importance_sampling_mode": "auto", "max_staleness": 0}, "must be token_truncate or token_mask"),
+])
+def test_config_names_the_key_of_a_bad_value(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        check_trl_options(AttributeDict(settings))
+
+
+def test_config_accepts_trl_defaults_and_absent_keys():
+    check_trl_options(AttributeDict())  # keys the run does not have yet are not checked
+    check_trl_options(AttributeDict(
+        multi_objective_aggregation="normalize_then_sum", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+        vespo_lambda_neg=2.0, off_policy_mask_threshold=None, entropy_coef_min=0.0, entropy_coef_max=1.0,
+        entropy_coef_delta=0.005, loss_type="vespo", generation_backend="vllm", vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="auto", max_staleness=1,  # auto with staleness: token_mask
+    ))
