@@ -36,7 +36,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CREDENTIAL_KEY_WORDS", "REDACTED", "SPECIAL_TOKENS", "is_secret_name", "redact_secrets", "redact_text", "restore_redacted", "without_redacted"]
+__all__ = ["CREDENTIAL_KEY_WORDS", "REDACTED", "SPECIAL_TOKENS", "is_secret_name", "redact_command", "redact_message",
+           "redact_secrets", "redact_text", "restore_redacted", "without_redacted"]
 
 REDACTED = "<redacted>"
 
@@ -62,6 +63,12 @@ _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")  # HFToken -> HF, Token;
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^\s:/?#@]*)(?::(?P<password>[^\s/?#@]*))?@")
 _QUERY_PARAMETER = re.compile(r"(?P<before>[?&;])(?P<name>[^\s=&;#]+)=(?P<value>[^\s&;#]*)")
 # an HTTP authorization: "Authorization: Basic CREDENTIALS", "Authorization: CREDENTIALS", "Bearer TOKEN"
+# a setting written in a message: NAME=VALUE, NAME: VALUE, 'NAME': 'VALUE' (a dict's repr), the value quoted or bare
+_ASSIGNMENT = re.compile(r"""(?P<name>\b[A-Za-z_][\w.-]*)(?P<separator>['"]?\s*[:=]\s*)"""
+                         r"""(?:'(?P<single>[^']*)'|"(?P<double>[^"]*)"|(?P<bare>[^\s'",;)}\]]+))""")
+_AUTHORIZATION_SCHEMES = frozenset({"basic", "bearer", "digest", "token"})
+# what a hint writes in a secret's place (export VLLM_API_KEY=KEY, =$(python -c ...), =${HF_TOKEN}, =...): no secret
+_PLACEHOLDER = re.compile(r"^(?:[A-Z_]+|\$.*|\.\.\.|<[^>]*>?)$")
 _AUTHORIZATION = re.compile(r"(?P<before>\b(?:proxy-)?authorization\s*[:=]\s*(?:(?:basic|bearer|digest|token)\s+)?"
                             r"|\bbearer\s+)(?P<value>[A-Za-z0-9\-._~+/]+=*)", re.IGNORECASE)
 
@@ -102,6 +109,36 @@ def redact_text(text: str) -> str:
     if "://" in text or "=" in text:
         text = _QUERY_PARAMETER.sub(parameter, _URL_CREDENTIALS.sub(credentials, text))
     return _AUTHORIZATION.sub(lambda match: f"{match.group('before')}{REDACTED}", text)
+
+
+def redact_message(text: str) -> str:
+    """A message that may quote settings (an ``error:`` line, a warning) as it may be shown or logged:
+    :func:`redact_text`, and the value of every setting with a secret name written in it (``token=hf_...``,
+    ``api_key: sk-...``, ``{'password': '...'}``, ``--model.model_init_kwargs.token=hf_...``) as
+    :data:`REDACTED`. Only for messages: a setting's own text (a prompt, a template) goes through
+    :func:`redact_text` alone, so that prose like ``token = x`` in it is written as given."""
+
+    def assignment(match: re.Match) -> str:
+        bare = match.group("bare") or ""
+        if not is_secret_name(match.group("name")) or bare.lower() in _AUTHORIZATION_SCHEMES or _PLACEHOLDER.match(bare):
+            return match.group(0)  # "Authorization: Bearer TOKEN" (the token is redact_text's); a hint's KEY or $(...)
+        quote = "'" if match.group("single") is not None else '"' if match.group("double") is not None else ""
+        return f"{match.group('name')}{match.group('separator')}{quote}{REDACTED}{quote}"
+
+    return _ASSIGNMENT.sub(assignment, redact_text(text))
+
+
+def redact_command(words: list[str]) -> list[str]:
+    """A command line as it may be shown: :func:`redact_message` on every word, and the word after an option
+    with a secret name (``--model.model_init_kwargs.token hf_...``, ``--api-key KEY``) as :data:`REDACTED`."""
+    shown, after_secret_option = [], False
+    for word in words:
+        if after_secret_option and not word.startswith("--"):
+            shown.append(REDACTED)
+        else:
+            shown.append(redact_message(word))
+        after_secret_option = word.startswith("--") and "=" not in word and is_secret_name(word)
+    return shown
 
 
 def redact_secrets(value: Any, secret: bool = False) -> Any:

@@ -30,6 +30,7 @@ from pathlib import Path
 from lit_grpo import plugins
 from lit_grpo.errors import ConfigError, UserError
 from lit_grpo.plugins import RegistryEntry
+from lit_grpo.redaction import redact_command, redact_message
 
 # What `fit`/`validate` need (Lightning, torch: seconds to import) is in lit_grpo.cli.lightning_cli, imported
 # by the commands that use it; these names of it are still found here.
@@ -282,7 +283,8 @@ TRACEBACK_ENV = "LIT_GRPO_TRACEBACK"
 
 
 def resume_command(words: list[str]) -> str:
-    """The command that resumes a stopped ``lit-grpo fit WORDS``: the same, with ``--ckpt_path last``."""
+    """The command that resumes a stopped ``lit-grpo fit WORDS``: the same, with ``--ckpt_path last``, as it may
+    be shown (a secret on the command line as ``<redacted>``: :func:`lit_grpo.redaction.redact_command`)."""
     kept, skip = [], False
     for word in words:
         if skip or word.startswith("--ckpt_path="):
@@ -292,7 +294,7 @@ def resume_command(words: list[str]) -> str:
             skip = True
             continue
         kept.append(word)
-    return shlex.join(["lit-grpo", *kept, "--ckpt_path", "last"])
+    return shlex.join(["lit-grpo", *redact_command(kept), "--ckpt_path", "last"])
 
 
 def fit_main(argv: list[str] | None) -> None:
@@ -305,7 +307,8 @@ def fit_main(argv: list[str] | None) -> None:
         run_cli(argv)
     except StoppedBySignal as stop:
         if stop.announce:  # rank 0 says it
-            print(stop.describe(resume_command(sys.argv[1:] if argv is None else argv)), file=sys.stderr, flush=True)
+            print(redact_message(stop.describe(resume_command(sys.argv[1:] if argv is None else argv))), file=sys.stderr,
+                  flush=True)
         sys.exit(stop.exit_status)
 
 
@@ -329,8 +332,9 @@ def main(argv: list[str] | None = None) -> None:
             raise
         # an error that stopped a run after a checkpoint says how to resume it (a lost generation server)
         describe = getattr(error, "describe", None)
-        # one write, so that two ranks' messages through one pipe do not interleave mid-line
-        sys.stderr.write(f"error: {describe(resume_command(words)) if describe else error}\n")
+        # one write, so that two ranks' messages through one pipe do not interleave mid-line; a setting it quotes
+        # may hold a secret (a server URL's password, a token): redacted, as in the files a run writes
+        sys.stderr.write(f"error: {redact_message(describe(resume_command(words)) if describe else str(error))}\n")
         sys.stderr.flush()
         sys.exit(2)
 

@@ -62,6 +62,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 from lit_grpo.errors import CheckpointedError, ConfigError, FileInTheWayError, MissingFileError, WriteError, writing
+from lit_grpo.redaction import redact_message
 from lit_grpo.run.checkpointing import is_class_config
 from lit_grpo.run.safe_loading import check_local_checkpoint
 
@@ -344,7 +345,7 @@ class ReportsFailedWrites:
         except WriteError as error:
             if status == "success":
                 raise
-            print(f"warning: {error}", file=sys.stderr, flush=True)
+            print(f"warning: {redact_message(str(error))}", file=sys.stderr, flush=True)  # a path's URL may hold a password
 
 
 class TensorBoardLogger(ReportsFailedWrites, LightningTensorBoardLogger):

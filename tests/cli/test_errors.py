@@ -278,3 +278,29 @@ def test_prompts_prints_no_warning_about_its_own_arguments(config):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "----- train row 0" in run.stdout
     assert [noise for noise in UNACTIONABLE if noise in run.stderr] == [], run.stderr
+
+
+PLANTED = "PLANTEDsecret7182"  # in settings that fail: the error line names the setting, never the secret
+
+
+@pytest.mark.parametrize("section, key, value, culprit", [
+    ("model", "model_name_or_path", f"https://user:{PLANTED}@host/model", "model.model_name_or_path"),
+    ("data", "path", f"https://{PLANTED}@host/data", "data.path"),
+    ("data", "path", f"https://host/data.jsonl?api_key={PLANTED}", "data.path"),
+])
+def test_an_error_that_quotes_a_setting_holds_no_secret(config, capsys, section, key, value, culprit):
+    line = error_line(capsys, "fit", "--config", str(config(**{section: {key: value}})))
+    assert line.startswith(culprit) and "<redacted>" in line, line
+    assert PLANTED not in line
+
+
+def test_the_command_that_resumes_a_stopped_run_shows_no_secret_of_its_command_line():
+    from lit_grpo.cli import resume_command
+
+    shown = resume_command(["fit", "--config", "run.yaml", "--model.model_init_kwargs.token", f"hf_{PLANTED}",
+                            f"--model.model_init_kwargs.token=hf_{PLANTED}", f"--model.vllm_server_urls=[http://u:{PLANTED}@h:8000]",
+                            "--ckpt_path", "old.ckpt", "--trainer.max_steps", "5"])
+    assert PLANTED not in shown
+    assert shown == ("lit-grpo fit --config run.yaml --model.model_init_kwargs.token '<redacted>' "
+                     "'--model.model_init_kwargs.token=<redacted>' '--model.vllm_server_urls=[http://u:<redacted>@h:8000]' "
+                     "--trainer.max_steps 5 --ckpt_path last")

@@ -176,3 +176,21 @@ def assert_no_planted_secret(run: Path) -> None:
         if path.suffix == ".ckpt":
             loaded = repr(torch.load(path, weights_only=True))
             assert not any(value in loaded for value in PLANTED.values()), path
+
+
+def test_a_message_that_quotes_settings_shows_no_secret():
+    from lit_grpo.redaction import redact_message
+
+    assert redact_message("model.model_init_kwargs.token: 'hf_x y' is not valid") == (
+        f"model.model_init_kwargs.token: '{REDACTED}' is not valid")
+    assert redact_message("{'token': 'hf_x', 'dtype': 'bfloat16'}") == f"{{'token': '{REDACTED}', 'dtype': 'bfloat16'}}"
+    assert redact_message('{"password": "two words"}, api_key=sk-1, max_tokens=5') == (
+        f'{{"password": "{REDACTED}"}}, api_key={REDACTED}, max_tokens=5')
+    assert redact_message("data.path 'https://user:pw@host/d': no such file") == f"data.path 'https://user:{REDACTED}@host/d': no such file"
+    assert redact_message("Authorization: Bearer abc") == f"Authorization: Bearer {REDACTED}"
+    for kept in ("pad_token: <pad>", "max_tokens=64", "key: answer", "a plain sentence with a token in it"):
+        assert redact_message(kept) == kept
+    # the hints of errors keep their placeholders
+    for hint in ("export VLLM_API_KEY=KEY", "export VLLM_API_KEY=$(python -c 'import secrets')", "api_key=...",
+                 f"token: {REDACTED}"):
+        assert redact_message(hint) == hint
