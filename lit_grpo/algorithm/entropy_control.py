@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EntropyControlSettings", "EntropyCoefficient", "entropy_bonus_loss", "entropy_sum_and_count"]
+__all__ = ["EntropyCoefficient", "EntropyControlSettings", "entropy_bonus_loss", "entropy_sum_and_count"]
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,11 @@ from lit_grpo.algorithm import (
     EntropyControlSettings,
     LossInputs,
     LossOptions,
+    combine_rewards,
     entropy_bonus_loss,
     entropy_sum_and_count,
-    grpo_loss,
     group_advantages,
-    combine_rewards,
+    grpo_loss,
     multi_objective_advantages,
     normalize_then_sum,
     off_policy_sequence_mask,
@@ -47,7 +47,10 @@ def close(actual, expected, atol=1e-6, rtol=1e-5):
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, equal_nan=True)
 
 
-def loss_and_grad(logps, old_logps, advantages, mask, options=LossOptions(), **settings):
+TRL_DEFAULTS = LossOptions()  # vespo (2, 3, 3, 2), no off-policy mask
+
+
+def loss_and_grad(logps, old_logps, advantages, mask, options=TRL_DEFAULTS, **settings):
     """``grpo_loss``'s value and its gradient with respect to ``logps``."""
     logps = logps.clone().requires_grad_(True)
     extra = {key: settings.pop(key) for key in ("ref_logps", "sampling_weights", "sampling_logps", "num_items_in_batch")
