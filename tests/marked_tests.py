@@ -21,6 +21,9 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
     "tests/algorithm/test_evaluation.py": (
         "test_validate_subcommand_evaluates_a_checkpoint",
     ),
+    "tests/bench/test_bench_long_completions.py": (
+        "test_both_trainers_and_the_floor_run_at_a_tiny_vocabulary",
+    ),
     "tests/bench/test_bench_modules.py": EVERY_TEST,
     "tests/cli/test_cli.py": EVERY_TEST,
     "tests/cli/test_errors.py": EVERY_TEST,
@@ -188,6 +191,9 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
 SLOW: dict[str, str | tuple[str, ...]] = {
     "tests/bench/test_bench_gpu_check.py": (
         "test_gpu_check_reports_every_part_on_cpu",
+    ),
+    "tests/bench/test_bench_long_completions.py": (
+        "test_both_trainers_and_the_floor_run_at_a_tiny_vocabulary",
     ),
     "tests/cli/test_errors.py": (
         "test_a_user_error_is_one_line_and_status_2_and_a_traceback_on_request",
