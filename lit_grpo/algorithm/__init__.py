@@ -50,6 +50,7 @@ from lit_grpo.algorithm.entropy_control import (
     EntropyControlSettings,
     entropy_bonus_loss,
     entropy_sum_and_count,
+    token_entropy,
 )
 from lit_grpo.algorithm.fused_lm_head import (
     LOGITS_TILE_BYTES,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EntropyCoefficient", "EntropyControlSettings", "entropy_bonus_loss", "entropy_sum_and_count"]
+__all__ = ["EntropyCoefficient", "EntropyControlSettings", "entropy_bonus_loss", "entropy_sum_and_count", "token_entropy"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,20 @@ class EntropyControlSettings:
         """Whether the bonus is in the loss at all (TRL's ``_entropy_bonus_enabled``): a non-zero
         coefficient, or adaptive control, which may raise a coefficient that starts at 0."""
         return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` over the last dimension *with its gradient*, ``[..., V] -> [...]``,
+    for the bonus (:func:`lit_grpo.algorithm.entropy_from_logits` is a metric, without one).
+
+    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``; a ``-inf`` logit (a token outside the sampling
+    support, e.g. top-k) has probability 0 and adds 0 to the value and to the gradient. Divide the
+    logits by the temperature (and apply the filters) first, as for the log-probs.
+    """
+    log_normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # [..., 1]
+    probs = torch.exp(logits - log_normaliser)  # [..., V], 0 off the support
+    finite_logits = torch.where(torch.isfinite(logits), logits, torch.zeros_like(logits))
+    return log_normaliser.squeeze(-1) - (probs * finite_logits).sum(-1)
 
 
 def entropy_bonus_loss(

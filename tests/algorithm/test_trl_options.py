@@ -32,6 +32,7 @@ from lit_grpo.algorithm import (
     off_policy_sequence_mask,
     register_loss_type,
     rows_without_gradient,
+    token_entropy,
     vespo_gamma_weights,
 )
 from lit_grpo.algorithm.losses import dapo_aggregation
@@ -463,6 +464,21 @@ def test_entropy_bonus_raises_the_entropy_of_a_real_distribution():
     with torch.no_grad():
         after = torch.distributions.Categorical(logits=logits - 0.1 * logits.grad).entropy()
     assert float(after) > float(entropy.detach())
+
+
+def test_token_entropy_value_and_gradient_with_a_truncated_support():
+    # logits [0, log 3, -inf]: p = [1/4, 3/4, 0], H = -(1/4 log 1/4 + 3/4 log 3/4) = log 4 - 3/4 log 3
+    logits = torch.tensor([[0.0, math.log(3.0), -math.inf], [1.0, 2.0, 0.5]], requires_grad=True)
+    entropy = token_entropy(logits)
+    close(entropy[0].detach(), math.log(4.0) - 0.75 * math.log(3.0))
+    entropy.sum().backward()
+    reference = logits.detach().clone().requires_grad_(True)
+    # torch.distributions' entropy (its -inf logits clamped to the lowest float, so p * logit = 0)
+    expected = torch.distributions.Categorical(logits=reference).entropy()
+    expected.sum().backward()
+    close(entropy.detach(), expected.detach())
+    close(logits.grad, reference.grad)
+    assert logits.grad[0, 2] == 0.0 and torch.isfinite(logits.grad).all()
 
 
 def test_entropy_bonus_of_an_empty_mask_is_zero():
