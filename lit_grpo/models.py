@@ -47,6 +47,10 @@ __all__ = [
     "build_reference",
     "model_label",
     "cache_argument",
+    "FUSED_HEAD_MODEL_TYPES",
+    "OutputHead",
+    "decoder_hidden_states",
+    "output_head",
     "drop_frozen_weights",
     "enable_gradient_checkpointing",
     "completion_end_token_ids",
@@ -199,6 +203,75 @@ def cache_argument(model: torch.nn.Module, cache) -> dict:
     ``past_key_values`` would silently ignore a ``cache`` keyword."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return {"cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values": cache}
+
+
+# ----------------------------------------------------------------------------------------------
+# The body and the output head apart (the fused LM head, lit_grpo.algorithm.fused_lm_head)
+# ----------------------------------------------------------------------------------------------
+
+
+# The causal LMs whose forward makes its logits as ``lm_head(last hidden state)``, then at most a
+# multiplier (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``) or Gemma 2/3's soft-capping,
+# which :class:`OutputHead` records (read from transformers 5.24's ``*ForCausalLM.forward``). For
+# any other model the passes keep asking it for its logits (its head may do more).
+FUSED_HEAD_MODEL_TYPES = frozenset({
+    "llama", "mistral", "ministral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+    "gemma3_text", "granite", "granitemoe", "cohere", "cohere2", "phi", "phi3", "olmo2", "smollm3", "glm4",
+    "deepseek_v3", "starcoder2",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputHead:
+    """A causal LM's body and output head apart: ``logits = softcap(logit_scale * head(decoder(...)))``."""
+
+    decoder: torch.nn.Module  # get_decoder(): its output's first field is the last hidden state [n, T, H]
+    head: torch.nn.Module  # get_output_embeddings(): [.., H] -> [.., V] (a LoRA wrapper where the adapter is on it)
+    vocab_size: int
+    logit_scale: float = 1.0  # Cohere's logit_scale, 1 / Granite's logits_scaling
+    softcapping: float | None = None  # Gemma 2/3's final_logit_softcapping: s * tanh(z / s)
+
+
+def output_head(model: torch.nn.Module) -> OutputHead | str:
+    """The body and head of ``model`` (behind a ``peft`` wrapper, its base model's) with the logit
+    scaling and soft-capping read from its configuration, or why its logits cannot be made from its
+    hidden states here (one line: the model type is not in :data:`FUSED_HEAD_MODEL_TYPES`)."""
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    config = getattr(base, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FUSED_HEAD_MODEL_TYPES:
+        return f"{type(base).__name__} (model_type {model_type!r}) is not one whose head is known to be a linear layer"
+    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    if decoder is base or head is None:
+        return f"{type(base).__name__} has no separate decoder and output head"
+    scale = 1.0
+    if getattr(config, "logits_scaling", None):
+        scale = 1.0 / config.logits_scaling
+    elif getattr(config, "logit_scale", None) is not None:
+        scale = float(config.logit_scale)
+    vocab_size = getattr(head, "out_features", None) or config.vocab_size
+    return OutputHead(decoder, head, int(vocab_size), scale, getattr(config, "final_logit_softcapping", None))
+
+
+def decoder_hidden_states(model: torch.nn.Module, parts: OutputHead, **forward_kwargs: Any) -> torch.Tensor:
+    """The last hidden states ``[n, T, H]`` of one forward of ``model`` that makes no logits.
+
+    The model itself is called (not its decoder alone), with ``logits_to_keep`` an empty index
+    (logits ``[n, 0, V]``), so everything around its forward still holds: a ``peft`` wrapper, FSDP2's
+    hooks on the root unit (which gather the embeddings and the head), a cache in ``forward_kwargs``.
+    The hidden states are the decoder's output, taken by a forward hook."""
+    captured: list[torch.Tensor] = []
+
+    def keep_hidden_states(module: torch.nn.Module, args: Any, output: Any) -> None:
+        captured.append(output[0])  # a ModelOutput's or a tuple's first field: last_hidden_state
+
+    device = forward_kwargs["input_ids"].device
+    handle = parts.decoder.register_forward_hook(keep_hidden_states)
+    try:
+        model(**forward_kwargs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=device))
+    finally:
+        handle.remove()
+    return captured[-1]
 
 
 def load_causal_lm(path: str, init_kwargs: dict[str, Any]) -> PreTrainedModel:

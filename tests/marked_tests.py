@@ -269,6 +269,9 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_validation_metrics_reduce_over_ranks_like_one_process",
         "test_a_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message",
     ),
+    "tests/train/test_fused_head_logprobs.py": (
+        "test_training_steps_are_the_same_with_the_fused_head",
+    ),
     "tests/train/test_module.py": (
         "test_seeded_quickstart_task_learns",
     ),

@@ -6,6 +6,12 @@
   its completions attending to its KV cache (``share_prompt_forward``, :mod:`lit_grpo.train.shared_prompt`),
   and rows of similar length go in separate forwards (``group_by_length``,
   :func:`lit_grpo.rollout.records.length_chunks`); the values are those of one forward over all rows.
+- :meth:`~LogProbPasses.chunk_logps`: one forward. Where its logits ``[n, C, V]`` would be more than one
+  tile (:data:`lit_grpo.algorithm.fused_lm_head.LOGITS_TILE_BYTES`), the model's body gives hidden
+  states and the fused LM head (:mod:`lit_grpo.algorithm.fused_lm_head`) scores them a tile of
+  tokens at a time, so no pass holds more logits than a tile; smaller forwards ask the model for its
+  logits (the same single head call, no recompute), and so does a model whose head is not known to be
+  a linear layer (:func:`lit_grpo.models.output_head`; said once in the log).
 - :meth:`~LogProbPasses.sampling_policy_logps` and :meth:`~LogProbPasses.reference_logps`: the
   no-gradient passes of step 4 (``old_logps`` where the policy moves between sampling and an update,
   and the KL reference's).
@@ -29,6 +35,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_grpo import algorithm, cpu, models
+from lit_grpo.algorithm import fused_lm_head
 from lit_grpo.algorithm.losses import LossInputs
 from lit_grpo.algorithm.sampling_correction import SamplingCorrection, sampling_correction
 from lit_grpo.algorithm.sampling_filters import SamplingFilters, sampling_log_softmax
@@ -47,6 +54,7 @@ from lit_grpo.settings import RunSettings
 from lit_grpo.train.shared_prompt import (
     PromptGroups,
     PromptPrefix,
+    completion_hidden_states,
     completion_logits,
     distinct_prompts,
     encode_prompts,
@@ -81,6 +89,7 @@ class LogProbPasses:
         self.backward = backward
         self.grad_scale = grad_scale
         self._prompt_sharing_notes: set[str] = set()  # reasons share_prompt_forward was not used, said once
+        self._fused_head_notes: set[str] = set()  # reasons the fused LM head was not used, said once
         # what the settings left at "auto" are on this run's device (set by the module's setup)
         self.device_defaults: dict[str, Any] = dict(CPU_DEFAULTS)
 
@@ -135,7 +144,8 @@ class LogProbPasses:
         groups = self.prompt_groups_worth_sharing(model, rollout)
         if groups is not None:
             rollout = rollout.trimmed()  # the prompt columns are fixed here; chunks trim only completions
-            prefix = encode_prompts(model, rollout.prompt_ids, rollout.prompt_mask, groups)
+            head = self.fused_head(model, rollout.completion_ids.numel())
+            prefix = encode_prompts(model, rollout.prompt_ids, rollout.prompt_mask, groups, head)
         if self.passes.group_by_length and group_by_length:
             # a shared prompt costs nothing per row: chunk by completion length alone
             prompt_mask = rollout.prompt_mask if prefix is None else rollout.prompt_mask[:, :0]
@@ -182,12 +192,57 @@ class LogProbPasses:
         # the prompt forward is one more forward: sharded ranks share only if every rank does
         return groups if agreed_over_sharded_ranks(int(worth_it), model, "min") else None
 
+    def fused_head(self, model: torch.nn.Module, tokens: int | None = None) -> models.OutputHead | None:
+        """The body and head of ``model`` for the fused LM head, or None where the logits come from
+        the model's own forward: a head not known to be linear (said once, with the reason), or
+        ``tokens`` whose logits fit in one tile (the model's forward then runs the head once, as
+        the fused head would)."""
+        head = models.output_head(model)
+        if isinstance(head, str):
+            if head not in self._fused_head_notes:
+                self._fused_head_notes.add(head)
+                rank_zero_info(f"log-probs from the model's full logits, not the fused LM head: {head}")
+            return None
+        if tokens is not None and tokens <= fused_lm_head.tokens_per_tile(head.vocab_size, fused_lm_head.LOGITS_TILE_BYTES):
+            return None
+        return head
+
     def chunk_logps(
         self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, prefix: PromptPrefix | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward of a trimmed rollout (after its shared prompt's forward, given ``prefix``).
-        Only the ``C`` positions that predict completion tokens get logits (``logits_to_keep``);
-        positions skip left padding exactly as in generation."""
+        """One forward of a trimmed rollout (after its shared prompt's forward, given ``prefix``):
+        the hidden states ``[n, C, H]`` of the ``C`` positions that predict completion tokens, scored
+        by the fused LM head; positions skip left padding exactly as in generation."""
+        if prefix is None:
+            head = self.fused_head(model, rollout.completion_ids.numel())
+        else:  # as the prompts were encoded: their last hidden states for the fused head, or their logits
+            head = self.fused_head(model) if prefix.last_hidden is not None else None
+        if head is None:
+            return self.chunk_logps_from_logits(model, rollout, with_entropy, prefix)
+        completion_ids = rollout.completion_ids  # [n, C]
+        if prefix is not None:
+            hidden = completion_hidden_states(model, head, prefix, completion_ids, rollout.completion_mask)
+        else:
+            # the last completion token predicts nothing that is scored: it is not part of the input
+            input_ids = torch.cat([rollout.prompt_ids, completion_ids[:, :-1]], dim=1)  # [n, P + C - 1]
+            attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask[:, :-1]], dim=1)
+            hidden = models.decoder_hidden_states(
+                model, head, input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+            )[:, -completion_ids.size(1):]  # [n, C, H]: position P - 1 + t predicts completion token t
+        transform = fused_lm_head.sampling_transform(
+            self.sampling_filters, completion_ids, head.vocab_size, rollout.prompt_ids, rollout.prompt_mask,
+            head.logit_scale, head.softcapping,
+        )
+        return fused_lm_head.fused_token_logprobs(
+            hidden, head.head, completion_ids, head.vocab_size, transform, with_entropy, fused_lm_head.LOGITS_TILE_BYTES
+        )
+
+    def chunk_logps_from_logits(
+        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, prefix: PromptPrefix | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`chunk_logps` from the model's own logits ``[n, C, V]`` (a head not known to be linear).
+        Only the ``C`` positions that predict completion tokens get logits (``logits_to_keep``)."""
         if prefix is not None:
             logits = completion_logits(model, prefix, rollout.completion_ids, rollout.completion_mask)  # [n, C, V]
         else:
@@ -351,7 +406,8 @@ class LogProbPasses:
         prefix = leaves = None
         if groups is not None:
             learner = learner.trimmed()
-            prefix = encode_prompts(policy, learner.prompt_ids, learner.prompt_mask, groups)
+            head = self.fused_head(policy, learner.completion_ids.numel())
+            prefix = encode_prompts(policy, learner.prompt_ids, learner.prompt_mask, groups, head)
             leaves = prefix.detached()
         logps, entropy = self.logps_before_chunks(policy, scored, rows, frozen)  # [n, C] each
         for index, chunk in enumerate(chunks):

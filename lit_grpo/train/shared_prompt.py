@@ -10,7 +10,9 @@ completion attend to a copy of its prompt's KV cache:
                                          rows of its prompt (index ``row_prompt``)
 
 Together these are the logits of one forward over ``[prompt, completion]``: position ``P - 1``
-predicts completion token 0 and position ``P + t`` predicts token ``t + 1``. The copy is an index, so
+predicts completion token 0 and position ``P + t`` predicts token ``t + 1``. With the fused LM head
+(:mod:`lit_grpo.algorithm.fused_lm_head`; ``head`` given) both forwards return hidden states instead
+(the prompt's last position ``[U, H]``, the completion's ``[n, C - 1, H]``) and no logits at all. The copy is an index, so
 in the backward pass the G rows' gradients with respect to the prompt's keys and values add up in the
 shared prompt activations, as they would in G separate forwards. The prompt part costs ``U x P``
 tokens instead of ``n x P`` (U distinct prompts among n rows), forward and backward.
@@ -18,15 +20,24 @@ tokens instead of ``n x P`` (U distinct prompts among n rows), forward and backw
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from lit_grpo.models import cache_argument, partial_kv_cache_reason, text_config
+from lit_grpo.models import OutputHead, cache_argument, decoder_hidden_states, partial_kv_cache_reason, text_config
 from lit_grpo.rollout.records import position_ids_from_mask
 
-__all__ = ["PromptGroups", "PromptPrefix", "completion_logits", "distinct_prompts", "encode_prompts", "shared_prompt_unsupported"]
+__all__ = [
+    "PromptGroups",
+    "PromptPrefix",
+    "completion_hidden_states",
+    "completion_logits",
+    "distinct_prompts",
+    "encode_prompts",
+    "shared_prompt_unsupported",
+]
 
 
 @dataclass
@@ -35,29 +46,36 @@ class PromptPrefix:
 
     keys: list[torch.Tensor]  # per decoder layer [U, kv_heads, P, head_dim]
     values: list[torch.Tensor]  # per decoder layer [U, kv_heads, P, head_dim]
-    last_logits: torch.Tensor  # [U, V] logits at the last prompt position (they predict completion token 0)
+    last_logits: torch.Tensor | None  # [U, V] logits at the last prompt position (they predict completion token 0)
     row_prompt: torch.Tensor  # [n] index of each row's prompt among the U
     prompt_mask: torch.Tensor  # [U, P] the distinct prompts' attention masks
+    last_hidden: torch.Tensor | None = None  # [U, H] instead of last_logits: that position's hidden state (fused head)
+
+    @property
+    def last_position(self) -> torch.Tensor:
+        """What the last prompt position gives: its logits ``[U, V]`` or its hidden state ``[U, H]``."""
+        return self.last_logits if self.last_logits is not None else self.last_hidden
 
     def select(self, rows: torch.Tensor) -> "PromptPrefix":
         """The prefix of a subset of the rows (the shared tensors are not copied)."""
-        return PromptPrefix(self.keys, self.values, self.last_logits, self.row_prompt[rows], self.prompt_mask)
+        return dataclasses.replace(self, row_prompt=self.row_prompt[rows])
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.keys, *self.values, self.last_logits]
+        return [*self.keys, *self.values, self.last_position]
 
     def detached(self) -> "PromptPrefix":
         """The same prefix as leaf tensors (no copy) that collect the gradient flowing into it, so that
         several backward passes through completions stop there (see :meth:`gradient_surrogate`)."""
         keys, values = ([t.detach().requires_grad_(t.requires_grad) for t in ts] for ts in (self.keys, self.values))
-        last_logits = self.last_logits.detach().requires_grad_(self.last_logits.requires_grad)
-        return PromptPrefix(keys, values, last_logits, self.row_prompt, self.prompt_mask)
+        last = self.last_position.detach().requires_grad_(self.last_position.requires_grad)
+        fused = self.last_logits is None
+        return PromptPrefix(keys, values, None if fused else last, self.row_prompt, self.prompt_mask, last if fused else None)
 
     def gradient_surrogate(self, leaves: "PromptPrefix") -> torch.Tensor:
         """A scalar whose gradient with respect to this prefix's tensors is what ``leaves`` (its
         :meth:`detached` copy) collected: one backward of it runs the prompt forward's backward once
         for all the completion backward passes before it."""
-        total = self.last_logits.sum() * 0.0  # connected to the prompt forward even if nothing reached it
+        total = self.last_position.sum() * 0.0  # connected to the prompt forward even if nothing reached it
         for tensor, leaf in zip(self.tensors(), leaves.tensors()):
             if leaf.grad is not None:
                 total = total + (tensor * leaf.grad).sum()
@@ -104,25 +122,55 @@ def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Pro
 
 
 def encode_prompts(
-    model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, groups: PromptGroups
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    groups: PromptGroups,
+    head: OutputHead | None = None,
 ) -> PromptPrefix:
-    """One forward over the distinct prompts among the left-padded rows ``prompt_ids [n, P]``."""
+    """One forward over the distinct prompts among the left-padded rows ``prompt_ids [n, P]``; with
+    ``head`` (the fused LM head) the prefix keeps the last position's hidden state, not its logits."""
     unique_ids, unique_mask = prompt_ids[groups.first_row], prompt_mask[groups.first_row]  # [U, P]
     cache = Cache(layers=[DynamicLayer() for _ in range(text_config(model).num_hidden_layers)])
-    logits = model(
+    inputs = dict(
         input_ids=unique_ids,
         attention_mask=unique_mask,
         position_ids=position_ids_from_mask(unique_mask),
         **cache_argument(model, cache),
         use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1]  # [U, V]
+    )
+    logits = hidden = None
+    if head is None:
+        logits = model(**inputs, logits_to_keep=1).logits[:, -1]  # [U, V]
+    else:
+        hidden = decoder_hidden_states(model, head, **inputs)[:, -1]  # [U, H]
     return PromptPrefix(
         keys=[layer.keys for layer in cache.layers],
         values=[layer.values for layer in cache.layers],
         last_logits=logits,
         row_prompt=groups.row_prompt,
         prompt_mask=unique_mask,
+        last_hidden=hidden,
+    )
+
+
+def completion_inputs(
+    model: torch.nn.Module, prefix: PromptPrefix, completion_ids: torch.Tensor, completion_mask: torch.Tensor
+) -> dict:
+    """The forward arguments of the completions ``[n, C]`` (but their last token, which predicts
+    nothing that is scored) after their prompts' KV cache, with positions that skip left padding."""
+    cache = Cache(layers=[DynamicLayer() for _ in prefix.keys])
+    for layer_idx, (keys, values) in enumerate(zip(prefix.keys, prefix.values)):
+        cache.update(keys[prefix.row_prompt], values[prefix.row_prompt], layer_idx)  # [n, kv_heads, P, head_dim]
+    prompt_mask = prefix.prompt_mask[prefix.row_prompt]  # [n, P]
+    attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)  # [n, P + C - 1]
+    P = prefix.prompt_mask.size(1)
+    return dict(
+        input_ids=completion_ids[:, :-1],
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask)[:, P:],
+        **cache_argument(model, cache),
+        use_cache=True,
     )
 
 
@@ -136,17 +184,21 @@ def completion_logits(
     first = prefix.last_logits[prefix.row_prompt].unsqueeze(1)  # [n, 1, V] predicts token 0
     if completion_ids.size(1) == 1:
         return first
-    cache = Cache(layers=[DynamicLayer() for _ in prefix.keys])
-    for layer_idx, (keys, values) in enumerate(zip(prefix.keys, prefix.values)):
-        cache.update(keys[prefix.row_prompt], values[prefix.row_prompt], layer_idx)  # [n, kv_heads, P, head_dim]
-    prompt_mask = prefix.prompt_mask[prefix.row_prompt]  # [n, P]
-    attention_mask = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)  # [n, P + C - 1]
-    P = prefix.prompt_mask.size(1)
-    rest = model(
-        input_ids=completion_ids[:, :-1],  # the last token predicts nothing that is scored
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask)[:, P:],
-        **cache_argument(model, cache),
-        use_cache=True,
-    ).logits  # [n, C - 1, V] predicts tokens 1 .. C - 1
+    rest = model(**completion_inputs(model, prefix, completion_ids, completion_mask)).logits  # [n, C - 1, V]: tokens 1 .. C - 1
     return torch.cat([first.to(rest.dtype), rest], dim=1)
+
+
+def completion_hidden_states(
+    model: torch.nn.Module,
+    head: OutputHead,
+    prefix: PromptPrefix,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Hidden states ``[n, C, H]`` predicting each of the completion tokens ``[n, C]`` (the fused LM
+    head's input; the prefix encoded with ``head``): :func:`completion_logits` before the head."""
+    first = prefix.last_hidden[prefix.row_prompt].unsqueeze(1)  # [n, 1, H] predicts token 0
+    if completion_ids.size(1) == 1:
+        return first
+    rest = decoder_hidden_states(model, head, **completion_inputs(model, prefix, completion_ids, completion_mask))
+    return torch.cat([first.to(rest.dtype), rest], dim=1)  # rest [n, C - 1, H]: tokens 1 .. C - 1

@@ -137,9 +137,9 @@ def test_training_step_is_the_same_with_and_without_shared_prompts(tiny_model_di
     encoded = []  # (rows, distinct prompts) of every shared prompt forward
     encode_prompts = lit_grpo.train.logprob_passes.encode_prompts
 
-    def counting_encode_prompts(model, prompt_ids, prompt_mask, groups):
+    def counting_encode_prompts(model, prompt_ids, prompt_mask, groups, *head):
         encoded.append((prompt_ids.size(0), groups.first_row.numel()))
-        return encode_prompts(model, prompt_ids, prompt_mask, groups)
+        return encode_prompts(model, prompt_ids, prompt_mask, groups, *head)
 
     monkeypatch.setattr(lit_grpo.train.logprob_passes, "encode_prompts", counting_encode_prompts)
 
