@@ -13,9 +13,10 @@ import warnings
 
 import lightning.pytorch as pl
 import pytest
+import test_module
 import torch
+from test_module import make_data
 
-from lit_grpo.data import GRPODataModule
 from lit_grpo.plugins import UnknownRewardError
 from lit_grpo.scoring import RewardError
 from lit_grpo.train.module import GRPOModule
@@ -24,19 +25,9 @@ PROMPTS = [{"prompt": f"Say {c}:", "target": c} for c in "ab" * 4]
 
 
 def make_module(model_dir, rewards=None, **overrides) -> GRPOModule:
-    kwargs = dict(
-        model_name_or_path=str(model_dir),
-        rewards=rewards or [{"name": "char_fraction"}],
-        num_generations=2,
-        max_completion_length=8,
-        log_completions_every_n_steps=0,
-    )
-    kwargs.update(overrides)
-    return GRPOModule(**kwargs)
-
-
-def make_data(path, batch_size=2, **overrides) -> GRPODataModule:
-    return GRPODataModule(path="json", data_files=str(path), batch_size=batch_size, **overrides)
+    """test_module's tiny GRPO module with groups of 2 (``rewards`` default: char_fraction)."""
+    return test_module.make_module(model_dir, **{"rewards": rewards or [{"name": "char_fraction"}],
+                                                 "num_generations": 2, **overrides})
 
 
 def fit_expecting(error_type, module, data, fast_trainer, match=None):

@@ -8,6 +8,7 @@ import string
 import warnings
 
 import pytest
+import test_module
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -19,11 +20,8 @@ LOWERCASE = [{"name": "char_fraction", "args": {"chars": string.ascii_lowercase}
 
 
 def make_module(model_dir, **overrides) -> GRPOModule:
-    kwargs = dict(
-        model_name_or_path=str(model_dir), rewards=LOWERCASE, num_generations=4, max_completion_length=8,
-        log_completions_every_n_steps=0,
-    )
-    return GRPOModule(**{**kwargs, **overrides})
+    """test_module's tiny GRPO module, rewarded for lowercase letters."""
+    return test_module.make_module(model_dir, **{"rewards": LOWERCASE, **overrides})
 
 
 def fit(module, say_a_or_b_file, fast_trainer, **trainer):
