@@ -8,19 +8,39 @@ hyperparameters, so what a piece of code depends on is in its signature:
 - :class:`SamplingSettings`: the distribution the training completions were sampled from, as the
   trainer recomputes it (:class:`lit_grpo.algorithm.sampling_filters.SamplingFilters`);
 - :class:`LogProbSettings`: how the log-prob passes run (:mod:`lit_grpo.train.logprob_passes`);
-- :class:`RunSettings`: the three groups together.
+- :class:`GenerationSettings`: how the rollout samples and groups, steps 1-3
+  (:mod:`lit_grpo.rollout.collector`, dynamic sampling, the asynchronous pipeline);
+- :class:`UpdateSettings`: the optimizer steps of one generation batch, step 5 (:mod:`lit_grpo.train.update`);
+- :class:`ToolSettings`: the tools and environments of multi-turn rollouts (:mod:`lit_grpo.rollout.tools.tool_use`);
+- :class:`EvaluationSettings`: validation's sampling and scoring (``GRPOModule.validation_step``);
+- :class:`RunSettings`: the groups together.
 
-Each record is made by ``from_hparams(hp)``, where ``hp`` is anything with the module's
-hyperparameters as attributes. A setting changed afterwards takes effect once the record is made
-again (``module.logprobs.settings = RunSettings.from_hparams(module.hparams)``).
+Each record is made by ``from_hparams(hp)``, where ``hp`` is the module's hyperparameters
+(``module.hparams``) or anything with the same names as attributes (the groups after the loss's take
+a plain mapping too: the settings as given); what this module may not know (it imports nothing of the
+trainer's), the caller passes in: the order of the engine's sampling filters, its class's
+``sampling_filter_order`` (:mod:`lit_grpo.rollout.engines`). A setting changed in ``module.hparams``
+afterwards takes effect once the records are made again: ``module.apply_settings()``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["LogProbSettings", "LossSettings", "RunSettings", "SamplingSettings"]
+__all__ = ["EvaluationSettings", "GenerationSettings", "LogProbSettings", "LossSettings", "RunSettings",
+           "SamplingSettings", "ToolSettings", "UpdateSettings"]
+
+
+def read_setting(hp: Any, name: str) -> Any:
+    """``hp``'s value of ``name``: a key of a mapping (the settings as given, Lightning's hparams), else an attribute."""
+    return hp[name] if isinstance(hp, Mapping) else getattr(hp, name)
+
+
+def same_names(record: type, hp: Any) -> dict[str, Any]:
+    """The values of ``hp`` named as ``record``'s fields (a record whose fields are ``model.*`` keys)."""
+    return {field.name: read_setting(hp, field.name) for field in fields(record)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,10 +78,11 @@ class LossSettings:
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How the training completions were sampled (``model.*`` keys of the same names): what the
-    trainer needs to recompute the distribution their tokens were drawn from."""
+    """How the training completions were sampled (``model.*`` keys of the same names, and the engine's
+    ``filter_order``): what the trainer needs to recompute the distribution their tokens were drawn from."""
 
-    generation_backend: str = "lit"  # the order of the filters differs between backends
+    generation_backend: str = "lit"
+    filter_order: str = "transformers"  # the engine's sampling_filter_order: a key of sampling_filters.FILTER_ORDERS
     temperature: float = 1.0
     top_k: int | None = 0  # 0 or None: off
     top_p: float | None = 1.0  # 1 or None: off
@@ -69,15 +90,10 @@ class SamplingSettings:
     repetition_penalty: float | None = 1.0  # 1 or None: off
 
     @classmethod
-    def from_hparams(cls, hp: Any) -> SamplingSettings:
-        return cls(
-            generation_backend=hp.generation_backend,
-            temperature=hp.temperature,
-            top_k=hp.top_k,
-            top_p=hp.top_p,
-            min_p=hp.min_p,
-            repetition_penalty=hp.repetition_penalty,
-        )
+    def from_hparams(cls, hp: Any, filter_order: str) -> SamplingSettings:
+        """``filter_order``: the order of the run's engine (``engine_class(backend).sampling_filter_order``)."""
+        names = [field.name for field in fields(cls) if field.name != "filter_order"]
+        return cls(filter_order=filter_order, **{name: read_setting(hp, name) for name in names})
 
 
 @dataclass(frozen=True)
@@ -100,21 +116,105 @@ class LogProbSettings:
 
     @classmethod
     def from_hparams(cls, hp: Any) -> LogProbSettings:
-        return cls(**{name: getattr(hp, name) for name in cls.__dataclass_fields__})
+        return cls(**same_names(cls, hp))
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How the rollout makes a generation batch, steps 1-3 (``model.*`` keys of the same names)."""
+
+    num_generations: int = 8  # G, completions per prompt
+    max_prompt_length: int | None = None  # a longer prompt keeps its last tokens; None: all
+    max_completion_length: int = 256  # new tokens per completion (with tools: over every turn)
+    chat_template_kwargs: dict[str, Any] | None = None  # apply_chat_template's arguments
+    scale_rewards: str = "group"  # a key of lit_grpo.algorithm.ADVANTAGE_ESTIMATORS
+    dynamic_sampling: bool = False  # DAPO's: replace groups whose rewards are all equal
+    max_generation_rounds: int = 4  # at most this many rounds of sampling per step with dynamic sampling
+    max_staleness: int = 0  # asynchronous GRPO's bound, in optimizer steps; 0: synchronous
+
+    @classmethod
+    def from_hparams(cls, hp: Any) -> GenerationSettings:
+        return cls(**same_names(cls, hp))
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The optimizer steps of one generation batch, step 5 (``model.*`` keys of the same names)."""
+
+    num_iterations: int = 1  # passes over the generation batch
+    steps_per_generation: int = 1  # optimizer steps per pass, on equal mini-batches
+    micro_batch_size: int | None = None  # completions per forward and backward; None: a whole mini-batch
+    max_grad_norm: float | None = 1.0  # None or 0: no clipping
+    mask_truncated_completions: bool = False  # completions that never ended leave the loss
+
+    @classmethod
+    def from_hparams(cls, hp: Any) -> UpdateSettings:
+        return cls(**same_names(cls, hp))
+
+
+@dataclass(frozen=True)
+class ToolSettings:
+    """Multi-turn rollouts with tools and environments (``model.*`` keys of the same names). Made from
+    the settings as given, ``tools`` and ``environment`` may hold Python functions and classes; made
+    from the hyperparameters a run saves, they hold their names."""
+
+    tools: list[Any] | None = None  # functions the policy may call, or their names
+    environment: Any = None  # {name, args, weight}, or a list of them
+    max_tool_calling_iterations: int | None = None  # rounds of tool results per rollout; None: the completion budget's
+    tool_timeout: float | None = 30.0  # seconds per call; None: no limit
+    tool_call_parser: str | None = None  # None: the tokenizer's, else its chat template's format
+    max_tool_result_length: int | None = 1024  # tokens of one result; None: no limit
+
+    @classmethod
+    def from_hparams(cls, hp: Any) -> ToolSettings:
+        return cls(**same_names(cls, hp))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rollouts are multi-turn (tools or an environment given)."""
+        return bool(self.tools) or bool(self.environment)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationSettings:
+    """How validation samples and scores (``model.*`` keys of the same names, ``None`` resolved); its
+    sampling settings are the module's ``eval_generation_config``."""
+
+    num_generations_eval: int  # k, completions per validation prompt (model.num_generations_eval or num_generations)
+    eval_pass_k: tuple[int, ...] = ()  # the k of val/pass@k (model.eval_pass_k or pass@1 and pass@k)
+    eval_success_threshold: float = 1.0  # a completion is correct when its reward is at least this
+
+    @classmethod
+    def from_hparams(cls, hp: Any) -> EvaluationSettings:
+        k = read_setting(hp, "num_generations_eval") or read_setting(hp, "num_generations")
+        return cls(
+            num_generations_eval=k,
+            eval_pass_k=tuple(sorted(set(read_setting(hp, "eval_pass_k") or [1, k]))),
+            eval_success_threshold=read_setting(hp, "eval_success_threshold"),
+        )
 
 
 @dataclass(frozen=True)
 class RunSettings:
-    """The setting groups of a run that the log-prob passes and the loss read."""
+    """The setting groups of a run, built once at setup (``GRPOModule.apply_settings``)."""
 
     loss: LossSettings
     sampling: SamplingSettings
     logprobs: LogProbSettings
+    generation: GenerationSettings
+    update: UpdateSettings
+    tools: ToolSettings
+    evaluation: EvaluationSettings
 
     @classmethod
-    def from_hparams(cls, hp: Any) -> RunSettings:
+    def from_hparams(cls, hp: Any, filter_order: str) -> RunSettings:
+        """``filter_order``: the order of the run's engine's sampling filters (``engine_class(backend).sampling_filter_order``)."""
         return cls(
             loss=LossSettings.from_hparams(hp),
-            sampling=SamplingSettings.from_hparams(hp),
+            sampling=SamplingSettings.from_hparams(hp, filter_order),
             logprobs=LogProbSettings.from_hparams(hp),
+            generation=GenerationSettings.from_hparams(hp),
+            update=UpdateSettings.from_hparams(hp),
+            tools=ToolSettings.from_hparams(hp),
+            evaluation=EvaluationSettings.from_hparams(hp),
         )

@@ -97,13 +97,11 @@ def cpu_trainer(**overrides):
 
 
 def set_hparams(module, **hparams):
-    """Change ``model.*`` settings of a constructed module: in ``module.hparams`` and in the setting
-    records its log-prob passes were built with (``lit_grpo.settings.RunSettings``)."""
-    from lit_grpo.settings import RunSettings
-
+    """Change ``model.*`` settings of a constructed module: in ``module.hparams``, then in the setting
+    records it runs with (``module.apply_settings()``, ``lit_grpo.settings.RunSettings``)."""
     for name, value in hparams.items():
         setattr(module.hparams, name, value)
-    module.logprobs.settings = RunSettings.from_hparams(module.hparams)
+    module.apply_settings()
 
 
 def logps_entropy_grads(module, rollout, **hparams):

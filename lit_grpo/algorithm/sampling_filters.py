@@ -8,11 +8,11 @@ of that renormalised distribution; a full-vocabulary log-softmax differs from th
 policy gradient carries ``A * grad log S`` (huggingface/trl#6789). :func:`sampling_log_softmax`
 computes the log-probs of the distribution that sampled, for every backend.
 
-Order of the steps (each backend's own):
+Order of the steps (each engine's own: its ``sampling_filter_order``, a key of :data:`FILTER_ORDERS`):
 
 * ``transformers`` (``generate``, and the ``lit`` sampler, which runs ``transformers``' processors):
   repetition penalty, temperature, top-k, top-p, min-p.
-* vLLM (``vllm/v1/sample/sampler.py``): penalties, temperature, min-p (an argmax-invariant logits
+* ``vllm`` (``vllm/v1/sample/sampler.py``): penalties, temperature, min-p (an argmax-invariant logits
   processor), then top-k and top-p (``apply_top_k_top_p``).
 
 Top-k and min-p keep a prefix of the tokens sorted by logit, so they commute; top-p after min-p is
@@ -53,9 +53,10 @@ import torch
 
 from lit_grpo.algorithm.token_logprobs import LOGPROB_CHUNK_ELEMENTS, entropy_from_logits, selective_log_softmax
 
-__all__ = ["SamplingFilters", "kept_tokens", "sampling_log_softmax", "seen_before", "token_first_positions"]
+__all__ = ["FILTER_ORDERS", "SamplingFilters", "kept_tokens", "sampling_log_softmax", "seen_before", "token_first_positions"]
 
-VLLM_BACKENDS = ("vllm", "vllm_server")
+# a sampler's order of the steps -> whether min-p comes before top-k and top-p (see the module's doc)
+FILTER_ORDERS = {"transformers": False, "vllm": True}
 
 
 @dataclass(frozen=True)
@@ -77,18 +78,21 @@ class SamplingFilters:
     @classmethod
     def of_run(cls, hp, transformers_penalises_padding: bool = False) -> SamplingFilters:
         """The training sampling settings of a run (``hp``: a :class:`lit_grpo.settings.SamplingSettings`,
-        or anything with the same ``model.*`` names), in the order of its ``generation_backend``; ``transformers_penalises_padding``: the installed
-        ``transformers`` penalises left padding (< 5.23), which then holds for the ``lit`` and
-        ``transformers`` backends (never for vLLM)."""
-        vllm = hp.generation_backend in VLLM_BACKENDS
+        or anything with the same names), in the order of its ``filter_order`` (its engine's, a key of
+        :data:`FILTER_ORDERS`); ``transformers_penalises_padding``: the installed ``transformers``
+        penalises left padding (< 5.23), which then holds for a sampler in ``transformers``' order (it
+        runs ``transformers``' processors), never for vLLM's."""
+        if hp.filter_order not in FILTER_ORDERS:
+            raise ValueError(f"a sampling filter order is one of {tuple(FILTER_ORDERS)}, got {hp.filter_order!r}")
+        transformers_order = hp.filter_order == "transformers"
         return cls(
             temperature=hp.temperature,
             top_k=hp.top_k or 0,
             top_p=1.0 if hp.top_p is None else hp.top_p,
             min_p=hp.min_p,
             repetition_penalty=hp.repetition_penalty or 1.0,
-            min_p_first=vllm,
-            penalise_padding=transformers_penalises_padding and not vllm,
+            min_p_first=FILTER_ORDERS[hp.filter_order],
+            penalise_padding=transformers_penalises_padding and transformers_order,
         )
 
     @property

@@ -356,7 +356,7 @@ class RolloutPipeline(pl.Callback):
         try:
             start = time.perf_counter()
             item.completions, rewards_per_func = collector.score(collector.scorer, item.batch, item.rollout,
-                                                                 collector.hparams.num_generations, device=torch.device("cpu"))
+                                                                 collector.settings.num_generations, device=torch.device("cpu"))
             item.reward_errors = dict(collector.scorer.last_error_counts)
             item.rewards_per_func = rewards_per_func
             item.timings["rewards"] = time.perf_counter() - start

@@ -30,6 +30,7 @@ from lit_grpo.rollout.engines.requests import render_prompts, tokenize_prompts
 from lit_grpo.rollout.records import Rollout, SampledGroups, decode_completions, score_groups
 from lit_grpo.rollout.tools.tool_use import ToolUse
 from lit_grpo.scoring import RewardScorer
+from lit_grpo.settings import GenerationSettings
 
 __all__ = ["Collectives", "CurrentWeights", "RolloutCollector"]
 
@@ -54,18 +55,18 @@ class RolloutCollector:
         scorer: the training rewards (validation passes its own scorer to :meth:`score`).
         tool_use: multi-turn rollouts with tools and environments, or None.
         tokenizer: the policy's.
-        hparams: the module's settings, read at each call (``num_generations``, ``max_prompt_length``,
-            ``max_completion_length``, ``chat_template_kwargs``, ``scale_rewards``, ``max_generation_rounds``).
+        settings: how the rollout samples and groups (:class:`~lit_grpo.settings.GenerationSettings`,
+            built once at setup; the module hands it new ones when its settings are applied again).
         weights: the policy and its version, handed to the engine before it samples.
         collectives: gathers and reductions over ranks.
     """
 
-    def __init__(self, scorer: RewardScorer, tool_use: ToolUse | None, tokenizer: Any, hparams: Any,
+    def __init__(self, scorer: RewardScorer, tool_use: ToolUse | None, tokenizer: Any, settings: GenerationSettings,
                  weights: CurrentWeights, collectives: Collectives) -> None:
         self.scorer = scorer
         self.tool_use = tool_use
         self.tokenizer = tokenizer
-        self.hparams = hparams
+        self.settings = settings
         self.weights = weights
         self.collectives = collectives
         self.engine: GenerationEngine | None = None  # what samples, made once the trainer knows its precision
@@ -102,8 +103,7 @@ class RolloutCollector:
 
         # 2. Score them: every reward sees one prompt, one completion and one value of each column.
         start = time.perf_counter()
-        with agreeing_on_failure(self.collectives.device()):  # a reward failing on one rank stops every rank with its message
-            completions, rewards_per_func = self.score(self.scorer, batch, rollout, self.hparams.num_generations)  # [N, K]
+        completions, rewards_per_func = self.score_on_every_rank(self.scorer, batch, rollout, self.settings.num_generations)  # [N, K]
         timings["rewards"] += time.perf_counter() - start
 
         # 3. Group-relative advantages.
@@ -116,7 +116,7 @@ class RolloutCollector:
         this rank keeps its own rows."""
         all_rewards_per_func = gather_rows(rewards_per_func, self.collectives.all_gather)  # [world * N, K]
         all_rewards = algorithm.combine_rewards(all_rewards_per_func, self.reward_weights(self.scorer))  # [world * N]
-        all_group = algorithm.group_advantages(all_rewards, self.hparams.num_generations, self.hparams.scale_rewards)
+        all_group = algorithm.group_advantages(all_rewards, self.settings.num_generations, self.settings.scale_rewards)
         N = rewards_per_func.size(0)
         rank = self.collectives.rank()
         local_rows = slice(rank * N, (rank + 1) * N)
@@ -140,21 +140,21 @@ class RolloutCollector:
         G) with ``config`` (default the training sampling settings); with tools, multi-turn rollouts
         (``columns``: the prompts' dataset columns, which environments are built from)."""
         with self.engine.generation_phase():  # an engine that sleeps between generations sleeps once, after it
-            return self._generate(prompts, num_generations or self.hparams.num_generations, config or self.generation_config,
+            return self._generate(prompts, num_generations or self.settings.num_generations, config or self.generation_config,
                                   columns)
 
     def _generate(self, prompts: list, G: int, config: GenerationConfig, columns: dict[str, list] | None) -> Rollout:
-        hp, device = self.hparams, self.collectives.device()
+        settings, device = self.settings, self.collectives.device()
         if self.tool_use is not None:
-            conversations = self.tool_use.start(prompts, columns or {}, G, self.tokenizer, hp.max_prompt_length,
-                                                hp.chat_template_kwargs)
+            conversations = self.tool_use.start(prompts, columns or {}, G, self.tokenizer, settings.max_prompt_length,
+                                                settings.chat_template_kwargs)
             any_rank_active = lambda local: bool(self.collectives.reduce(
                 torch.tensor(float(local), device=device), "max"))
             self.sync_weights()  # then the engine knows its longest sequence
-            return self.tool_use.rollout(conversations, self.generate_ids, self.tokenizer, config, hp.max_completion_length,
-                                         hp.chat_template_kwargs, any_rank_active, device, self.engine.max_sequence_length())
-        texts = render_prompts(self.tokenizer, prompts, hp.chat_template_kwargs)
-        ids, mask, cut = tokenize_prompts(self.tokenizer, texts, hp.max_prompt_length, device)
+            return self.tool_use.rollout(conversations, self.generate_ids, self.tokenizer, config, settings.max_completion_length,
+                                         settings.chat_template_kwargs, any_rank_active, device, self.engine.max_sequence_length())
+        texts = render_prompts(self.tokenizer, prompts, settings.chat_template_kwargs)
+        ids, mask, cut = tokenize_prompts(self.tokenizer, texts, settings.max_prompt_length, device)
         return self.generate_ids(ids, mask, config, G, cut)
 
     def generate_ids(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig,
@@ -170,10 +170,10 @@ class RolloutCollector:
         """For an engine that samples elsewhere (:attr:`GenerationEngine.samples_elsewhere`): its
         :meth:`~GenerationEngine.sampler` of ``batch`` with the training settings, prompts on the CPU
         (the seed drawn now; the call returned may run in another thread)."""
-        hp = self.hparams
-        texts = render_prompts(self.tokenizer, batch.prompts, hp.chat_template_kwargs)
-        ids, mask, cut = tokenize_prompts(self.tokenizer, texts, hp.max_prompt_length, torch.device("cpu"))
-        return self.engine.sampler(ids, mask, cut, hp.num_generations, self.generation_config, self.tokenizer.pad_token_id)
+        settings = self.settings
+        texts = render_prompts(self.tokenizer, batch.prompts, settings.chat_template_kwargs)
+        ids, mask, cut = tokenize_prompts(self.tokenizer, texts, settings.max_prompt_length, torch.device("cpu"))
+        return self.engine.sampler(ids, mask, cut, settings.num_generations, self.generation_config, self.tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------------------------------
     # Step 2: rewards
@@ -183,13 +183,21 @@ class RolloutCollector:
               device: torch.device | None = None) -> tuple[list, torch.Tensor]:
         """The completions as the rewards saw them and ``[B * k, K]`` rewards on ``device`` (default the
         trainer's; the async pipeline's scoring thread keeps them on the CPU): ``scorer``'s, then the
-        environments' (multi-turn rollouts)."""
+        environments' (multi-turn rollouts). This rank's alone, with no collective (that thread's too);
+        where every rank scores at once, :meth:`score_on_every_rank`."""
         texts, completion_ids = decode_completions(self.tokenizer, rollout)
         completions, rewards_per_func = score_groups(scorer, batch.prompts, batch.columns, texts, completion_ids, k,
                                                      rollout.conversations)
         if self.tool_use is not None and self.tool_use.reward_names:
             rewards_per_func = torch.cat([rewards_per_func, self.tool_use.environment_rewards(rollout.conversations)], dim=1)
         return completions, rewards_per_func.to(device or self.collectives.device())
+
+    def score_on_every_rank(self, scorer: RewardScorer, batch: PromptBatch, rollout: Rollout, k: int) -> tuple[list, torch.Tensor]:
+        """:meth:`score` where every rank scores at once (training's step 2, validation), agreeing on how it
+        ended: a reward raising on one rank raises on every rank, with its message, instead of leaving the
+        others in the next collective (:func:`~lit_grpo.rollout.engines.base.agreeing_on_failure`)."""
+        with agreeing_on_failure(self.collectives.device()):
+            return self.score(scorer, batch, rollout, k)
 
     def reward_weights(self, scorer: RewardScorer) -> torch.Tensor:  # [K + environments]
         """The weights of ``scorer``'s rewards, then the environments'."""

@@ -32,14 +32,14 @@ def dynamic_sampling(collector: Any, sampled: SampledGroups, timings: dict[str, 
     exactly ``batch_size`` groups, topped up with uninformative ones when the rounds run out, so
     every rank makes the same number of micro-batches and optimizer steps.
     """
-    G = collector.hparams.num_generations
+    G = collector.settings.num_generations
     reduce, device = collector.collectives.reduce, collector.collectives.device()
     wanted = len(sampled.prompts)
     parts = [sampled]
     rounds, seen, dropped = 1, len(sampled.prompts), int(sampled.informative_groups(G).logical_not().sum())
     while True:
         informative = sum(int(part.informative_groups(G).sum()) for part in parts)
-        done = torch.tensor(float(informative >= wanted or rounds >= collector.hparams.max_generation_rounds), device=device)
+        done = torch.tensor(float(informative >= wanted or rounds >= collector.settings.max_generation_rounds), device=device)
         if float(reduce(done, "min")) == 1.0:
             break
         batch = more_prompts()

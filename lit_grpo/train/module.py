@@ -51,7 +51,7 @@ from lit_grpo.plugins.python_objects import RedactedSettings, save_settings
 from lit_grpo.rollout.async_pipeline import RolloutPipeline
 from lit_grpo.rollout.collector import Collectives, RolloutCollector
 from lit_grpo.rollout.dynamic_sampling import check_data_fetcher, next_prompt_batch
-from lit_grpo.rollout.engines import GENERATION_BACKENDS, check_backend, engine_for_run
+from lit_grpo.rollout.engines import ENGINES, check_backend, engine_class, engine_for_run
 from lit_grpo.rollout.engines.base import GenerationEngine
 from lit_grpo.rollout.engines.requests import NO_CHAT_TEMPLATE, run_generation_configs
 from lit_grpo.rollout.engines.server_lost import CheckpointWhenServerLost
@@ -79,7 +79,7 @@ from lit_grpo.run.checkpointing import (
 from lit_grpo.run.completions import CompletionLog, completion_records, log_step_completions, logged_step
 from lit_grpo.run.directory import run_directory
 from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
-from lit_grpo.settings import RunSettings
+from lit_grpo.settings import RunSettings, ToolSettings
 from lit_grpo.train.logprob_passes import LogProbPasses
 from lit_grpo.train.reference import ReferenceModelSync
 from lit_grpo.train.step_metrics import timing_metrics, update_metrics
@@ -269,20 +269,22 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         self.lr_scheduler_factory = lr_scheduler
         self.automatic_optimization = False
         self._check_settings(settings)
+        # the setting groups, built once from the hyperparameters (lit_grpo.settings; again by apply_settings)
+        self.settings = self._run_settings()
         self._resolve_rewards_and_tools(settings)  # so a misspelt name fails before any model is loaded
         # validation metrics, reduced over every rank's prompts at the end of the validation epoch
-        self.val_metrics = ValidationMetrics(sorted(set(eval_pass_k or [1, num_generations_eval or num_generations])))
+        self.val_metrics = ValidationMetrics(list(self.settings.evaluation.eval_pass_k))
         self.tokenizer = models.load_tokenizer(model_name_or_path, tokenizer)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
         # every forward and backward after sampling (lit_grpo.train.logprob_passes), with settings built once
-        self.logprobs = LogProbPasses(RunSettings.from_hparams(self.hparams), self.all_gather, self._backward, self._grad_scaler_scale)
+        self.logprobs = LogProbPasses(self.settings, self.all_gather, self._backward, self._grad_scaler_scale)
         self.run_log_dir: Path | None = None  # the logger's directory of this run, set in setup
         self._warned_prompt_truncation = False
         self.completion_log: CompletionLog | None = None  # where and how often completions are logged, set in setup
         self.policy_version = 0  # optimizer steps the policy has taken (checkpointed): the weights' version
         # steps 1-3: the engine (made by configure_model), the rewards, the tools (lit_grpo.rollout.collector)
-        self.collector = RolloutCollector(self.scorer, self.tool_use, self.tokenizer, self.hparams,
+        self.collector = RolloutCollector(self.scorer, self.tool_use, self.tokenizer, self.settings.generation,
                                           weights=self._current_weights,
                                           collectives=Collectives(self.all_gather, self._reduce, self._current_rank, self._current_device))
         self.rollout_pipeline = RolloutPipeline.for_settings(self.hparams)  # max_staleness > 0, else None
@@ -291,7 +293,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
     def _check_settings(self, settings: dict[str, Any]) -> None:
         """The checks of the settings as given that need no model; the importance-sampling correction's
         ``auto`` values resolved; with LoRA, a state dict of the adapter only."""
-        check_settings(self.hparams, GENERATION_BACKENDS)
+        check_settings(self.hparams, tuple(ENGINES))  # the backends registered now
         # "auto": the correction of this run's staleness, in the hparams the loss reads (lit_grpo.train.logprob_passes)
         self.hparams.update(correction_settings(settings["vllm_importance_sampling_mode"], settings["vllm_importance_sampling_clip_min"],
                                                 settings["vllm_importance_sampling_clip_max"], settings["max_staleness"]).as_hparams())
@@ -311,10 +313,23 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         self.scorer = RewardScorer(settings["rewards"], run_settings)
         eval_rewards = settings["eval_rewards"]
         self.eval_scorer = RewardScorer(eval_rewards, run_settings, key="model.eval_rewards") if eval_rewards else self.scorer
-        self.tool_use = ToolUse.from_settings(settings)  # multi-turn rollouts with tools, or None
+        self.tool_use = ToolUse.from_settings(ToolSettings.from_hparams(settings))  # multi-turn rollouts with tools, or None
         clash = set(self.tool_use.reward_names if self.tool_use else []) & set(self.scorer.names)
         if clash:
             raise ConfigError(f"model.environment and model.rewards both name {sorted(clash)}: rename one")
+
+    def _run_settings(self) -> RunSettings:
+        """The setting groups of ``hparams``, with the order the run's engine samples in (its class's)."""
+        return RunSettings.from_hparams(self.hparams, engine_class(self.hparams.generation_backend).sampling_filter_order)
+
+    def apply_settings(self) -> None:
+        """Build the setting groups (:class:`lit_grpo.settings.RunSettings`) from ``hparams`` again and hand
+        them to the log-prob passes and the rollout collector: the one way a setting changed in ``hparams``
+        after construction takes effect (the code after setup reads the records, not ``hparams``). The
+        rewards, the tool use and the engine stay those built at construction."""
+        self.settings = self._run_settings()
+        self.logprobs.settings = self.settings
+        self.collector.settings = self.settings.generation
 
     # ------------------------------------------------------------------------------------------
     # Setup
@@ -365,18 +380,15 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         if prompt_format is not None and prompt_format.makes_conversations and self.tokenizer.chat_template is None:
             raise ConfigError(NO_CHAT_TEMPLATE.format(model=f"model.model_name_or_path {self.hparams.model_name_or_path!r}"))
         if stage == "fit" and datamodule is not None and hasattr(datamodule, "batch_size"):
-            check_batch_sizes(
-                datamodule.batch_size,
-                self.hparams.num_generations,
-                self.hparams.steps_per_generation,
-                self.hparams.micro_batch_size,
-            )
+            update = self.settings.update
+            check_batch_sizes(datamodule.batch_size, self.settings.generation.num_generations, update.steps_per_generation,
+                              update.micro_batch_size)
         check_data_columns(datamodule, self.scorer, self.eval_scorer, self.tool_use and self.tool_use.environments)
 
     def on_train_start(self) -> None:
         """``dynamic_sampling`` draws prompt batches through the fit loop's data fetcher (no public
         interface of Lightning's): check that this Lightning has it before the first step."""
-        if self.hparams.dynamic_sampling:
+        if self.settings.generation.dynamic_sampling:
             check_data_fetcher(self.trainer)
 
     def teardown(self, stage: str) -> None:
@@ -421,7 +433,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
             callbacks.append(ValidateBeforeTraining())
         if self.hparams.sync_ref_model:
             callbacks.append(ReferenceModelSync(self.hparams.ref_model_sync_steps, self.hparams.ref_model_mixup_alpha))
-        if self.hparams.generation_backend == "vllm_server" or self.rollout_pipeline is not None:
+        if engine_class(self.hparams.generation_backend).can_lose_servers or self.rollout_pipeline is not None:
             callbacks.append(CheckpointWhenServerLost())  # a server lost or a background job failed: a checkpoint, then a stop
         if self.rollout_pipeline is not None:
             callbacks.append(self.rollout_pipeline)
@@ -448,8 +460,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         step_start = time.perf_counter()
-        hp = self.hparams
-        check_batch_sizes(len(batch.prompts), hp.num_generations, hp.steps_per_generation, hp.micro_batch_size)
+        generation, update = self.settings.generation, self.settings.update
+        check_batch_sizes(len(batch.prompts), generation.num_generations, update.steps_per_generation, update.micro_batch_size)
 
         # 1-4. Sample, score, advantages, reference log-probs (and, below, old log-probs); with
         #      max_staleness, of an older batch (None while the pipeline fills: lit_grpo.rollout.async_pipeline).
@@ -460,12 +472,12 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
 
         # 5. num_iterations passes of steps_per_generation optimizer steps each (lit_grpo.train.update).
         step_stats, grad_norm = update_policy(scored, self.logprobs, self.policy, self.parameters, self.optimizers(),
-                                              self.lr_schedulers(), hp, after_optimizer_step=self._count_optimizer_step)
+                                              self.lr_schedulers(), update, after_optimizer_step=self._count_optimizer_step)
 
         # 6. Metrics: the rollout statistics are already global; the update statistics are this
         #    rank's, averaged over ranks (every rank runs the same number of micro-batches).
         metrics = self._rollout_metrics(scored)
-        metrics.update(update_metrics(step_stats, hp.num_iterations, hp.steps_per_generation, self._reduce))
+        metrics.update(update_metrics(step_stats, update.num_iterations, update.steps_per_generation, self._reduce))
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
         metrics.update(timing_metrics(scored, time.perf_counter() - step_start, self._reduce))
@@ -479,7 +491,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
     def _log_completions(self, scored: ScoredRollout, completions: list) -> None:
         """The step's completions to the loggers' table, ``completions.jsonl`` and the console (:mod:`lit_grpo.run.completions`)."""
         step = logged_step(self.trainer)  # the step of this batch's scalars
-        prompts = [prompt for prompt in scored.prompts for _ in range(self.hparams.num_generations)]
+        prompts = [prompt for prompt in scored.prompts for _ in range(self.settings.generation.num_generations)]
 
         def make_records() -> list[dict[str, Any]]:  # only on a step that logs them
             return completion_records(step, prompts, completions, self.collector.reward_names, scored.rewards_per_func.tolist(),
@@ -511,7 +523,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
 
         # 1-3. Sample G completions per prompt, score them, group-relative advantages; with dynamic
         #      sampling, drop groups without signal and sample more prompts to replace them.
-        more_prompts = (lambda: next_prompt_batch(self.trainer)) if training and self.hparams.dynamic_sampling else None
+        more_prompts = (lambda: next_prompt_batch(self.trainer)) if training and self.settings.generation.dynamic_sampling else None
         sampled, dynamic_sampling_stats = self.collector.collect(batch, timings, more_prompts)
 
         # 4. Log-probs of the reference model (only with a KL penalty); those of the policy that
@@ -523,19 +535,19 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
     def prepare_update(self, sampled: SampledGroups, timings: dict[str, float], with_reference: bool = True) -> ScoredRollout:
         """Step 4 for sampled groups (of this step, or of the asynchronous pipeline): the loss mask, the
         dapo normaliser and, with a KL penalty, the reference model's log-probs (``timings["logprobs"]``)."""
-        hp = self.hparams
+        update = self.settings.update
         rollout = sampled.rollout
         loss_mask = rollout.policy_token_mask  # with tools: the tokens the policy generated
-        if hp.mask_truncated_completions:
+        if update.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.is_truncated).unsqueeze(1).long()
         # dapo's (and cispo's) normaliser, as TRL 1.16 computes it: the real completion tokens of the
         # generation batch over all ranks, / world size (each rank's gradient is averaged), / the
         # steps_per_generation optimizer steps that share it, so each step takes about a token mean
         # of its own rows (not half of one with two steps per pass)
         all_tokens = float(self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum"))
-        num_items_in_batch = algorithm.dapo_normaliser(all_tokens, self.trainer.world_size, hp.steps_per_generation)
+        num_items_in_batch = algorithm.dapo_normaliser(all_tokens, self.trainer.world_size, update.steps_per_generation)
         start = time.perf_counter()
-        ref_logps = self.logprobs.reference_logps(self.policy, self.ref_model, rollout) if with_reference and hp.beta > 0 else None
+        ref_logps = self.logprobs.reference_logps(self.policy, self.ref_model, rollout) if with_reference and self.settings.loss.beta > 0 else None
         timings["logprobs"] = timings.get("logprobs", 0.0) + time.perf_counter() - start
         return ScoredRollout(
             rollout=rollout,
@@ -585,16 +597,17 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Sample k completions per validation prompt, score them with the evaluation rewards, and
         accumulate ``val/reward``, ``val/mean@k``, ``val/pass@k`` and (binary rewards) ``val/maj@k``."""
-        hp = self.hparams
-        k = hp.num_generations_eval or hp.num_generations
+        evaluation = self.settings.evaluation
+        k = evaluation.num_generations_eval
         num_prompts = len(batch.prompts)
         rollout = self.generate(batch.prompts, k, self.eval_generation_config, batch.columns)
         texts, _ = decode_completions(self.tokenizer, rollout)
-        _, rewards_per_func = self.collector.score(self.eval_scorer, batch, rollout, k)
+        # a reward raising on one rank raises on every rank (not only in training's step 2)
+        _, rewards_per_func = self.collector.score_on_every_rank(self.eval_scorer, batch, rollout, k)
         rewards = algorithm.combine_rewards(rewards_per_func, self.collector.reward_weights(self.eval_scorer)).view(num_prompts, k)  # [B, k]
         answers = [[" ".join(text.split()) for text in texts[b * k : (b + 1) * k]] for b in range(num_prompts)]
         self.val_metrics.add_batch(
-            rewards, answers, hp.eval_success_threshold, lambda value: self.trainer.strategy.reduce(value, reduce_op="min")
+            rewards, answers, evaluation.eval_success_threshold, lambda value: self.trainer.strategy.reduce(value, reduce_op="min")
         )
         for name, metric in self.val_metrics.to_log(k).items():
             self.log(name, metric, on_step=False, on_epoch=True, batch_size=num_prompts)
@@ -613,7 +626,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         if metrics["prompts/truncated_frac"] > 0 and not self._warned_prompt_truncation:
             self._warned_prompt_truncation = True
             rank_zero_warn(
-                f"model.max_prompt_length={self.hparams.max_prompt_length} cut {float(metrics['prompts/truncated_frac']):.0%} "
+                f"model.max_prompt_length={self.settings.generation.max_prompt_length} cut {float(metrics['prompts/truncated_frac']):.0%} "
                 "of this step's prompts to their last tokens (logged as prompts/truncated_frac; said once): raise it, or "
                 "shorten the prompts"
             )

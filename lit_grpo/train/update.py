@@ -20,23 +20,24 @@ import torch
 from lit_grpo import algorithm
 from lit_grpo.distributed import clip_grad_norm
 from lit_grpo.rollout.records import ScoredRollout
+from lit_grpo.settings import UpdateSettings
 from lit_grpo.train.logprob_passes import LogProbPasses
 
 __all__ = ["update_policy"]
 
 
 def update_policy(scored: ScoredRollout, logprobs: LogProbPasses, policy: torch.nn.Module,
-                  parameters: Callable[[], Iterable[torch.nn.Parameter]], optimizer: Any, scheduler: Any, hp: Any,
-                  after_optimizer_step: Callable[[], None]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
+                  parameters: Callable[[], Iterable[torch.nn.Parameter]], optimizer: Any, scheduler: Any,
+                  settings: UpdateSettings, after_optimizer_step: Callable[[], None]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
     """Step 5 on ``scored`` (its ``old_logps`` filled where the update needs them, its ``timings``
     given ``train`` and more ``logprobs``); every micro-batch's statistics and the last gradient norm
-    (None without clipping). ``after_optimizer_step`` runs after every optimizer step (the policy's
+    (None without clipping), with ``settings``' passes, steps and micro-batches. ``after_optimizer_step`` runs after every optimizer step (the policy's
     version goes up)."""
     num_completions = scored.rollout.completion_ids.size(0)
     device = scored.rollout.completion_ids.device
-    mini_batch_size = num_completions // hp.steps_per_generation
-    first_order = torch.randperm(num_completions, device=device) if hp.steps_per_generation > 1 else None
-    policy_moves = hp.num_iterations > 1 or hp.steps_per_generation > 1
+    mini_batch_size = num_completions // settings.steps_per_generation
+    first_order = torch.randperm(num_completions, device=device) if settings.steps_per_generation > 1 else None
+    policy_moves = settings.num_iterations > 1 or settings.steps_per_generation > 1
     if policy_moves:  # step 4's old_logps, for the rows that are trained after the policy has moved
         start = time.perf_counter()
         first_step_rows = first_order if first_order is not None else torch.arange(num_completions, device=device)
@@ -45,16 +46,16 @@ def update_policy(scored: ScoredRollout, logprobs: LogProbPasses, policy: torch.
     train_start = time.perf_counter()
     step_stats: list[dict[str, torch.Tensor]] = []
     grad_norm = None
-    for iteration in range(hp.num_iterations):
+    for iteration in range(settings.num_iterations):
         # the mini-batches' rows: in order with one optimizer step per pass, else shuffled each pass
         order = first_order if iteration == 0 or first_order is None else torch.randperm(num_completions, device=device)
         for mini_start in range(0, num_completions, mini_batch_size):
             # Before the first optimizer step the policy is the sampling policy: its rows' own
             # forward gives their old_logps (ratio exactly 1, as without a move), kept for later.
             fills_old_logps = policy_moves and iteration == 0 and mini_start == 0
-            step_stats += mini_batch_backward(scored, logprobs, policy, hp, order, range(mini_start, mini_start + mini_batch_size),
-                                              fills_old_logps)
-            grad_norm = clip_grad_norm(parameters(), hp.max_grad_norm)
+            step_stats += mini_batch_backward(scored, logprobs, policy, settings.micro_batch_size, order,
+                                              range(mini_start, mini_start + mini_batch_size), fills_old_logps)
+            grad_norm = clip_grad_norm(parameters(), settings.max_grad_norm)
             optimizer.step()
             after_optimizer_step()  # the engine's weights are stale from here (engine.sync_weights)
             # free the gradients now (set to None), which also starts the next mini-batch's
@@ -67,13 +68,13 @@ def update_policy(scored: ScoredRollout, logprobs: LogProbPasses, policy: torch.
     return step_stats, grad_norm
 
 
-def mini_batch_backward(scored: ScoredRollout, logprobs: LogProbPasses, policy: torch.nn.Module, hp: Any,
+def mini_batch_backward(scored: ScoredRollout, logprobs: LogProbPasses, policy: torch.nn.Module, micro_batch_size: int | None,
                         order: torch.Tensor | None, positions: range, fills_old_logps: bool) -> list[dict[str, torch.Tensor]]:
     """The accumulated gradient of one mini-batch (the rows at ``positions`` of ``order``, in
-    micro-batches); every micro-batch's statistics. With ``fills_old_logps`` the forwards' log-probs
+    micro-batches of ``micro_batch_size`` rows, None: one); every micro-batch's statistics. With ``fills_old_logps`` the forwards' log-probs
     are the rows' ``old_logps``."""
     device = scored.rollout.completion_ids.device
-    micro_batch_size = hp.micro_batch_size or len(positions)
+    micro_batch_size = micro_batch_size or len(positions)
     micro_batches = len(positions) // micro_batch_size
     step_scored = replace(scored, old_logps=None) if fills_old_logps else scored
     # the loss type grpo_loss aggregates with (the passes' settings, built once), so the two never disagree

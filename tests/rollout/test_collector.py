@@ -1,5 +1,6 @@
 """The rollout collector (steps 1-3) on its own: no LightningModule, only the policy and its version
-and the collectives of one process; and the engine interface's defaults, which its callers read."""
+and the collectives of one process; and the engine interface's defaults, which its callers read,
+and the capabilities a fifth engine declares by its class alone."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from lit_grpo.rollout.engines.base import GenerationEngine
 from lit_grpo.rollout.engines.policy import PolicyEngine
 from lit_grpo.rollout.engines.requests import run_generation_configs
 from lit_grpo.scoring import RewardScorer
+from lit_grpo.settings import GenerationSettings
 
 ONE_PROCESS = Collectives(all_gather=lambda tensor: tensor, reduce=lambda value, reduce_op: value, rank=lambda: 0,
                           device=lambda: torch.device("cpu"))
@@ -21,7 +23,7 @@ ONE_PROCESS = Collectives(all_gather=lambda tensor: tensor, reduce=lambda value,
 
 def settings(**overrides) -> AttributeDict:
     hp = AttributeDict(num_generations=4, max_prompt_length=None, max_completion_length=6, chat_template_kwargs=None,
-                       scale_rewards="group", max_generation_rounds=4, temperature=1.0, temperature_eval=None, top_p=1.0,
+                       scale_rewards="group", dynamic_sampling=False, max_generation_rounds=4, max_staleness=0, temperature=1.0, temperature_eval=None, top_p=1.0,
                        top_k=0, min_p=None, repetition_penalty=1.0)
     hp.update(overrides)
     return hp
@@ -33,7 +35,8 @@ def test_a_collector_samples_scores_and_groups_a_batch_without_a_module(tiny_mod
     tokenizer = models.load_tokenizer(str(tiny_model_dir), None)
     policy = models.build_policy(str(tiny_model_dir), models.model_init_kwargs(None))
     scorer = RewardScorer([{"name": "char_fraction", "args": {"chars": "ab"}}], {"max_completion_len": 6})
-    collector = RolloutCollector(scorer, None, tokenizer, hp, weights=lambda: (policy, 3), collectives=ONE_PROCESS)
+    collector = RolloutCollector(scorer, None, tokenizer, GenerationSettings.from_hparams(hp), weights=lambda: (policy, 3),
+                                 collectives=ONE_PROCESS)
     collector.engine = PolicyEngine("lit")
     collector.generation_config, _ = run_generation_configs(hp, tokenizer, models.completion_end_token_ids(policy, tokenizer))
     timings = {"generate": 0.0, "rewards": 0.0}
@@ -55,8 +58,53 @@ def test_a_collector_samples_scores_and_groups_a_batch_without_a_module(tiny_mod
 def test_the_engine_interface_states_what_its_callers_read():
     engine = GenerationEngine()
     assert engine.holds_weights is False and engine.samples_elsewhere is False
+    assert engine.sampling_filter_order == "transformers" and engine.can_lose_servers is False
     assert engine.max_sequence_length() is None
     with engine.generation_phase():
         pass
     with pytest.raises(NotImplementedError, match="no background sampler"):
         engine.sampler(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2), torch.zeros(1, dtype=torch.bool), 2, None, 0)
+
+
+class FifthEngine(GenerationEngine):
+    """A fifth engine whose sampler runs vLLM's filter order on servers a run can lose: what the trainer
+    does about either follows from these two class attributes alone (no backend name is tested)."""
+
+    sampling_filter_order = "vllm"
+    can_lose_servers = True
+
+    @classmethod
+    def check_run(cls, hp) -> None:
+        pass
+
+    @classmethod
+    def for_run(cls, hp, model_source, precision, grows_with_tools):
+        return cls()
+
+
+def test_a_fifth_engine_gets_vllms_filter_order_and_the_server_loss_checkpoint_from_its_attributes(tiny_model_dir, monkeypatch):
+    from conftest import cpu_trainer
+    from test_module import make_module
+
+    from lit_grpo.rollout import engines
+    from lit_grpo.rollout.engines.server_lost import CheckpointWhenServerLost
+
+    def server_loss_callbacks(module) -> int:
+        module.trainer = cpu_trainer()
+        return sum(isinstance(callback, CheckpointWhenServerLost) for callback in module.configure_callbacks())
+
+    # the built-in engines keep what their backend names chose before: vLLM's order for both vLLM engines
+    assert [engines.engine_class(name).sampling_filter_order for name in engines.ENGINES] == [
+        "transformers", "transformers", "vllm", "vllm"]
+    assert [engines.engine_class(name).can_lose_servers for name in engines.ENGINES] == [False, False, False, True]
+
+    lit = make_module(tiny_model_dir, min_p=0.1)
+    assert lit.settings.sampling.filter_order == "transformers" and not lit.logprobs.sampling_filters.min_p_first
+    assert server_loss_callbacks(lit) == 0
+
+    monkeypatch.setitem(engines.ENGINES, "fifth", f"{__name__}:FifthEngine")  # its one registry line
+    fifth = make_module(tiny_model_dir, min_p=0.1, generation_backend="fifth")
+    assert fifth.settings.sampling.filter_order == "vllm"
+    filters = fifth.logprobs.sampling_filters
+    assert filters.min_p_first and not filters.penalise_padding  # min-p before top-k and top-p, as vLLM samples
+    assert server_loss_callbacks(fifth) == 1

@@ -339,7 +339,7 @@ def test_one_engine_seed_per_call_samples_the_batch_reproducibly(setup, engine):
 
 def test_module_truncates_prompts_and_flags_them(vllm_module, setup):
     module = vllm_module
-    module.hparams.max_prompt_length = 5
+    set_hparams(module, max_prompt_length=5)  # and module.apply_settings(): the collector reads the records
     rollout = module.generate(["The quick brown fox jumps", "a"], 1, module.eval_generation_config)
     assert rollout.prompt_truncated.tolist() == [True, False]
     assert int(rollout.prompt_mask[0].sum()) == 5

@@ -37,6 +37,19 @@ class GenerationEngine:
     thread may run while the trainer trains (no collective, nothing on the trainer's devices), which
     the asynchronous pipeline (:mod:`lit_grpo.rollout.async_pipeline`) runs in its background thread."""
 
+    sampling_filter_order: str = "transformers"
+    """The order the engine's sampler turns logits into the distribution it draws from, which the trainer
+    follows when it recomputes that distribution (a key of
+    :data:`lit_grpo.algorithm.sampling_filters.FILTER_ORDERS`): ``"transformers"`` (the ``lit`` sampler
+    and ``generate``: repetition penalty, temperature, top-k, top-p, min-p; left padding penalised as
+    the installed ``transformers`` does) or ``"vllm"`` (penalties, temperature, min-p, then top-k and
+    top-p; left padding never penalised)."""
+
+    can_lose_servers: bool = False
+    """The engine samples on servers the run can lose mid-run (``vllm_server``): the module then adds
+    :class:`~lit_grpo.rollout.engines.server_lost.CheckpointWhenServerLost`, which writes the checkpoint
+    of the previous step and stops the run when one is lost."""
+
     def start(self) -> None:
         """Build the engine or connect to it: called once, before the trainer builds the policy."""
 

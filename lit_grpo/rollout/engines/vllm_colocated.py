@@ -521,6 +521,7 @@ class ColocatedVLLMEngine(GenerationEngine):
     """
 
     holds_weights = True
+    sampling_filter_order = "vllm"  # min-p before top-k and top-p (lit_grpo.algorithm.sampling_filters)
 
     @classmethod
     def check_run(cls, hp) -> None:

@@ -157,6 +157,8 @@ class VLLMServerEngine(GenerationEngine):
 
     holds_weights = True
     samples_elsewhere = True  # its sampler() may run while the trainer trains (lit_grpo.rollout.async_pipeline)
+    sampling_filter_order = "vllm"  # min-p before top-k and top-p (lit_grpo.algorithm.sampling_filters)
+    can_lose_servers = True  # a lost server: a checkpoint, then a stop (CheckpointWhenServerLost)
 
     @staticmethod
     def check_settings(hp) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from lit_grpo.rollout.tools.multi_turn import (
     run_conversations,
     to_rollout,
 )
+from lit_grpo.settings import ToolSettings
 
 __all__ = ["ToolUse"]
 
@@ -64,12 +66,16 @@ class ToolUse:
             self.parser = plugins.load_object(tool_call_parser, "model.tool_call_parser", ConfigError)[0]
 
     @classmethod
-    def from_settings(cls, hp: Mapping) -> ToolUse | None:
-        """The tool use the hyperparameters ask for, or None (single-turn rollouts)."""
-        if not hp.get("tools") and not hp.get("environment"):
+    def from_settings(cls, settings: ToolSettings | Mapping) -> ToolUse | None:
+        """The tool use ``settings`` ask for, or None (single-turn rollouts); a mapping (the ``model:``
+        block as the CLI reads it) is made a :class:`~lit_grpo.settings.ToolSettings` first, its missing
+        keys at their defaults."""
+        if isinstance(settings, Mapping):
+            settings = ToolSettings(**{field.name: settings[field.name] for field in fields(ToolSettings) if field.name in settings})
+        if not settings.enabled:
             return None
-        return cls(hp.get("tools"), hp.get("environment"), hp.get("max_tool_calling_iterations"),
-                   hp.get("tool_timeout"), hp.get("tool_call_parser"), hp.get("max_tool_result_length"))
+        return cls(settings.tools, settings.environment, settings.max_tool_calling_iterations, settings.tool_timeout,
+                   settings.tool_call_parser, settings.max_tool_result_length)
 
     @property
     def reward_names(self) -> list[str]:
