@@ -185,6 +185,9 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
         "test_validation_metrics_reduce_over_ranks_like_one_process",
         "test_a_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message",
     ),
+    "tests/train/test_validation_ranks.py": (
+        "test_an_evaluation_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message",
+    ),
 }
 
 # from --durations on 2 CPU cores; a test near 10 s may fall on either side on another machine
@@ -274,5 +277,8 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     ),
     "tests/train/test_module.py": (
         "test_seeded_quickstart_task_learns",
+    ),
+    "tests/train/test_validation_ranks.py": (
+        "test_an_evaluation_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message",
     ),
 }
