@@ -140,6 +140,7 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
         "test_exported_model_generates_the_trained_policys_tokens",
         "test_export_errors_name_the_problem",
         "test_cli_fit_with_lora_and_export_callback_then_export_adapter",
+        "test_a_merged_export_of_an_adapted_tied_head_computes_what_the_trained_model_computes",
     ),
     "tests/run/test_preemption.py": (
         "test_signal_mid_step_checkpoints_the_step_reached_and_the_resume_is_exact",
