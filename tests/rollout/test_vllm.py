@@ -20,6 +20,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
@@ -70,18 +71,35 @@ def perturbed_model(path: Path, seed: int = 1, scale: float = 0.1):
     return model.eval()
 
 
+PROCESS_ENGINE: dict = {}  # the one colocated engine of this process, once built (shared_colocated_engine)
+
+
+def shared_colocated_engine(request, tmp_path_factory) -> dict:
+    """This process's colocated engine on the perturbed 2-head tiny model, built on first use and shut
+    down when the session ends: one engine per process, which tests/rollout/test_vllm_server.py's
+    comparison with a server samples on too (instead of starting another in a subprocess)."""
+    if not PROCESS_ENGINE:
+        path = tmp_path_factory.mktemp("tiny-vllm")
+        build_tiny_model(path, **TINY)
+        base = perturbed_model(path)
+        base.save_pretrained(path)  # the engine starts from the perturbed weights
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        rng_before = (torch.get_rng_state(), __import__("random").getstate())
+        llm = build_engine(path, dtype="float32", seed=0, max_model_len=256, num_threads=torch.get_num_threads())
+        rng_after = (torch.get_rng_state(), __import__("random").getstate())
+        PROCESS_ENGINE.update(path=path, base=base, tokenizer=tokenizer, llm=llm, rng=(rng_before, rng_after))
+        request.session.addfinalizer(shut_down_the_process_engine)
+    return PROCESS_ENGINE
+
+
+def shut_down_the_process_engine() -> None:
+    vllm_colocated.shutdown_engine(PROCESS_ENGINE["llm"])
+    PROCESS_ENGINE.clear()
+
+
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-vllm")
-    build_tiny_model(path, **TINY)
-    base = perturbed_model(path)
-    base.save_pretrained(path)  # the engine starts from the perturbed weights
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    rng_before = (torch.get_rng_state(), __import__("random").getstate())
-    llm = build_engine(path, dtype="float32", seed=0, max_model_len=256, num_threads=torch.get_num_threads())
-    rng_after = (torch.get_rng_state(), __import__("random").getstate())
-    yield dict(path=path, base=base, tokenizer=tokenizer, llm=llm, rng=(rng_before, rng_after))
-    vllm_colocated.shutdown_engine(llm)
+def setup(request, tmp_path_factory):
+    return shared_colocated_engine(request, tmp_path_factory)
 
 
 @pytest.fixture
@@ -487,9 +505,21 @@ def test_bfloat16_pushed_engine_equals_engine_loaded_from_disk(setup, tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         return json.loads(result.stdout.strip().splitlines()[-1])
 
-    from_disk, pushed = run(setup["path"], False), run(start, True)
+    with ThreadPoolExecutor(2) as processes:  # the two engines start side by side, each in its own process
+        from_disk, pushed = processes.map(run, [setup["path"], start], [False, True])
     assert pushed == from_disk
     assert len({tuple(c) for c in from_disk["sampled"]}) > 1
+
+
+@pytest.fixture(scope="module")
+def warm_tool_model(tmp_path_factory):
+    """examples/environment-plugin's warm-started tiny model (head size 32), built in a subprocess."""
+    path = tmp_path_factory.mktemp("kv-model")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "examples/environment-plugin")}
+    subprocess.run([sys.executable, "-m", "lit_grpo_kv_lookup.warm_start", str(path), "--steps", "150",
+                    "--short-steps", "50", "--call-frac", "1"], env=env,
+                   check=True, capture_output=True, timeout=900)
+    return path
 
 
 TOOLS_SCRIPT = """
@@ -499,9 +529,7 @@ sys.path.insert(0, {example!r})
 import lit_grpo_kv_lookup
 from lit_grpo import plugins
 from lit_grpo.train.module import GRPOModule
-from lit_grpo_kv_lookup.warm_start import main as warm_start
 plugins.register_plugin(lit_grpo_kv_lookup, package="lit-grpo-kv-lookup")
-warm_start([{path!r}, "--steps", "150", "--short-steps", "50", "--call-frac", "1"])
 rows = [json.loads(line) for line in open({data!r})][:4]
 columns = {{"store": [r["store"] for r in rows], "key": [r["key"] for r in rows]}}
 prompts = [[{{"role": "user", "content": r["prompt"]}}] for r in rows]
@@ -519,11 +547,11 @@ print(json.dumps(out))
 """
 
 
-def test_multi_turn_tool_rollouts_with_vllm_equal_transformers_greedy(tmp_path):
+def test_multi_turn_tool_rollouts_with_vllm_equal_transformers_greedy(warm_tool_model):
     """The example environment's warm-started tiny model (it calls the lookup tool) in a multi-turn
     rollout, greedy: vLLM's conversations, token by token and loss mask, equal transformers' (a
     subprocess: another model, another engine)."""
-    script = TOOLS_SCRIPT.format(example=str(REPO / "examples/environment-plugin"), path=str(tmp_path / "kv-model"),
+    script = TOOLS_SCRIPT.format(example=str(REPO / "examples/environment-plugin"), path=str(warm_tool_model),
                                  data=str(REPO / "configs/data/kv_lookup.jsonl"))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -557,17 +585,6 @@ def test_a_row_the_engine_capped_at_max_model_len_is_truncated_not_finished(setu
     assert rollout.completion_ids.size(1) > 6  # the other row is longer: row 0 was padded
 
 
-@pytest.fixture(scope="module")
-def warm_tool_model(tmp_path_factory):
-    """examples/environment-plugin's warm-started tiny model (head size 32), built in a subprocess."""
-    path = tmp_path_factory.mktemp("kv-model")
-    env = {**os.environ, "PYTHONPATH": str(REPO / "examples/environment-plugin")}
-    subprocess.run([sys.executable, "-m", "lit_grpo_kv_lookup.warm_start", str(path), "--steps", "150",
-                    "--short-steps", "50", "--call-frac", "1"], env=env,
-                   check=True, capture_output=True, timeout=900)
-    return path
-
-
 def test_long_tool_results_neither_crash_the_engine_nor_pass_its_max_model_len(tmp_path, warm_tool_model):
     """A tool returning 500 characters with max_prompt_length: 64 (tests/long_tool_run.py). The engine
     takes the model's own length with tools (not prompt + completion, which one result passes); made
@@ -575,11 +592,14 @@ def test_long_tool_results_neither_crash_the_engine_nor_pass_its_max_model_len(t
     sys.path.insert(0, str(REPO / "tests"))
     import long_tool_run
 
-    logged, records = long_tool_run.fit_with_long_tool_results(tmp_path / "fits", warm_tool_model, "vllm")
+    with ThreadPoolExecutor(2) as runs:  # the two fits side by side, each in its own process
+        kept_run = runs.submit(long_tool_run.fit_with_long_tool_results, tmp_path / "fits", warm_tool_model, "vllm")
+        dropped_run = runs.submit(long_tool_run.fit_with_long_tool_results, tmp_path / "dropped", warm_tool_model, "vllm",
+                                  "--model.vllm_max_model_length", "300")
+    logged, records = kept_run.result()
     assert min(logged["tools/calls_per_rollout"]) > 0 and logged["tools/dropped_frac"] == [0.0, 0.0]
     assert all(len(result) == long_tool_run.CHARACTERS for result in long_tool_run.tool_messages(records))
-    logged, records = long_tool_run.fit_with_long_tool_results(tmp_path / "dropped", warm_tool_model, "vllm",
-                                                               "--model.vllm_max_model_length", "300")
+    logged, records = dropped_run.result()
     assert logged["tools/dropped_frac"] == [1.0, 1.0] and long_tool_run.tool_messages(records) == []
 
 
@@ -599,6 +619,11 @@ def scalars(log_dir: Path) -> dict[str, list[float]]:
 
 def fit_quickstart(tmp_path: Path, *overrides: str, config: dict | None = None) -> dict[str, list[float]]:
     """``lit-grpo fit --config configs/quickstart.yaml`` with the vllm backend on a 2-head tiny model."""
+    return run_fit(tmp_path, quickstart_command(tmp_path, *overrides, config=config))
+
+
+def quickstart_command(tmp_path: Path, *overrides: str, config: dict | None = None) -> list[str]:
+    """The command of :func:`fit_quickstart`, with the tiny model and the configs it reads written to ``tmp_path``."""
     build_tiny_model(tmp_path / "tiny-model", num_attention_heads=2)  # `lit-grpo init-tiny DIR --num-heads 2`, in this process
     quickstart = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
     quickstart["data"]["data_files"] = str(REPO / quickstart["data"]["data_files"])
@@ -607,6 +632,11 @@ def fit_quickstart(tmp_path: Path, *overrides: str, config: dict | None = None) 
     if config is not None:
         (tmp_path / "extra.yaml").write_text(yaml.safe_dump(config))
         command[4:4] = ["--config", "extra.yaml"]
+    return command
+
+
+def run_fit(tmp_path: Path, command: list[str]) -> dict[str, list[float]]:
+    """Run ``command`` (one thread per process) in ``tmp_path``; the scalars it logged."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
@@ -623,10 +653,23 @@ def assert_engine_had_the_trained_weights(logged: dict[str, list[float]], steps:
     assert len(logged["time/generate"]) == steps
 
 
-def test_quickstart_learns_with_the_vllm_backend(tmp_path):
+@pytest.fixture(scope="module")
+def one_process_fits(tmp_path_factory) -> dict:
+    """The two one-process fits below, started side by side (each runs one thread: two cores take both
+    in the time of the longer); each test waits for its own."""
+    commands = {}
+    for name, overrides in (("learns", ("--trainer.max_steps", "60")),
+                            ("one_step_off", ("--trainer.max_steps", "6", "--model.max_staleness", "1"))):
+        run_dir = tmp_path_factory.mktemp(name)
+        commands[name] = (run_dir, quickstart_command(run_dir, *overrides))  # in this thread: torch's random state
+    with ThreadPoolExecutor(len(commands)) as fits:
+        yield {name: fits.submit(run_fit, run_dir, command) for name, (run_dir, command) in commands.items()}
+
+
+def test_quickstart_learns_with_the_vllm_backend(one_process_fits):
     """The quickstart as shipped, with ``--model.generation_backend vllm``: the reward rises as with
     the other backends (0.02 -> 0.25 in 60 steps for all three: bench/backends.py)."""
-    logged = fit_quickstart(tmp_path, "--trainer.max_steps", "60")
+    logged = one_process_fits["learns"].result()
     rewards = logged["reward"]
     assert len(rewards) == 60 and all(math.isfinite(value) for value in logged["loss"])
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
@@ -634,12 +677,12 @@ def test_quickstart_learns_with_the_vllm_backend(tmp_path):
     assert_engine_had_the_trained_weights(logged, 60)
 
 
-def test_one_step_off_with_the_colocated_engine_trains_on_its_older_samples(tmp_path):
+def test_one_step_off_with_the_colocated_engine_trains_on_its_older_samples(one_process_fits):
     """``model.max_staleness: 1`` with the in-process engine (lit_grpo.rollout.async_pipeline): each step samples its
     batch, then trains on the previous step's, one optimizer step stale; the engine's log-probs are those
     of the weights that sampled (equal to the trainer's before the first step, apart after: the
     importance-sampling correction reweights them)."""
-    logged = fit_quickstart(tmp_path, "--trainer.max_steps", "6", "--model.max_staleness", "1")
+    logged = one_process_fits["one_step_off"].result()
     assert logged["async/staleness_max"] == [0.0] + [1.0] * 5
     differences = logged["sampling/sampling_logp_difference/max"]
     assert differences[0] < LOGPROB_ATOL and min(differences[1:]) > LOGPROB_ATOL, differences
