@@ -186,6 +186,9 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
         "test_validation_metrics_reduce_over_ranks_like_one_process",
         "test_a_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message",
     ),
+    "tests/train/test_fused_head_logprobs.py": (
+        "test_fsdp2_sharded_head_gives_the_full_logits_values",
+    ),
     "tests/train/test_validation_ranks.py": (
         "test_an_evaluation_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message",
     ),
@@ -275,6 +278,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     ),
     "tests/train/test_fused_head_logprobs.py": (
         "test_training_steps_are_the_same_with_the_fused_head",
+        "test_fsdp2_sharded_head_gives_the_full_logits_values",
     ),
     "tests/train/test_module.py": (
         "test_seeded_quickstart_task_learns",

@@ -201,3 +201,49 @@ def test_training_steps_are_the_same_with_the_fused_head(tiny_model_dir, say_a_o
         torch.testing.assert_close(torch.tensor(fused[name]), torch.tensor(full[name]), atol=1e-5, rtol=1e-4)
     assert (weights != 0).any()
     torch.testing.assert_close(fused_weights, weights, atol=1e-5, rtol=1e-4)
+
+
+def fsdp2_worker(rank: int, init_file: str, model_dir: str, results: str) -> None:
+    """One of two FSDP2 ranks: log-probs and the full gradients of the sharded policy, from the fused
+    head in tiles of 3 tokens and from the model's logits, each rank on its own rows."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lit_grpo.distributed import shard_model
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    module = GRPOModule(model_dir, rewards=REWARDS, num_generations=4, max_completion_length=9)
+    module.configure_model()
+    shard_model(module.policy, init_device_mesh("cpu", (2,)))
+    lit_grpo.algorithm.fused_lm_head.LOGITS_TILE_BYTES = TILE_TOKENS * 4 * module.policy.config.vocab_size
+    rollout = hand_made_rollout(module.tokenizer, [9, 3, 5, 1, 2, 9][rank::2] * 2, order=[0, 1, 2, rank, 2, 1])
+
+    def logps_and_gradients():
+        module.policy.zero_grad()
+        logps, _ = module.logprobs.completion_logps(module.policy, rollout, with_entropy=True)
+        (logps * rollout.completion_mask[:, : logps.size(1)]).sum().backward()
+        return logps.detach(), [p.grad.full_tensor() for p in module.policy.parameters()]
+
+    tokens = logits_tokens(module.policy)
+    fused = logps_and_gradients()
+    fused_tokens = max(tokens)
+    lit_grpo.models.output_head = lambda model: "a head not known to be linear"
+    full = logps_and_gradients()
+    torch.save({"fused": fused, "full": full, "most tokens with logits": (fused_tokens, max(tokens))}, f"{results}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_fsdp2_sharded_head_gives_the_full_logits_values(tiny_model_dir, tmp_path):
+    """Two FSDP2 ranks (the head in the root unit, gathered by the model's own forward): the fused
+    head's log-probs and the reduce-scattered gradients equal those from the model's logits."""
+    torch.multiprocessing.spawn(
+        fsdp2_worker, args=(str(tmp_path / "init"), str(tiny_model_dir), str(tmp_path / "results")), nprocs=2
+    )
+    for rank in range(2):
+        results = torch.load(tmp_path / f"results.{rank}")
+        fused_tokens, full_tokens = results["most tokens with logits"]
+        assert fused_tokens <= TILE_TOKENS < full_tokens  # the fused head ran
+        close(results["fused"][0], results["full"][0])
+        for fused, full in zip(results["fused"][1], results["full"][1]):
+            close(fused, full, atol=1e-5)
