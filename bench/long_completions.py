@@ -304,7 +304,10 @@ def run_lengths(args, shape: BodyShape, model_dir: str, labels: dict[str, str | 
                 row["runs"][label] = kept[length, label]
                 measured[label][length] = row["runs"][label]["peak_rss_gib"]
                 continue
-            base, per_token = first_guess(shape, args.num_generations, 0 if label == FLOOR else 2)
+            if args.no_new_runs:
+                row["runs"][label] = {"skipped": "not measured (--no-new-runs: only the kept runs)"}
+                continue
+            base, per_token = first_guess(shape, args.num_generations, 0 if label == FLOOR else args.first_guess_logits)
             estimate = estimate_peak_gib(measured[label], length, base, per_token)
             reason = skip_reason(estimate, args.max_gib, args.reserve_gib)
             if reason is not None:
@@ -405,8 +408,9 @@ def markdown_report(args, shape: BodyShape, labels: list[str], rows: list[dict],
         results_table(rows, labels),
         "",
     ]
+    notes += [f"- {note}" for note in args.note]
     if notes:
-        out += ["Not run (each process's peak is estimated first, from the rows before it):", "", *notes, ""]
+        out += ["Notes (each process's peak is estimated first, from the rows before it, and a run over the cap is not started):", "", *notes, ""]
     kept = sorted({(label, run["kept_from"]) for row in rows for label, run in row["runs"].items() if "kept_from" in run})
     if kept:
         out += ["Kept from earlier runs of this script on this machine (`--keep-measured`): "
@@ -437,7 +441,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--no-trl", action="store_true", help="leave TRL out")
     parser.add_argument("--no-floor", action="store_true", help="leave the floor out")
+    parser.add_argument("--no-new-runs", action="store_true", help="start no run: the table of the --keep-measured runs")
+    parser.add_argument("--note", action="append", default=[], help="a sentence for the report's notes (repeatable)")
     parser.add_argument("--max-gib", type=float, default=12.0, help="never start a process estimated above this")
+    parser.add_argument(
+        "--first-guess-logits", type=int, default=2,
+        help="float32 logits per token a trainer's first estimate counts (2: the logits and their log-softmax; "
+        "0 where the trainers are known to use a fused LM head); later estimates follow the measured rows",
+    )
     parser.add_argument("--reserve-gib", type=float, default=2.0, help="memory left to other processes")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's)")

@@ -120,3 +120,16 @@ def test_measured_runs_of_earlier_results_are_kept_not_run_again(tmp_path, monke
     assert rows[0]["runs"]["floor"]["peak_rss_gib"] == 2.0
     assert "trl from `earlier.json`" in bench.markdown_report(args, bench.BodyShape(), ["trl", "floor"], rows, {
         "cpu": "a CPU", "cores": 2, "load_average": (0.0, 0.0, 0.0), "versions": {}}, "python -m bench.long_completions")
+
+
+def test_no_new_runs_starts_no_process_and_says_so(monkeypatch):
+    monkeypatch.setattr(bench, "measure_one", lambda *a: pytest.fail("a run was started"))
+    args = bench.parse_args(["--lengths", "2048", "--no-new-runs", "--note", "2,048 tokens took 25 min here"])
+
+    rows = bench.run_lengths(args, bench.BodyShape(), "model", {"trl": None})
+
+    assert rows[0]["runs"]["trl"] == {"skipped": "not measured (--no-new-runs: only the kept runs)"}
+    assert bench.results_table(rows, ["trl"]).splitlines()[2] == "| 2,048 | skipped |"
+    report = bench.markdown_report(args, bench.BodyShape(), ["trl"], rows, {
+        "cpu": "a CPU", "cores": 2, "load_average": (0.0, 0.0, 0.0), "versions": {}}, "python -m bench.long_completions")
+    assert "- 2,048 tokens took 25 min here" in report
