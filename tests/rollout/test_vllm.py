@@ -87,6 +87,9 @@ def shared_colocated_engine(request, tmp_path_factory) -> dict:
         rng_before = (torch.get_rng_state(), __import__("random").getstate())
         llm = build_engine(path, dtype="float32", seed=0, max_model_len=256, num_threads=torch.get_num_threads())
         rng_after = (torch.get_rng_state(), __import__("random").getstate())
+        # vLLM's engine freezes vllm.envs for the rest of the process (as a server owns its own); the tests after it
+        # here set VLLM_* variables (monkeypatch), as its shutdown would let them: read them afresh again
+        vllm.envs.disable_envs_cache()
         PROCESS_ENGINE.update(path=path, base=base, tokenizer=tokenizer, llm=llm, rng=(rng_before, rng_after))
         request.session.addfinalizer(shut_down_the_process_engine)
     return PROCESS_ENGINE
