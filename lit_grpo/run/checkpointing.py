@@ -436,10 +436,11 @@ def default_checkpointing_of(trainer: pl.Trainer) -> list[Callback]:
 
 
 def _is_lightning_default(checkpoint: ModelCheckpoint) -> bool:
-    """The ``ModelCheckpoint()`` Lightning adds when a Trainer is given none."""
-    return (checkpoint.dirpath is None and checkpoint.filename is None and checkpoint.monitor is None
-            and not checkpoint.save_last and checkpoint._every_n_train_steps == 0
-            and checkpoint._train_time_interval is None and checkpoint.save_top_k == 1)
+    """The ``ModelCheckpoint()`` Lightning adds when a Trainer is given none. Its intervals are private
+    attributes; ``state_key`` (public: the identity Lightning saves a callback's state under) holds them, with
+    the monitor and its mode."""
+    return (checkpoint.dirpath is None and checkpoint.filename is None and not checkpoint.save_last
+            and checkpoint.save_top_k == 1 and checkpoint.state_key == ModelCheckpoint().state_key)
 
 
 def check_python_rewards(saved: dict[str, str], current: list[str]) -> None:

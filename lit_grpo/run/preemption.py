@@ -80,6 +80,8 @@ def save_checkpoint_now(trainer: pl.Trainer, keeper: ModelCheckpoint) -> str:
     # Not already saved at this step; or no checkpoint yet at step 0, where the steps of the asynchronous
     # pipeline's fill (lit_grpo.rollout.async_pipeline) took and sampled batches without an optimizer step.
     no_checkpoint_yet = trainer.global_step == 0 and not keeper.last_model_path and not trainer.sanity_checking
+    # private: Lightning 2.6 has no public "save now as at your own step" (trainer.save_checkpoint leaves the
+    # callback's last_model_path, top-k and version counter behind); test_preemption fails if they are renamed
     if not keeper._should_skip_saving_checkpoint(trainer) or no_checkpoint_yet:
         candidates = keeper._monitor_candidates(trainer)
         if keeper.monitor is None or keeper.monitor in candidates:
@@ -122,7 +124,8 @@ class CheckpointEveryNMinutes(Checkpoint):
         keeper = last_checkpoint_keeper(trainer)
         if keeper is None:
             return
-        if keeper._last_global_step_saved == trainer.global_step:  # it saved at this step, by its own interval
+        # it saved at this step, by its own interval (private: no public record of the step; see save_checkpoint_now)
+        if keeper._last_global_step_saved == trainer.global_step:
             self._last_saved_at = monotonic()
             return
         (due,) = _any_rank(trainer, [monotonic() - self._last_saved_at >= 60 * self.minutes])

@@ -250,6 +250,27 @@ def test_a_plain_trainer_gets_both_callbacks_with_checkpointing_on_and_none_with
     assert kinds == ["ModelCheckpoint", "CheckpointEveryNMinutes", "CheckpointOnSignal"]
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     assert default_checkpointing_of(trainer) == []
+    # a ModelCheckpoint of the user's own is kept, even one that differs from Lightning's only in its interval
+    for own in (ModelCheckpoint(every_n_epochs=2), ModelCheckpoint(every_n_train_steps=7), ModelCheckpoint(monitor="x")):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path, callbacks=[own])
+        kinds = [type(callback).__name__ for callback in default_checkpointing_of(trainer)]
+        assert kinds == ["CheckpointEveryNMinutes", "CheckpointOnSignal"], own.state_key
+
+
+def test_the_private_steps_of_model_checkpoint_that_a_checkpoint_now_takes_still_exist():
+    """save_checkpoint_now and CheckpointEveryNMinutes take ModelCheckpoint's own steps, which Lightning 2.6 keeps
+    private (it has no public "save now as at your own step"): a Lightning that renames or changes them fails
+    here, naming the member, rather than in the middle of a run that is being preempted."""
+    import inspect
+
+    keeper = ModelCheckpoint(save_last=True)
+    steps = {"_should_skip_saving_checkpoint": ["trainer"], "_monitor_candidates": ["trainer"],
+             "_save_topk_checkpoint": ["trainer", "monitor_candidates"],
+             "_save_last_checkpoint": ["trainer", "monitor_candidates"]}
+    for name, parameters in steps.items():
+        assert callable(getattr(keeper, name, None)), f"ModelCheckpoint.{name} is gone"
+        assert list(inspect.signature(getattr(keeper, name)).parameters) == parameters, name
+    assert keeper._last_global_step_saved == 0, "ModelCheckpoint._last_global_step_saved is gone"
 
 
 # ----------------------------------------------------------------------------------------------
