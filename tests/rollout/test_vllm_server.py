@@ -2,15 +2,15 @@
 
 Servers are started by the tests (``lit-grpo serve`` on a free loopback port, vLLM's CPU build, one
 thread each, asking for an API key that the trainers here send) and always stopped (their whole
-process group). One server serves most tests; a second
-one the two-server run and the server killed mid-run. Like tests/rollout/test_vllm.py these run in the
-environment of the README's vLLM block and fail, rather than skip, without vLLM there when
+process group). One server serves most tests; a second one the two-server run, the server killed
+mid-run, and the learning run one step off (beside the other). Like tests/rollout/test_vllm.py these
+run in the environment of the README's vLLM block and fail, rather than skip, without vLLM there when
 ``LIT_GRPO_REQUIRE_VLLM=1``.
 
 What is checked: the server samples what the colocated engine samples for the same seeds and
-weights (a colocated engine in a subprocess: one vLLM engine per process); pushed weights, LoRA
-merged, reach it, each completion labelled with the weights' version; ``lit-grpo fit`` learns through
-it with one training process and with two (one server, two servers); a server killed mid-run stops
+weights (this process's colocated engine, shared with tests/rollout/test_vllm.py: one per process);
+pushed weights, LoRA merged, reach it, each completion labelled with the weights' version; ``lit-grpo fit``
+learns through it with one training process and with two (one server, two servers); a server killed mid-run stops
 the run with a checkpoint and one line, and a restarted server and ``--ckpt_path last`` give the run
 an uninterrupted one gives; an address where no server answers is one line naming it. Issue 50: the
 server listens on 127.0.0.1 and refuses every endpoint without its key; the weight transfer's
@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,7 @@ from test_vllm import (  # noqa: E402
     perturbed_model,
     prompt_ids,
     scalars,
+    shared_colocated_engine,
     train_a_little,
     with_an_adapter,
 )
@@ -64,7 +66,9 @@ from transformers import AutoTokenizer, GenerationConfig  # noqa: E402
 
 from vllm_server_fake import COMPLETION, FakeVLLMServer  # noqa: E402
 
+from lit_grpo.rollout.engines.policy_weights import hf_named_weights  # noqa: E402
 from lit_grpo.rollout.engines.server_lost import GenerationFailed, GenerationServerLost  # noqa: E402
+from lit_grpo.rollout.engines.vllm_colocated import push_weights, sample  # noqa: E402
 from lit_grpo.rollout.engines.vllm_sampling import sampling_requests  # noqa: E402
 from lit_grpo.rollout.engines.vllm_server import VLLMServerEngine  # noqa: E402
 from lit_grpo.rollout.engines.vllm_server_api import MAX_CONCURRENT_REQUESTS, ServerFleet  # noqa: E402
@@ -108,12 +112,19 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "Server":
+        return self.launch().wait_until_up()
+
+    def launch(self) -> "Server":
+        """Start the process, without waiting for it to answer (:meth:`wait_until_up`)."""
         command = [LIT_GRPO, "serve", str(self.model), "--port", str(self.port), "--dtype", "float32"]  # on 127.0.0.1
         with open(self.log, "a") as log:
             # in the log's directory: not in the checkout, whose lit_grpo.egg-info (when one is there) would hide
             # the installed lit-grpo's vLLM plugin from vLLM's processes
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=QUIET, cwd=self.log.parent,
                                             start_new_session=True)
+        return self
+
+    def wait_until_up(self) -> "Server":
         import requests
 
         deadline = time.monotonic() + 300
@@ -145,20 +156,29 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
-def started_server(request, tmp_path_factory, model_dir: Path, name: str) -> Server:
-    server = Server(model_dir, free_port(), tmp_path_factory.mktemp(name) / "server.log")
-    request.addfinalizer(server.stop)
-    return server.start()
+@pytest.fixture(scope="module")
+def launched_servers(request, tmp_path_factory, model_dir) -> dict[str, Server]:
+    """This module's two servers, launched together when the first is needed: each starts on one thread,
+    so side by side they take the time of one; :func:`server` and :func:`second_server` wait for theirs."""
+    servers: dict[str, Server] = {}
+    for name in ("server", "second-server"):
+        port = free_port()
+        while any(other.port == port for other in servers.values()):
+            port = free_port()
+        servers[name] = Server(model_dir, port, tmp_path_factory.mktemp(name) / "server.log")
+        request.addfinalizer(servers[name].stop)
+        servers[name].launch()
+    return servers
 
 
 @pytest.fixture(scope="module")
-def server(request, tmp_path_factory, model_dir) -> Server:
-    return started_server(request, tmp_path_factory, model_dir, "server")
+def server(launched_servers) -> Server:
+    return launched_servers["server"].wait_until_up()
 
 
 @pytest.fixture(scope="module")
-def second_server(request, tmp_path_factory, model_dir) -> Server:
-    return started_server(request, tmp_path_factory, model_dir, "second-server")
+def second_server(launched_servers) -> Server:
+    return launched_servers["second-server"].wait_until_up()
 
 
 @pytest.fixture(scope="module")
@@ -174,40 +194,30 @@ def engine(server):
 # The server samples as the colocated engine does; pushed weights reach it
 # ----------------------------------------------------------------------------------------------
 
-COLOCATED_SCRIPT = """
-import json, os
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from lit_grpo.rollout.engines.vllm_colocated import build_engine, sample
-llm = build_engine({model!r}, dtype="float32", max_model_len=256)
-prompts, stop = {prompts!r}, {stop!r}
-greedy = sample(llm, prompts, 2, temperature=0.0, max_tokens={max_new}, stop_token_ids=stop)
-sampled = sample(llm, prompts, 4, temperature=0.7, max_tokens={max_new}, stop_token_ids=stop, seed=11)
-print(json.dumps(dict(greedy=greedy.completion_ids, sampled=sampled.completion_ids, logprobs=sampled.logprobs)))
-"""
-
-
 @pytest.fixture(scope="module")
-def perturbed(model_dir, tmp_path_factory):
-    """The tiny model with noise added (varied greedy paths), saved for the colocated engine."""
-    model = perturbed_model(model_dir)
-    path = tmp_path_factory.mktemp("perturbed")
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(path)
-    return model, path
+def perturbed(model_dir):
+    """The tiny model with noise added (varied greedy paths): the weights test_vllm.py's engine starts from."""
+    return perturbed_model(model_dir)
 
 
 def server_sample(engine, ids, G, **settings):
     return engine.sample(sampling_requests(ids, G, **settings))
 
 
-def test_the_server_samples_what_the_colocated_engine_samples(engine, server, perturbed, model_dir):
-    model, path = perturbed
+def colocated_samples(llm, model, ids: list[list[int]], stop: list[int]) -> dict[str, list]:
+    """The colocated engine ``llm`` with ``model``'s weights: greedy (G = 2) and sampled (G = 4, seed 11)."""
+    push_weights(llm, hf_named_weights(model))
+    greedy = sample(llm, ids, 2, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=stop)
+    sampled = sample(llm, ids, 4, temperature=0.7, max_tokens=MAX_NEW, stop_token_ids=stop, seed=11)
+    return dict(greedy=greedy.completion_ids, sampled=sampled.completion_ids, logprobs=sampled.logprobs)
+
+
+def test_the_server_samples_what_the_colocated_engine_samples(request, tmp_path_factory, engine, server, perturbed,
+                                                               model_dir):
+    model = perturbed
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids, stop = prompt_ids(tokenizer), [tokenizer.eos_token_id]
-    script = COLOCATED_SCRIPT.format(model=str(path), prompts=ids, stop=stop, max_new=MAX_NEW)
-    colocated = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=QUIET)
-    assert colocated.returncode == 0, colocated.stderr[-3000:]
-    colocated = json.loads(colocated.stdout.strip().splitlines()[-1])
+    colocated = colocated_samples(shared_colocated_engine(request, tmp_path_factory)["llm"], model, ids, stop)
 
     assert engine.sync_weights(model, version=1) > 0  # the server started from other weights
     greedy = server_sample(engine, ids, 2, temperature=0.0, max_tokens=MAX_NEW, stop_token_ids=stop)
@@ -227,7 +237,7 @@ def test_the_server_samples_what_the_colocated_engine_samples(engine, server, pe
 
 
 def test_pushed_weights_reach_the_server_after_each_step_lora_merged(engine, perturbed, model_dir):
-    model, _ = perturbed
+    model = perturbed
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids, config = prompt_ids(tokenizer), generation_config(tokenizer)
     greedy = lambda: server_sample(engine, ids, 1, temperature=0.0, max_tokens=MAX_NEW,  # noqa: E731
@@ -254,7 +264,7 @@ def test_pushed_weights_reach_the_server_after_each_step_lora_merged(engine, per
 def test_generate_draws_its_seed_from_the_checkpointed_generator(engine, perturbed, model_dir):
     """A rollout of the engine: the same torch state gives the same completions (a resumed run's),
     the rows carry the version and the engine's log-probs."""
-    model, _ = perturbed
+    model = perturbed
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine.sync_weights(model, version=4)
     encoded = tokenizer(PROMPTS[:3], return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
@@ -315,11 +325,28 @@ def fit(run_dir: Path, model: Path, urls: list[str], *overrides: str, config: di
     return result
 
 
-def test_quickstart_learns_through_a_server(tmp_path, server, model_dir):
+def learning_run(run_dir: Path, model: Path, url: str, *overrides: str) -> dict[str, list[float]]:
+    """:func:`fit` through the server at ``url``; the scalars the run logged."""
+    fit(run_dir, model, [url], *overrides)
+    return scalars(run_dir / "runs" / "quickstart" / "version_0")
+
+
+@pytest.fixture(scope="module")
+def learning_runs(tmp_path_factory, server, second_server, model_dir) -> dict:
+    """The two runs below that learn, side by side, each on a server of its own (a server holds one run's
+    weights): the quickstart (60 steps) and one step off (40 steps), both finished here, before a test stops
+    the second server. Each test takes its own run's scalars (or failure) with ``.result()``."""
+    runs = {"synchronous": (server, ("--trainer.max_steps", "60")),
+            "one_step_off": (second_server, ("--trainer.max_steps", "40", "--model.max_staleness", "1"))}
+    with ThreadPoolExecutor(len(runs)) as fits:
+        return {name: fits.submit(learning_run, tmp_path_factory.mktemp(name), model_dir, each.url, *overrides)
+                for name, (each, overrides) in runs.items()}
+
+
+def test_quickstart_learns_through_a_server(learning_runs):
     """The quickstart as the colocated backend's test runs it (tests/rollout/test_vllm.py), sampled on a server:
     the reward rises as it does there, and the server had each step's weights."""
-    fit(tmp_path, model_dir, [server.url], "--trainer.max_steps", "60")
-    logged = scalars(tmp_path / "runs" / "quickstart" / "version_0")
+    logged = learning_runs["synchronous"].result()
     rewards = logged["reward"]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.1, f"reward went from {first:.3f} to {last:.3f}"
@@ -378,14 +405,13 @@ def test_two_processes_on_one_and_two_servers_and_a_server_killed_mid_run_resume
     assert sum(served) == 2 * 4 * 3 and min(served) > 0  # steps 2-4, spread over both servers
 
 
-def test_one_step_off_samples_on_the_server_while_the_trainer_trains(tmp_path, server, model_dir):
+def test_one_step_off_samples_on_the_server_while_the_trainer_trains(learning_runs):
     """``model.max_staleness: 1`` through a server (lit_grpo.rollout.async_pipeline): each batch is sampled in the
     background, with the weights pushed just before, while the trainer trains on the previous one. Every
     trained batch is one optimizer step stale by the server's own labels (the first: sampled before any
     step), the server's log-probs are those older weights' (the correction reweights them), and the
     quickstart's reward rises as in the synchronous run through a server."""
-    fit(tmp_path, model_dir, [server.url], "--trainer.max_steps", "40", "--model.max_staleness", "1")
-    logged = scalars(tmp_path / "runs" / "quickstart" / "version_0")
+    logged = learning_runs["one_step_off"].result()
     assert logged["async/staleness_max"] == [0.0] + [1.0] * 39
     differences = logged["sampling/sampling_logp_difference/max"]
     assert differences[0] < LOGPROB_ATOL and min(differences[1:]) > LOGPROB_ATOL
