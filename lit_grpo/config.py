@@ -17,12 +17,20 @@ and jsonargparse leaves it alone.
 from __future__ import annotations
 
 from jsonargparse.typing import register_type
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_grpo import algorithm
 from lit_grpo.algorithm.sampling_correction import SAMPLING_CORRECTION_SETTINGS, correction_settings
 from lit_grpo.errors import ConfigError
 
-__all__ = ["AsWritten", "check_batch_sizes", "check_reference_sync", "check_settings", "check_trl_options"]
+__all__ = [
+    "AsWritten",
+    "check_batch_sizes",
+    "check_reference_sync",
+    "check_settings",
+    "check_trl_options",
+    "warn_trl_loss_settings",
+]
 
 
 class AsWritten:
@@ -141,15 +149,36 @@ def check_trl_options(hp) -> None:
     low, high = hp.get("entropy_coef_min"), hp.get("entropy_coef_max")
     if low is not None and high is not None and not low <= high:
         raise ConfigError(f"model.entropy_coef_min ({low}) must not be above model.entropy_coef_max ({high})")
-    if hp.get("loss_type") == "vespo" and hp.get("generation_backend") in ("vllm", "vllm_server") and hp.get(
-        "vllm_importance_sampling_correction"
-    ):
-        mode = correction_settings(hp.vllm_importance_sampling_mode, None, None, hp.get("max_staleness") or 0).mode
+    # the correction's weights reach the loss from a vLLM engine, and with staleness on every backend
+    # (the async pipeline weighs stale samples by them and refuses the correction off)
+    staleness = hp.get("max_staleness") or 0
+    corrected = hp.get("vllm_importance_sampling_correction") and (
+        hp.get("generation_backend") in ("vllm", "vllm_server") or staleness > 0
+    )
+    if hp.get("loss_type") == "vespo" and corrected:
+        mode = correction_settings(hp.vllm_importance_sampling_mode, None, None, staleness).mode
         if not mode.startswith("token"):
             raise ConfigError(
-                "model.loss_type vespo folds the engine's importance weights into its sequence weight token by token: "
+                "model.loss_type vespo folds the correction's weights into its sequence weight token by token: "
                 f"model.vllm_importance_sampling_mode must be token_truncate or token_mask (as in TRL), got {mode!r}"
             )
+    warn_trl_loss_settings(hp)
+
+
+def warn_trl_loss_settings(hp) -> None:
+    """TRL 1.16's warnings (``GRPOTrainer.__init__``) for an ``importance_sampling_level`` that is not the
+    one luspo's or vespo's paper uses: the run goes on."""
+    loss_type, level = hp.get("loss_type"), hp.get("importance_sampling_level", "token")
+    if loss_type == "luspo" and level != "sequence":
+        rank_zero_warn(
+            "When using 'luspo' loss, model.importance_sampling_level should be set to 'sequence' to mirror the "
+            "paper's setup."
+        )
+    if loss_type == "vespo" and level != "token":
+        rank_zero_warn(
+            "VESPO computes sequence-level importance weights internally. model.importance_sampling_level should be "
+            "set to 'token' (the default)."
+        )
 
 
 def check_vllm_settings(hp) -> None:

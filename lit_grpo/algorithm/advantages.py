@@ -102,6 +102,16 @@ def unscaled(grouped: GroupedRewards) -> torch.Tensor:
     return grouped.centered
 
 
+def _all_equal(grouped: torch.Tensor) -> torch.Tensor:
+    """``[B, G, ...] -> [B, 1, ...]`` bool: the non-NaN values of each group (dim 1) are all equal (also
+    where there is at most one). Detected exactly (max <= min), not through a float std that may be an
+    ulp off 0 (six rewards of 0.3 in float32), so such a group gets advantage exactly 0."""
+    valid = ~torch.isnan(grouped)
+    highest = torch.where(valid, grouped, -torch.inf).amax(dim=1, keepdim=True)
+    lowest = torch.where(valid, grouped, torch.inf).amin(dim=1, keepdim=True)
+    return highest <= lowest
+
+
 def group_advantages(
     rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
 ) -> GroupAdvantages:
@@ -120,14 +130,9 @@ def group_advantages(
     if rewards.numel() % num_generations != 0:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {num_generations}")
     grouped = rewards.view(-1, num_generations)  # [B, G]
-    valid = ~torch.isnan(grouped)
     mean = grouped.nanmean(dim=1, keepdim=True)  # [B, 1], NaN for a group with no reward at all
     mean = torch.nan_to_num(mean, nan=0.0)
-    # Equal rewards are detected exactly (max == min), not through a float mean that may be off by
-    # an ulp (six rewards of 0.3 in float32), so such a group gets advantage exactly 0.
-    highest = torch.where(valid, grouped, -torch.inf).amax(dim=1, keepdim=True)  # [B, 1]
-    lowest = torch.where(valid, grouped, torch.inf).amin(dim=1, keepdim=True)  # [B, 1]
-    all_equal = highest <= lowest  # [B, 1], also True for a group with at most one valid reward
+    all_equal = _all_equal(grouped)  # [B, 1], also True for a group with at most one valid reward
     std = torch.where(all_equal, 0.0, _nanstd(grouped, dim=1).unsqueeze(1))  # [B, 1]
     zero_std = torch.isclose(std, torch.zeros_like(std)).expand_as(grouped)  # [B, G]
 
@@ -146,8 +151,8 @@ def group_advantages(
 # Several rewards: summed then normalised (GRPO), or each normalised then summed (GDPO)
 # ----------------------------------------------------------------------------------------------
 
-# (rewards_per_func [N, K] NaN for None, weights [K], num_generations, scale_rewards) -> GroupAdvantages
-RewardAggregation = Callable[[torch.Tensor, torch.Tensor, int, str], GroupAdvantages]
+# (rewards_per_func [N, K] NaN for None, weights [K], num_generations, scale_rewards, eps) -> GroupAdvantages
+RewardAggregation = Callable[[torch.Tensor, torch.Tensor, int, str, float], GroupAdvantages]
 
 MULTI_OBJECTIVE_AGGREGATIONS: dict[str, RewardAggregation] = {}
 
@@ -165,33 +170,45 @@ def register_multi_objective_aggregation(name: str) -> Callable[[RewardAggregati
 
 @register_multi_objective_aggregation("sum_then_normalize")
 def sum_then_normalize(
-    rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int, scale_rewards: str = "group"
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int, scale_rewards: str = "group",
+    eps: float = 1e-4,
 ) -> GroupAdvantages:
     """GRPO's (TRL's default): the weighted sum of the rewards (:func:`combine_rewards`), then group
     advantages by ``scale_rewards`` (:func:`group_advantages`)."""
-    return group_advantages(combine_rewards(rewards_per_func, weights), num_generations, scale_rewards)
+    return group_advantages(combine_rewards(rewards_per_func, weights), num_generations, scale_rewards, eps)
 
 
 @register_multi_objective_aggregation("normalize_then_sum")
 def normalize_then_sum(
-    rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int, scale_rewards: str = "group",
+    eps: float = 1e-4,
 ) -> GroupAdvantages:
     """GDPO (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for
     Multi-reward RL"), as TRL 1.16's ``multi_objective_aggregation="normalize_then_sum"``:
 
     1. each reward ``k`` normalised within its group, ``z_ik = (r_ik - mean_g(r_k)) / (std_g(r_k) + eps)``
-       (NaN rewards left out of the statistics and staying NaN; a reward equal over its group gives 0);
+       (NaN rewards left out of the statistics and staying NaN);
     2. ``s_i = nansum_k w_k * z_ik``, NaN where every reward of the completion is None;
     3. ``A_i = (s_i - mean(s)) / (std(s) + eps)`` over the whole batch, ``scale_rewards`` unused
        (as in TRL); a completion with no reward gets 0.
 
-    A reward that varies widely no longer drowns another's signal in the sum. Each ``z_k`` sums to 0
-    over its group's rewards, so ``mean(s)`` is 0 and a group whose rewards are all equal gets
-    advantage 0, as under GRPO; the division is by the batch's std. Stds are Bessel-corrected;
-    a std of fewer than two values counts as 0 (TRL: NaN, then 0 after its ``nansum``: the same).
-    ``zero_std`` marks groups in which every reward is equal (no reward tells their completions
-    apart: dynamic sampling's test); ``group_mean`` / ``group_std`` are the batch's mean and std of
-    ``s`` (TRL's ``reward_std`` for this aggregation).
+    A reward that varies widely no longer drowns another's signal in the sum. Stds are
+    Bessel-corrected; a std of fewer than two values counts as 0 (TRL: NaN, then 0 after its
+    ``nansum``: the same).
+
+    Deviation from TRL: a reward equal over its group gets ``z = 0`` exactly (detected by max == min,
+    as :func:`group_advantages` does). TRL computes ``(r - mean) / (std + 1e-4)``, so the float error
+    of a mean of values such as six 0.3s (about 1e-8) survives, and step 3 divides it by a batch std
+    that may be as small: two groups of six rewards, 0.3 and 0.7 each constant, get advantages of
+    about +-0.58 under TRL and 0 here; one such group beside a varying one shifts every advantage by
+    about 2e-4. Equal with TRL up to that noise.
+
+    ``zero_std`` marks groups whose summed ``s`` is equal over the group (no learning signal: dynamic
+    sampling's test), also when the rewards differ but cancel (``r1 = [1, 0]``, ``r2 = [0, 1]``). It is
+    not TRL's ``frac_reward_zero_std``, which under GDPO is whether the *batch* std of ``s`` is 0.
+    ``group_mean`` / ``group_std`` are the batch's mean and std of ``s`` (TRL's ``std_rewards`` of this
+    branch divides by the latter), not the raw rewards' statistics: they are not TRL's logged
+    ``reward_std``, which is the std of the raw weighted sum under both aggregations.
     """
     N, K = rewards_per_func.shape
     if N % num_generations != 0:
@@ -199,21 +216,19 @@ def normalize_then_sum(
     grouped = rewards_per_func.view(-1, num_generations, K)  # [B, G, K]
     valid = ~torch.isnan(grouped)
     mean_k = torch.nan_to_num(grouped.nanmean(dim=1, keepdim=True), nan=0.0)  # [B, 1, K]
-    highest = torch.where(valid, grouped, -torch.inf).amax(dim=1, keepdim=True)  # [B, 1, K]
-    lowest = torch.where(valid, grouped, torch.inf).amin(dim=1, keepdim=True)
-    all_equal = highest <= lowest  # [B, 1, K]: one value or none counts as equal
+    all_equal = _all_equal(grouped)  # [B, 1, K]: one value or none counts as equal
     std_k = torch.where(all_equal, 0.0, _nanstd(grouped, dim=1).unsqueeze(1))  # [B, 1, K]
     normalized = torch.where(all_equal & valid, 0.0, (grouped - mean_k) / (std_k + eps))  # [B, G, K], NaN stays
     summed = combine_rewards(normalized.reshape(N, K), weights)  # [N], NaN where every reward is None
     batch_mean = torch.nan_to_num(summed.nanmean(), nan=0.0)
     batch_std = _nanstd(summed)
     advantages = torch.nan_to_num((summed - batch_mean) / (batch_std + eps), nan=0.0)  # [N]
-    group_equal = all_equal.all(dim=2).expand(-1, num_generations)  # [B, G]
+    summed_equal = _all_equal(summed.view(-1, num_generations)).expand(-1, num_generations)  # [B, G]
     return GroupAdvantages(
         advantages=advantages,
         group_mean=batch_mean.expand(N),
         group_std=batch_std.expand(N),
-        zero_std=group_equal.reshape(-1),
+        zero_std=summed_equal.reshape(-1),
     )
 
 
@@ -223,6 +238,7 @@ def multi_objective_advantages(
     num_generations: int,
     scale_rewards: str = "group",
     aggregation: str = "sum_then_normalize",
+    eps: float = 1e-4,
 ) -> GroupAdvantages:
     """Advantages of ``rewards_per_func [N, K]`` (NaN for None) with reward ``weights [K]`` by the
     ``model.multi_objective_aggregation`` named ``aggregation`` (a key of
@@ -231,4 +247,4 @@ def multi_objective_advantages(
         raise ValueError(
             f"multi_objective_aggregation must be one of {tuple(MULTI_OBJECTIVE_AGGREGATIONS)}, got {aggregation!r}"
         )
-    return MULTI_OBJECTIVE_AGGREGATIONS[aggregation](rewards_per_func, weights, num_generations, scale_rewards)
+    return MULTI_OBJECTIVE_AGGREGATIONS[aggregation](rewards_per_func, weights, num_generations, scale_rewards, eps)

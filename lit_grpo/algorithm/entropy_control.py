@@ -44,8 +44,11 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
     ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``; a ``-inf`` logit (a token outside the sampling
     support, e.g. top-k) has probability 0 and adds 0 to the value and to the gradient. Divide the
-    logits by the temperature (and apply the filters) first, as for the log-probs.
+    logits by the temperature (and apply the filters) first, as for the log-probs. Computed in float32
+    (as :func:`lit_grpo.algorithm.entropy_from_logits`): over a vocabulary of 150k, bfloat16 sums are
+    off by most of a nat; the result is float32, its gradient flows back in the logits' dtype.
     """
+    logits = logits.float()
     log_normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # [..., 1]
     probs = torch.exp(logits - log_normaliser)  # [..., V], 0 off the support
     finite_logits = torch.where(torch.isfinite(logits), logits, torch.zeros_like(logits))

@@ -59,8 +59,12 @@ class LossOptions:
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask; None: off
 
 
+DEFAULT_LOSS_OPTIONS = LossOptions()  # TRL 1.16's defaults
+
+
 # An objective that reads more than the ratio (``reads_inputs``): (inputs, settings, options) -> per-token
-# loss [n, T]. It gets ``inputs.sampling_weights`` and applies them itself (grpo_loss does not).
+# loss [n, T]. grpo_loss still multiplies its loss by ``inputs.sampling_weights`` unless the loss type
+# says the objective folds them in itself (``folds_sampling_weights``, as vespo does).
 InputsObjective = Callable[["LossInputs", LossSettings, LossOptions], torch.Tensor]
 
 
@@ -106,6 +110,7 @@ class LossType:
     accumulates_by_mean: bool = True
     rows_independent: bool = False  # the loss is a sum of per-row terms (normalisers from the masks only)
     reads_inputs: bool = False  # ``objective`` is an :data:`InputsObjective`
+    folds_sampling_weights: bool = False  # the objective applies ``sampling_weights`` itself: grpo_loss does not
 
 
 LOSS_TYPES: dict[str, LossType] = {}
@@ -117,11 +122,17 @@ def register_loss_type(
     accumulates_by_mean: bool = True,
     rows_independent: bool = False,
     reads_inputs: bool = False,
+    folds_sampling_weights: bool = False,
 ) -> Callable[[Aggregation], Aggregation]:
     """Register a ``loss_type`` by its aggregation (decorator), with its per-token objective.
     ``rows_independent``: say so only if the loss is a sum of per-row terms whose weights depend on
     the masks alone (then micro-batches may be trained in chunks of rows). ``reads_inputs``: the
-    objective is an :data:`InputsObjective` (it reads the whole :class:`LossInputs`)."""
+    objective is an :data:`InputsObjective` (it reads the whole :class:`LossInputs`).
+    ``folds_sampling_weights`` (with ``reads_inputs``): the objective applies the engine correction's
+    ``inputs.sampling_weights`` itself, so :func:`grpo_loss` does not multiply its loss by them;
+    otherwise it does, as for every other objective."""
+    if folds_sampling_weights and not reads_inputs:
+        raise ValueError(f"loss_type {name!r}: folds_sampling_weights needs reads_inputs (an InputsObjective)")
 
     def decorator(fn: Aggregation) -> Aggregation:
         LOSS_TYPES[name] = LossType(
@@ -130,6 +141,7 @@ def register_loss_type(
             accumulates_by_mean=accumulates_by_mean,
             rows_independent=rows_independent,
             reads_inputs=reads_inputs,
+            folds_sampling_weights=folds_sampling_weights,
         )
         return fn
 
@@ -199,9 +211,10 @@ def luspo_aggregation(per_token_loss, completion_mask, max_completion_length, nu
 # (sequence means), as in their papers and in TRL; VESPO like DAPO, as in TRL.
 LOSS_TYPES["cispo"] = LossType(dapo_aggregation, cispo_objective, accumulates_by_mean=False, rows_independent=True)
 LOSS_TYPES["sapo"] = LossType(grpo_aggregation, sapo_objective, accumulates_by_mean=True, rows_independent=True)
-register_loss_type("vespo", vespo_objective, accumulates_by_mean=False, rows_independent=True, reads_inputs=True)(
-    dapo_aggregation
-)
+register_loss_type(
+    "vespo", vespo_objective, accumulates_by_mean=False, rows_independent=True, reads_inputs=True,
+    folds_sampling_weights=True,
+)(dapo_aggregation)
 
 
 # Objectives whose per-token loss is the advantage times a finite factor, and aggregations that
@@ -293,7 +306,7 @@ class PolicyLossOutput:
 def policy_term(inputs: LossInputs, settings: LossSettings, options: LossOptions, ratio: torch.Tensor) -> torch.Tensor:
     """The per-token policy loss ``[n, T]`` (or ``[n, 1]``) of :func:`grpo_loss` before the KL term:
     the loss type's objective, times ``policy_mask``, DeepSeek-V3.2's off-policy sequence mask
-    (``options.off_policy_mask_threshold``) and ``sampling_weights`` (unless the objective took them)."""
+    (``options.off_policy_mask_threshold``) and ``sampling_weights`` (unless the objective folds them in)."""
     loss_type = LOSS_TYPES[settings.loss_type]
     if loss_type.reads_inputs:
         per_token_loss = loss_type.objective(inputs, settings, options)
@@ -307,18 +320,19 @@ def policy_term(inputs: LossInputs, settings: LossSettings, options: LossOptions
         per_token_loss = per_token_loss * keep
     if inputs.policy_mask is not None:
         per_token_loss = per_token_loss * inputs.policy_mask.to(per_token_loss.dtype)
-    if inputs.sampling_weights is not None and not loss_type.reads_inputs:
+    if inputs.sampling_weights is not None and not loss_type.folds_sampling_weights:
         per_token_loss = per_token_loss * inputs.sampling_weights
     return per_token_loss
 
 
-def grpo_loss(inputs: LossInputs, settings: LossSettings, options: LossOptions = LossOptions()) -> PolicyLossOutput:
+def grpo_loss(inputs: LossInputs, settings: LossSettings, options: LossOptions | None = None) -> PolicyLossOutput:
     """GRPO loss of one micro-batch.
 
     ``l[i, t] = objective(rho, A_i, logp)[i, t] * policy_mask[i, t] + beta * kl[i, t]``, aggregated
     by ``loss_type`` over ``completion_mask``; the objective is PPO's clipped surrogate
     ``-min(rho * A_i, clip(rho) * A_i)`` for grpo/bnpo/dr_grpo/dapo/luspo, CISPO's, SAPO's or
-    VESPO's for those (:func:`policy_term`, with ``options``' off-policy mask).
+    VESPO's for those (:func:`policy_term`, with ``options``' off-policy mask; None: TRL's defaults,
+    :data:`DEFAULT_LOSS_OPTIONS`).
 
     ``use_bias_correction_kl`` multiplies the per-token KL by the (unclipped, differentiable)
     importance ratio ``rho`` (DeepSeek-V3.2, arXiv:2512.02556; TRL 1.16's default), which makes its
@@ -328,6 +342,7 @@ def grpo_loss(inputs: LossInputs, settings: LossSettings, options: LossOptions =
     """
     if settings.loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {settings.loss_type!r}")
+    options = DEFAULT_LOSS_OPTIONS if options is None else options
     logps, mask = inputs.logps, inputs.completion_mask
     ratio = importance_ratio(logps, inputs.old_logps, mask, settings.importance_sampling_level)
     per_token_loss = policy_term(inputs, settings, options, ratio)

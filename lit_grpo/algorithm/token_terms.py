@@ -153,6 +153,13 @@ def vespo_gamma_weights(
 
     ``advantages [n]``, ``log_ratio [n, T]`` (``logp - old_logp`` per token), ``completion_mask [n, T]``.
     """
+    if sampling_weights is not None and sampling_weights.shape != log_ratio.shape:
+        # a sequence-level weight [n, 1] would be summed in as one token's: TRL refuses sequence modes for vespo
+        raise ValueError(
+            f"vespo_gamma_weights takes token-level sampling_weights of the log-ratios' shape "
+            f"{tuple(log_ratio.shape)}, "
+            f"got {tuple(sampling_weights.shape)} (a sequence-level correction mode?)"
+        )
     mask = completion_mask.to(log_ratio.dtype)
     seq_log_ratio = (log_ratio.clamp(-20.0, 20.0) * mask).sum(dim=-1, keepdim=True)  # [n, 1]
     if sampling_weights is not None:

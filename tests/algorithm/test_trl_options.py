@@ -4,7 +4,11 @@ control, ``off_policy_mask_threshold``.
 
 Two kinds of expected values: worked out by hand in the comments beside the literals, and TRL
 1.16's own code (``trl==1.16.0``, ``trl/trainer/grpo_trainer.py``; trl is not installed in CI, so
-the lines are copied below, each reference citing its function) run on the same tensors.
+the lines are copied below, each reference citing its function) run on the same tensors. Most
+references are TRL's lines verbatim but for comments; two are not, and say so: ``trl_compute_loss``
+is an excerpt of ``_compute_loss`` (one process, one micro-batch, the loss types tested here) and
+``trl_adaptive_steps`` / ``trl_adaptive_window`` re-express its adaptive-control block with ``self.*``
+as local variables.
 """
 
 from __future__ import annotations
@@ -101,9 +105,11 @@ def trl_compute_loss(per_token_logps, old_per_token_logps, advantages, mask, *, 
                      epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, ref_per_token_logps=None,
                      use_bias_correction_kl=True, off_policy_mask_threshold=None, sampling_per_token_logps=None,
                      importance_sampling_ratio=None, num_items_in_batch=None, vespo=(2.0, 3.0, 3.0, 2.0)):
-    """The policy part of ``GRPOTrainer._compute_loss`` for luspo, vespo, grpo and dapo, one process,
-    no gradient accumulation (``current_gradient_accumulation_steps = steps_per_generation = 1``);
-    ``importance_sampling_ratio`` stands for vLLM's correction when it is on."""
+    """An *excerpt* of ``GRPOTrainer._compute_loss``, not verbatim: the policy part for luspo, vespo,
+    grpo and dapo only, on one process with no gradient accumulation (``num_processes =
+    current_gradient_accumulation_steps = steps_per_generation = 1``, so those factors are left out),
+    no entropy mask, and ``importance_sampling_ratio is not None`` standing for TRL's ``self.use_vllm
+    and self.vllm_importance_sampling_correction``. Tested against: one process, one micro-batch."""
     advantages = advantages.unsqueeze(1)
     if off_policy_mask_threshold is not None:
         sampling = old_per_token_logps if sampling_per_token_logps is None else sampling_per_token_logps
@@ -314,7 +320,8 @@ def test_a_loss_reading_the_inputs_registers_as_a_user_would():
     def half_reinforce(inputs, settings, options):  # -A/2 * logp, engine weights its own business
         return -0.5 * inputs.advantages.unsqueeze(-1) * inputs.logps
 
-    register_loss_type("half_reinforce_test", half_reinforce, accumulates_by_mean=False, reads_inputs=True)(dapo_aggregation)
+    register_loss_type("half_reinforce_test", half_reinforce, accumulates_by_mean=False, reads_inputs=True,
+                       folds_sampling_weights=True)(dapo_aggregation)
     try:
         logps = torch.tensor([[-1.0, -3.0]])
         loss, grad = loss_and_grad(logps, logps.detach(), torch.tensor([2.0]), torch.ones(1, 2), loss_type="half_reinforce_test",
@@ -323,6 +330,47 @@ def test_a_loss_reading_the_inputs_registers_as_a_user_would():
         close(grad, [[-0.5, -0.5]])
     finally:
         del LOSS_TYPES["half_reinforce_test"]
+
+
+def test_an_inputs_objective_gets_the_engine_weights_unless_it_folds_them():
+    def half_reinforce(inputs, settings, options):  # reads the inputs, leaves the engine weights to grpo_loss
+        return -0.5 * inputs.advantages.unsqueeze(-1) * inputs.logps
+
+    register_loss_type("half_reinforce_weighted_test", half_reinforce, accumulates_by_mean=False, reads_inputs=True)(
+        dapo_aggregation
+    )
+    try:
+        logps = torch.tensor([[-1.0, -3.0]])
+        loss, grad = loss_and_grad(logps, logps.detach(), torch.tensor([2.0]), torch.ones(1, 2),
+                                   loss_type="half_reinforce_weighted_test", sampling_weights=torch.full((1, 2), 5.0),
+                                   num_items_in_batch=2.0)
+        close(loss, 5.0 * -0.5 * 2.0 * (-4.0) / 2.0)  # weights of 5 multiplied in, as for a ratio objective
+        close(grad, [[-2.5, -2.5]])
+    finally:
+        del LOSS_TYPES["half_reinforce_weighted_test"]
+    with pytest.raises(ValueError, match="folds_sampling_weights needs reads_inputs"):
+        register_loss_type("bad_fold_test", folds_sampling_weights=True)
+
+
+def test_vespo_refuses_sequence_level_engine_weights():
+    # a sequence mode's [n, 1] weight would be summed in as if it were one token's (TRL refuses these modes)
+    log_ratio, mask = torch.zeros(1, 3), torch.ones(1, 3)
+    with pytest.raises(ValueError, match=r"token-level sampling_weights .* got \(1, 1\)"):
+        vespo_gamma_weights(torch.tensor([1.0]), log_ratio, mask, torch.tensor([[0.5]]))
+    with pytest.raises(ValueError, match="token-level sampling_weights"):
+        loss_and_grad(-torch.ones(1, 3), -torch.ones(1, 3), torch.tensor([1.0]), mask, loss_type="vespo",
+                      sampling_weights=torch.tensor([[0.5]]))
+
+
+def test_grpo_loss_options_default_to_trl_without_a_call_in_the_signature():
+    import inspect
+
+    assert inspect.signature(grpo_loss).parameters["options"].default is None
+    logps, old_logps, _, advantages, mask = random_batch(seed=4)
+    settings = LossSettings(loss_type="vespo", max_completion_length=logps.size(1))
+    default = grpo_loss(LossInputs(logps, old_logps, advantages, mask), settings)
+    explicit = grpo_loss(LossInputs(logps, old_logps, advantages, mask), settings, LossOptions())
+    close(default.loss, explicit.loss)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,6 +483,39 @@ def test_sum_then_normalize_is_grpo_and_names_are_checked():
         multi_objective_advantages(rewards_per_func, weights, 2, aggregation="sum_then_normalise")
 
 
+def test_gdpo_constant_reward_gives_zero_where_trl_gives_float_noise():
+    # documented deviation: two groups of six, rewards 0.3 and 0.7, each constant over its group. lit-grpo
+    # detects the equal rewards exactly: z = 0, advantage 0. TRL's float32 mean of six 0.3s is an ulp off,
+    # (r - mean) / (0 + 1e-4) keeps that error, and the batch std (as small) blows it up to about +-0.58.
+    rewards_per_func = torch.tensor([[0.3]] * 6 + [[0.7]] * 6)
+    weights = torch.tensor([1.0])
+    out = normalize_then_sum(rewards_per_func, weights, 6)
+    assert out.advantages.tolist() == [0.0] * 12 and out.zero_std.tolist() == [True] * 12
+    trl = trl_normalize_then_sum(rewards_per_func, weights, 6)
+    assert float(trl.abs().max()) > 0.1  # TRL's noise; if this fails, TRL's float path changed: revisit the docs
+
+
+def test_gdpo_zero_std_follows_the_summed_rewards():
+    # group 0: r1 = [1, 0] and r2 = [0, 1] cancel, s = [0, 0]: no signal although no reward is constant
+    # group 1: r1 = [0, 1], r2 = [0, 0]: s varies
+    rewards_per_func = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
+    out = normalize_then_sum(rewards_per_func, torch.tensor([1.0, 1.0]), 2)
+    assert out.zero_std.tolist() == [True, True, False, False]
+    close(out.advantages[:2], [0.0, 0.0])
+
+
+def test_aggregation_eps_reaches_both_aggregations():
+    # one group of two, one reward [0, 2]: mean 1, Bessel std sqrt(2)
+    rewards_per_func = torch.tensor([[0.0], [2.0]])
+    weights = torch.tensor([1.0])
+    grpo = multi_objective_advantages(rewards_per_func, weights, 2, aggregation="sum_then_normalize", eps=1.0)
+    close(grpo.advantages, [-1 / (math.sqrt(2) + 1), 1 / (math.sqrt(2) + 1)])
+    # GDPO: z = [-1, 1] / (sqrt(2) + 1) = [-c, c]; batch std of s = c * sqrt(2); A = s / (c sqrt(2) + 1)
+    c = 1 / (math.sqrt(2) + 1)
+    gdpo = multi_objective_advantages(rewards_per_func, weights, 2, aggregation="normalize_then_sum", eps=1.0)
+    close(gdpo.advantages, [-c / (c * math.sqrt(2) + 1), c / (c * math.sqrt(2) + 1)])
+
+
 # ----------------------------------------------------------------------------------------------
 # 5. entropy_coef and adaptive entropy control
 # ----------------------------------------------------------------------------------------------
@@ -488,7 +569,9 @@ def test_entropy_bonus_of_an_empty_mask_is_zero():
 
 
 def trl_adaptive_steps(entropies, coef, target, coef_min, coef_max, delta):
-    """TRL 1.16's adaptive control over optimizer steps (``_compute_loss``): (applied, logged) per step."""
+    """TRL 1.16's adaptive control (``_compute_loss``), *re-expressed*, not verbatim: one micro-batch per
+    optimizer step and its world entropy given, so the window sum of ``_entropy_window_stats`` is left
+    out (:func:`trl_adaptive_window` has it): (applied, logged) per step."""
     last_world_entropy = float("inf")
     history = []
     for world_entropy in entropies:
@@ -546,6 +629,66 @@ def test_fixed_entropy_coefficient_and_enabled():
     assert not EntropyControlSettings().enabled
 
 
+def test_token_entropy_of_bfloat16_logits_is_computed_in_float32():
+    # Qwen's vocabulary: summed in bfloat16 the entropy is off by most of a nat
+    logits = (3.0 * torch.randn(4, 151_936, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
+    logits.requires_grad_(True)
+    entropy = token_entropy(logits)
+    expected = torch.distributions.Categorical(logits=logits.detach().float()).entropy()
+    assert entropy.dtype == torch.float32
+    close(entropy.detach(), expected, atol=1e-3, rtol=1e-4)
+    entropy.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+
+
+def trl_adaptive_window(micro_batches_per_step, coef, target, coef_min, coef_max, delta):
+    """TRL 1.16's adaptive control with its window over micro-batches (``_compute_loss``), *re-expressed*:
+    ``self.*`` as local variables, one rank (``accelerator.reduce`` of one rank is the identity),
+    ``sync_gradients`` true at a step's last micro-batch. (applied of the step, logged) per step."""
+    last_world_entropy, entropy_window_stats, history = float("inf"), None, []
+    for micro_batches in micro_batches_per_step:
+        for index, (entropies, effective_mask) in enumerate(micro_batches):
+            apply_coef = coef if last_world_entropy <= target else 0.0
+            stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
+            entropy_window_stats = stats if entropy_window_stats is None else entropy_window_stats + stats
+            if index == len(micro_batches) - 1:
+                window_stats = entropy_window_stats
+                world_entropy = (window_stats[0] / window_stats[1].clamp(min=1.0)).item()
+                if world_entropy <= target:
+                    coef = min(coef + delta, coef_max)
+                else:
+                    coef = max(coef - delta, coef_min)
+                last_world_entropy = world_entropy
+                entropy_window_stats = None
+        history.append((apply_coef, coef))
+    return history
+
+
+def test_adaptive_entropy_over_micro_batches_is_token_weighted_as_in_trl():
+    # step 1: micro-batch 0 has 3 tokens of entropy 0.2, micro-batch 1 one token of 1.0 (its second is
+    # padding): token-weighted 1.6 / 4 = 0.4 <= 0.5, up (the mean of the two means, 0.6, would go down);
+    # step 2: no token at all: 0 / max(0, 1) = 0, up; step 3: 2 tokens of 0.9, down
+    steps = [
+        [(torch.full((1, 3), 0.2), torch.ones(1, 3)), (torch.tensor([[1.0, 7.0]]), torch.tensor([[1.0, 0.0]]))],
+        [(torch.ones(2, 2), torch.zeros(2, 2)), (torch.ones(1, 2), torch.zeros(1, 2))],
+        [(torch.full((1, 2), 0.9), torch.ones(1, 2))],
+    ]
+    settings = EntropyControlSettings(entropy_coef=0.1, use_adaptive_entropy=True, entropy_target=0.5,
+                                      entropy_coef_delta=0.05)
+    controller = EntropyCoefficient(settings)
+    history = []
+    for micro_batches in steps:  # what the training step does (the wiring's recipe)
+        applied = controller.applied()
+        total = sum(entropy_sum_and_count(entropies, mask) for entropies, mask in micro_batches)
+        controller.step(float(total[0] / total[1].clamp(min=1.0)))
+        history.append((applied, controller.value))
+    expected = [(0.0, 0.15), (0.15, 0.2), (0.2, 0.15)]
+    flat = [value for pair in history for value in pair]
+    assert flat == pytest.approx([value for pair in expected for value in pair])
+    trl = trl_adaptive_window(steps, 0.1, 0.5, 0.0, 1.0, 0.05)
+    assert flat == pytest.approx([value for pair in trl for value in pair])
+
+
 # ----------------------------------------------------------------------------------------------
 # 6. the keys' values (lit_grpo.config.check_trl_options; the keys themselves come with the wiring)
 # ----------------------------------------------------------------------------------------------
@@ -560,6 +703,9 @@ def test_fixed_entropy_coefficient_and_enabled():
     ({"entropy_coef_delta": -0.01}, "model.entropy_coef_delta must be >= 0"),
     ({"loss_type": "vespo", "generation_backend": "vllm", "vllm_importance_sampling_correction": True,
       "vllm_importance_sampling_mode": "auto", "max_staleness": 0}, "must be token_truncate or token_mask"),
+    # with staleness every backend's samples carry the correction's weights, the trainer's own included
+    ({"loss_type": "vespo", "generation_backend": "lit", "vllm_importance_sampling_correction": True,
+      "vllm_importance_sampling_mode": "sequence_mask", "max_staleness": 2}, "must be token_truncate or token_mask"),
 ])
 def test_config_names_the_key_of_a_bad_value(settings, message):
     with pytest.raises(ConfigError, match=message):
@@ -574,3 +720,18 @@ def test_config_accepts_trl_defaults_and_absent_keys():
         entropy_coef_delta=0.005, loss_type="vespo", generation_backend="vllm", vllm_importance_sampling_correction=True,
         vllm_importance_sampling_mode="auto", max_staleness=1,  # auto with staleness: token_mask
     ))
+
+
+@pytest.mark.parametrize("loss_type,level,message", [
+    ("luspo", "token", "When using 'luspo' loss, model.importance_sampling_level should be set to 'sequence'"),
+    ("vespo", "sequence", "VESPO computes sequence-level importance weights internally"),
+])
+def test_config_warns_as_trl_for_the_paper_importance_sampling_level(loss_type, level, message):
+    with pytest.warns(UserWarning, match=message):
+        check_trl_options(AttributeDict(loss_type=loss_type, importance_sampling_level=level))
+
+
+@pytest.mark.parametrize("loss_type,level", [("luspo", "sequence"), ("vespo", "token"), ("grpo", "sequence")])
+def test_config_does_not_warn_for_the_paper_level(loss_type, level, recwarn):
+    check_trl_options(AttributeDict(loss_type=loss_type, importance_sampling_level=level))
+    assert not [w for w in recwarn if "importance_sampling_level" in str(w.message)]
