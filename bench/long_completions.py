@@ -279,14 +279,15 @@ def measure_one(args, label: str, lit_code_dir: str | None, model_dir: str, leng
 
 
 def kept_runs(paths: list[Path]) -> dict[tuple[int, str], dict]:
-    """The measured runs of earlier results files, by ``(completion length, label)``; a later file's
-    run replaces an earlier one's."""
+    """The measured runs of earlier results files, by ``(completion length, label)``, each with the
+    command that measured it (or its file's name); a later file's run replaces an earlier one's."""
     kept = {}
     for path in paths:
-        for row in json.loads(Path(path).read_text())["rows"]:
+        earlier = json.loads(Path(path).read_text())
+        for row in earlier["rows"]:
             for label, run in row["runs"].items():
                 if "peak_rss_gib" in run:
-                    kept[row["completion_length"], label] = {**run, "kept_from": Path(path).name}
+                    kept[row["completion_length"], label] = {**run, "kept_from": earlier.get("command", Path(path).name)}
     return kept
 
 
@@ -298,7 +299,7 @@ def run_lengths(args, shape: BodyShape, model_dir: str, labels: dict[str, str | 
     for length in args.lengths:
         row = {"completion_length": length, "runs": {}}
         rows.append(row)
-        prompt_length = 32  # the floor's, until a trainer's run says how long the prompt was
+        prompt_length = args.floor_prompt_tokens  # the floor's, until a trainer's run says how long the prompt was
         for label, lit_code_dir in labels.items():
             if (length, label) in kept:
                 row["runs"][label] = kept[length, label]
@@ -441,6 +442,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--no-trl", action="store_true", help="leave TRL out")
     parser.add_argument("--no-floor", action="store_true", help="leave the floor out")
+    parser.add_argument("--floor-prompt-tokens", type=int, default=32, help="the floor's prompt length where no trainer ran before it")
     parser.add_argument("--no-new-runs", action="store_true", help="start no run: the table of the --keep-measured runs")
     parser.add_argument("--note", action="append", default=[], help="a sentence for the report's notes (repeatable)")
     parser.add_argument("--max-gib", type=float, default=12.0, help="never start a process estimated above this")
@@ -479,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict:
         labels.update({TRL: None} if not args.no_trl else {})
         labels.update({FLOOR: None} if not args.no_floor else {})
         data["labels"] = list(labels)
-        model_dir = build_untied_model(Path(tmp) / "model", shape, max(args.lengths) + 256)
+        model_dir = "" if args.no_new_runs else build_untied_model(Path(tmp) / "model", shape, max(args.lengths) + 256)
 
         def write(rows: list[dict]) -> None:
             data["rows"] = rows
@@ -487,6 +489,7 @@ def main(argv: list[str] | None = None) -> dict:
             write_outputs(args.name, markdown, data, *([args.out] if args.out is not None else []))
 
         rows = run_lengths(args, shape, str(model_dir), labels, on_row=write, kept=kept_runs(args.keep_measured))
+        write(rows)
     print(markdown_report(args, shape, list(labels), rows, machine, command))
     return data
 
