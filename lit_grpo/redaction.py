@@ -49,6 +49,9 @@ SECRET_WORDS = frozenset({"secret", "secrets", "password", "passwd", "passphrase
 SPECIAL_TOKENS = frozenset({"bos", "eos", "unk", "sep", "pad", "cls", "mask", "image", "video", "audio", "think",
                             "thinking", "reasoning", "answer", "stop", "end", "start", "begin", "eot", "eom",
                             "call", "response", "placeholder", "separator", "newline", "vision"})
+# the words before ``token`` that make it a count, a rate or a position (bytes_per_token, first_token, num_token,
+# reward_token, target_token): settings, not secrets
+COUNTING_TOKEN_WORDS = frozenset({"per", "first", "last", "next", "target", "reward", "num"})
 # the words before ``key``/``keys`` that make it a credential (api_key, ssh_key); others are a column's or a
 # lookup's key (answer_key, sort_key): settings, not secrets
 CREDENTIAL_KEY_WORDS = frozenset({"api", "access", "secret", "private", "signing", "encryption", "decryption", "auth",
@@ -63,9 +66,12 @@ _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")  # HFToken -> HF, Token;
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^\s:/?#@]*)(?::(?P<password>[^\s/?#@]*))?@")
 _QUERY_PARAMETER = re.compile(r"(?P<before>[?&;])(?P<name>[^\s=&;#]+)=(?P<value>[^\s&;#]*)")
 # an HTTP authorization: "Authorization: Basic CREDENTIALS", "Authorization: CREDENTIALS", "Bearer TOKEN"
-# a setting written in a message: NAME=VALUE, NAME: VALUE, 'NAME': 'VALUE' (a dict's repr), the value quoted or bare
-_ASSIGNMENT = re.compile(r"""(?P<name>\b[A-Za-z_][\w.-]*)(?P<separator>['"]?\s*[:=]\s*)"""
-                         r"""(?:'(?P<single>[^']*)'|"(?P<double>[^"]*)"|(?P<bare>[^\s'",;)}\]]+))""")
+# a setting written in a message: NAME=VALUE, NAME: VALUE, 'NAME': 'VALUE' (a dict's repr); its value is read only
+# after a secret name, so that a setting's value never swallows the secret assignment after it (a: token=x)
+_NAME = re.compile(r"""(?P<name>\b[A-Za-z_][\w.-]*)(?P<separator>['"]?\s*[:=]\s*)""")
+# the value of a secret written in a message, quoted or bare ({...} and [...] are taken whole: _bracketed_end)
+_VALUE = re.compile(r"""'(?P<single>[^']*)'|"(?P<double>[^"]*)"|(?P<bare>[^\s'",;(){}\[\]]+)""")
+_NUMBER = re.compile(r"^-?\d+(?:\.\d+)?$")
 _AUTHORIZATION_SCHEMES = frozenset({"basic", "bearer", "digest", "token"})
 # what a hint writes in a secret's place (export VLLM_API_KEY=KEY, =$(python -c ...), =${HF_TOKEN}, =...): no secret
 _PLACEHOLDER = re.compile(r"^(?:[A-Z_]+|\$.*|\.\.\.|<[^>]*>?)$")
@@ -86,7 +92,7 @@ def is_secret_name(name: str) -> bool:
     if SECRET_WORDS.intersection(words):
         return True
     if words[-1] == "token":
-        return len(words) == 1 or words[-2] not in SPECIAL_TOKENS
+        return len(words) == 1 or words[-2] not in SPECIAL_TOKENS | COUNTING_TOKEN_WORDS
     return words[-1] in ("key", "keys") and len(words) > 1 and words[-2] in CREDENTIAL_KEY_WORDS
 
 
@@ -112,20 +118,53 @@ def redact_text(text: str) -> str:
 
 
 def redact_message(text: str) -> str:
-    """A message that may quote settings (an ``error:`` line, a warning) as it may be shown or logged:
-    :func:`redact_text`, and the value of every setting with a secret name written in it (``token=hf_...``,
-    ``api_key: sk-...``, ``{'password': '...'}``, ``--model.model_init_kwargs.token=hf_...``) as
-    :data:`REDACTED`. Only for messages: a setting's own text (a prompt, a template) goes through
-    :func:`redact_text` alone, so that prose like ``token = x`` in it is written as given."""
+    """A message that may quote settings (an ``error:`` line, a warning, a command line) as it may be shown or
+    logged: :func:`redact_text`, and the value of every setting with a secret name written in it
+    (``token=hf_...``, ``api_key: sk-...``, ``{'password': '...'}``, ``{'credentials': {...}}``,
+    ``--model.model_init_kwargs.token=hf_...``) as :data:`REDACTED`; a list or a dict under a secret name whole.
+    A plain number is kept unless the name says key, secret or password (``first_token=12``). Only for
+    messages: a setting's own text (a prompt, a template) goes through :func:`redact_text` alone, so that
+    prose like ``token = x`` in it is written as given."""
+    text = redact_text(text)
+    shown, position = [], 0
+    for name in _NAME.finditer(text):
+        if name.start() < position or not is_secret_name(name.group("name")):
+            continue
+        start = name.end()
+        if text[start:start + 1] in ("{", "["):
+            end, replacement = _bracketed_end(text, start), REDACTED
+        else:
+            value = _VALUE.match(text, start)
+            if value is None or shown_as_is(name.group("name"), value.group("bare") or ""):
+                continue
+            quote = "'" if value.group("single") is not None else '"' if value.group("double") is not None else ""
+            end, replacement = value.end(), f"{quote}{REDACTED}{quote}"
+        shown += [text[position:start], replacement]
+        position = end
+    return "".join(shown) + text[position:]
 
-    def assignment(match: re.Match) -> str:
-        bare = match.group("bare") or ""
-        if not is_secret_name(match.group("name")) or bare.lower() in _AUTHORIZATION_SCHEMES or _PLACEHOLDER.match(bare):
-            return match.group(0)  # "Authorization: Bearer TOKEN" (the token is redact_text's); a hint's KEY or $(...)
-        quote = "'" if match.group("single") is not None else '"' if match.group("double") is not None else ""
-        return f"{match.group('name')}{match.group('separator')}{quote}{REDACTED}{quote}"
 
-    return _ASSIGNMENT.sub(assignment, redact_text(text))
+def shown_as_is(name: str, bare: str) -> bool:
+    """Whether the unquoted value ``bare`` written after the secret name ``name`` in a message is no secret:
+    "Authorization: Bearer TOKEN" (the token is :func:`redact_text`'s), a hint's ``KEY`` or ``$(...)``, a
+    count (``first_token=12``; a number under a key, secret or password is one)."""
+    if bare.lower() in _AUTHORIZATION_SCHEMES or _PLACEHOLDER.match(bare):
+        return True
+    return bool(_NUMBER.match(bare)) and not {"key", "keys", "apikey", "secret", "password"}.intersection(name_words(name))
+
+
+def _bracketed_end(text: str, start: int) -> int:
+    """The end of the {...} or [...] that starts at ``text[start]`` (brackets in quotes counted too: a
+    message is no parser's input), or the end of ``text`` where it is not closed."""
+    depth = 0
+    for index in range(start, len(text)):
+        if text[index] in "{[":
+            depth += 1
+        elif text[index] in "}]":
+            depth -= 1
+            if depth == 0:
+                return index + 1
+    return len(text)
 
 
 def redact_command(words: list[str]) -> list[str]:

@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> None:
             fit_main(argv)
     except (UserError, argparse.ArgumentError) as error:
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            error.args = (redact_message(str(error)),)  # its message as the error: line shows it (not its frames')
+            if isinstance(error, argparse.ArgumentError):
+                error.argument_name, error.message = None, error.args[0]
             raise
         # an error that stopped a run after a checkpoint says how to resume it (a lost generation server)
         describe = getattr(error, "describe", None)

@@ -28,7 +28,9 @@ KEPT_NAMES = ["max_tokens", "max_completion_tokens", "tokenizer", "tokenizer_nam
               # column names and marker tokens: a config.yaml that redacted them would not run again
               "answer_key", "label_key", "prompt_key", "text_key", "sort_key", "think_token", "stop_token", "end_token",
               "start_token", "eot_token", "im_start_token", "im_end_token", "tool_call_token", "unk_token", "sep_token",
-              "cls_token", "mask_token", "image_token", "video_token", "audio_token"]
+              "cls_token", "mask_token", "image_token", "video_token", "audio_token",
+              # counts, rates and positions (lit_grpo's bytes_per_token): a number, not a secret
+              "bytes_per_token", "first_token", "last_token", "next_token", "target_token", "reward_token", "num_token"]
 
 
 @pytest.mark.parametrize("name", SECRET_NAMES)
@@ -194,3 +196,85 @@ def test_a_message_that_quotes_settings_shows_no_secret():
     for hint in ("export VLLM_API_KEY=KEY", "export VLLM_API_KEY=$(python -c 'import secrets')", "api_key=...",
                  f"token: {REDACTED}"):
         assert redact_message(hint) == hint
+
+
+def test_a_message_redacts_every_secret_after_any_setting_and_a_bracketed_value_whole():
+    """Review of issue 50, D1/D2: a setting's value never swallows the secret assignment after it, a list or a
+    dict under a secret name is redacted whole, and the command that resumes a run shows no YAML-flow secret."""
+    from lit_grpo.cli import resume_command
+    from lit_grpo.redaction import redact_message
+
+    assert redact_message("model.model_init_kwargs: token=hf_LEAK is unknown") == (
+        f"model.model_init_kwargs: token={REDACTED} is unknown")
+    assert redact_message("rewards[0].args: api_key: sk-LEAK") == f"rewards[0].args: api_key: {REDACTED}"
+    assert redact_message("reward args: api_key=sk-LEAK rejected") == f"reward args: api_key={REDACTED} rejected"
+    assert redact_message("rewards[0]: {name: judge, args: {api_key: sk-LEAK}} failed") == (
+        f"rewards[0]: {{name: judge, args: {{api_key: {REDACTED}}}}} failed")
+    assert redact_message("{'password': ['LEAK1', 'LEAK2']}, dtype=bf16") == f"{{'password': {REDACTED}}}, dtype=bf16"
+    assert redact_message("{'credentials': {'user': 'LEAK', 'pw': 'LEAK'}} failed") == (
+        f"{{'credentials': {REDACTED}}} failed")
+    shown = resume_command(["fit", "--model.rewards", "[{name: judge, args: {api_key: sk-LEAK1}}]",
+                            "--model.model_init_kwargs={token: hf_LEAK2}", "--ckpt_path", "x.ckpt"])
+    assert shown == ("lit-grpo fit --model.rewards '[{name: judge, args: {api_key: <redacted>}}]' "
+                     "'--model.model_init_kwargs={token: <redacted>}' --ckpt_path last")
+
+
+def test_a_message_keeps_counts_and_positions_named_like_tokens():
+    """Review of issue 50, S2: ``bytes_per_token=4.0`` (a real setting) and other counts are no secrets; a
+    number right under a key, a secret or a password still is."""
+    from lit_grpo.redaction import redact_message
+
+    for kept in ("bytes_per_token=4.0", "reward_token=3", "first_token=12", "model.reward_token: 'x' not found",
+                 "prefix_token=-3", "max_new_tokens=8"):
+        assert redact_message(kept) == kept
+    assert redact_message("api_key: 123456, password=42, token=hf_x") == (
+        f"api_key: {REDACTED}, password={REDACTED}, token={REDACTED}")
+    assert redact_secrets({"bytes_per_token": 4.0, "token": 5}) == {"bytes_per_token": 4.0, "token": REDACTED}
+
+
+def test_a_server_url_with_credentials_is_printed_without_them(capsys):
+    """Review of issue 50, D3: the lines said while a vLLM server does not answer show its URL's password
+    redacted; requests still go to the real URL (its credentials in the request)."""
+    import socket
+    import threading
+
+    from lit_grpo.rollout.engines.server_lost import GenerationServerLost
+    from lit_grpo.rollout.engines.vllm_server_api import VLLMServer
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = VLLMServer(f"http://user:{PLANTED['server_password']}@127.0.0.1:{port}", timeout=1)
+    said = []
+    with pytest.raises(GenerationServerLost):
+        server.generate({"prompt": [1, 2]}, threading.Event(), lambda _, message: said.append(message))
+    assert server.url == SERVER_URL.replace("host:8000", f"127.0.0.1:{port}")  # the real one, for the requests
+    assert len(said) == 1 and f"the vLLM server at http://user:{REDACTED}@127.0.0.1:{port} is not answering" in said[0]
+    assert PLANTED["server_password"] not in said[0]
+
+    vllm_server = pytest.importorskip("lit_grpo.rollout.engines.vllm_server")
+    pytest.importorskip("vllm")  # the engine's weight transfer is vLLM's (the README's vLLM block)
+    engine = vllm_server.VLLMServerEngine([server.url], timeout=1)
+    capsys.readouterr()
+    with pytest.raises(GenerationServerLost):
+        engine.sample([([1, 2], {"n": 1, "max_tokens": 2})])
+    assert f"user:{REDACTED}@127.0.0.1" in capsys.readouterr().err
+    assert not engine._wait_for_servers(0.0, GenerationServerLost(f"lost {server.url}"))
+    err = capsys.readouterr().err
+    assert f"lost http://user:{REDACTED}@127.0.0.1:{port}: waiting" in err and PLANTED["server_password"] not in err
+
+
+def test_the_traceback_on_request_shows_the_errors_message_redacted(monkeypatch, fresh_cli):
+    """Review of issue 50, S1: LIT_GRPO_TRACEBACK=1 re-raises the error with its message redacted as the
+    ``error:`` line shows it."""
+    from lit_grpo import cli
+    from lit_grpo.errors import ConfigError
+
+    def refused(argv):
+        raise ConfigError(f"rewards[0].args: api_key={PLANTED['api_key']} was refused by {SERVER_URL}")
+
+    monkeypatch.setitem(cli.SUBCOMMANDS, "rewards", refused)
+    monkeypatch.setenv("LIT_GRPO_TRACEBACK", "1")
+    with pytest.raises(ConfigError) as raised:
+        main(["rewards"])
+    assert str(raised.value) == f"rewards[0].args: api_key={REDACTED} was refused by http://user:{REDACTED}@host:8000"

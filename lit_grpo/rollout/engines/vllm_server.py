@@ -54,6 +54,7 @@ import torch
 from transformers import GenerationConfig
 
 from lit_grpo.errors import ConfigError, DataError
+from lit_grpo.redaction import redact_message  # the URLs printed: their credentials redacted
 from lit_grpo.rollout.engines.base import GenerationEngine, agreed_failure, any_rank
 from lit_grpo.rollout.engines.server_lost import GenerationFailed, GenerationServerLost
 from lit_grpo.rollout.engines.vllm_sampling import (
@@ -289,8 +290,8 @@ class VLLMServerEngine(GenerationEngine):
         """Whether every server answers again before ``deadline`` (asked every second; said once on stderr)."""
         from tenacity import Retrying, retry_if_result, wait_fixed
 
-        print(f"{failure}: waiting up to {self.timeout:g} s for the server(s) to answer (model.vllm_server_timeout), "
-              "then a checkpoint and a stop", file=sys.stderr, flush=True)
+        print(redact_message(f"{failure}: waiting up to {self.timeout:g} s for the server(s) to answer "  # URLs' passwords
+                             "(model.vllm_server_timeout), then a checkpoint and a stop"), file=sys.stderr, flush=True)
         if time.monotonic() >= deadline:  # tenacity asks at least once; a deadline passed asks no more
             return False
         retrying = Retrying(retry=retry_if_result(lambda answer: not answer), wait=wait_fixed(1.0),
@@ -404,7 +405,7 @@ class VLLMServerEngine(GenerationEngine):
         def say(server: VLLMServer, message: str) -> None:
             if server.url not in said:
                 said.add(server.url)
-                print(message, file=sys.stderr, flush=True)
+                print(redact_message(message), file=sys.stderr, flush=True)  # a server URL's password redacted
 
         def answer(server: VLLMServer, body: dict) -> dict:
             with self.request_slots:

@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from lit_grpo.errors import ConfigError, DataError
+from lit_grpo.redaction import redact_text  # a URL as printed: its credentials redacted
 from lit_grpo.rollout.engines.server_lost import GenerationServerLost
 from lit_grpo.rollout.engines.vllm_auth import API_KEY_VARIABLE, bearer_header
 
@@ -171,8 +172,8 @@ class VLLMServer:
 
         def tell_once(state) -> None:
             if state.attempt_number == 1:
-                say(self, f"the vLLM server at {self.url} is not answering ({state.outcome.exception()}): waiting up to "
-                    f"{self.timeout:g} s for it (model.vllm_server_timeout), then a checkpoint and a stop")
+                say(self, f"the vLLM server at {redact_text(self.url)} is not answering ({state.outcome.exception()}): "
+                    f"waiting up to {self.timeout:g} s for it (model.vllm_server_timeout), then a checkpoint and a stop")
 
         retrying = Retrying(retry=retry_if_exception_type(ServerUnavailable), stop=given_up, reraise=True,
                             wait=wait_exponential(multiplier=0.5, max=5.0), before_sleep=tell_once)
