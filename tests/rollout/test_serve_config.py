@@ -62,8 +62,14 @@ def test_a_key_in_the_config_file_is_the_key_the_middleware_and_the_trainer_use(
     path = config_file(f"host: 0.0.0.0\n{spelling}: {KEY}\n")
     command, environ = serve("--config", path)
     assert environ[API_KEY_VARIABLE] == KEY and KEY not in " ".join(command)
-    command, environ = serve("--config", path, environ={API_KEY_VARIABLE: "other"})
+    command, environ = serve("--config", path, environ={API_KEY_VARIABLE: KEY})  # the same key exported too: one key
     assert environ[API_KEY_VARIABLE] == KEY  # vLLM guards its own endpoints with the file's key: the same one
+    # another key exported: a trainer run from this shell would send it and be refused (401) at its first push
+    with pytest.raises(ConfigError) as refused:
+        serve("--config", path, environ={API_KEY_VARIABLE: "other"})
+    assert str(refused.value) == (f"lit-grpo serve --config {path}: its api-key differs from the {API_KEY_VARIABLE} "
+                                  f"exported here: give one key, in one place (unset {API_KEY_VARIABLE} or drop api-key)")
+    assert "other" not in str(refused.value) and KEY not in str(refused.value)
     assert refusal("--config", path, "--api-key", "second") == (
         f"lit-grpo serve --api-key: --config {path} gives an api-key too: give one key, in one place")
     for not_one_key in ("", "''", "[a, b]"):  # vLLM would take None, '' or two keys

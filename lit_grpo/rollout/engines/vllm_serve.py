@@ -203,7 +203,8 @@ def _config_key_into_environment(config_options: list[str], config_path: str | N
                                  environ: dict[str, str]) -> dict[str, str]:
     """``environ`` with the config file's ``api-key`` in ``VLLM_API_KEY`` (where lit-grpo's middleware and the
     trainer read it; vLLM's server reads it from the file as well). A second key on the command line is
-    refused: vLLM would guard its own endpoints with one and the middleware the others with the other."""
+    refused: vLLM would guard its own endpoints with one and the middleware the others with the other; so is a
+    different ``VLLM_API_KEY`` already exported (a trainer run from this shell would send it and get 401)."""
     from lit_grpo.errors import ConfigError
 
     if "--api-key" not in config_options:
@@ -216,6 +217,9 @@ def _config_key_into_environment(config_options: list[str], config_path: str | N
     if len(values) != 1 or not values[0] or values[0] == "None":
         raise ConfigError(f"lit-grpo serve --config {config_path}: api-key: give one key (or leave it out and export "
                           f"{API_KEY_VARIABLE}=KEY), which the trainer sends from its {API_KEY_VARIABLE}")
+    if environ.get(API_KEY_VARIABLE) not in (None, "", values[0]):  # the trainer beside it would send the other one
+        raise ConfigError(f"lit-grpo serve --config {config_path}: its api-key differs from the {API_KEY_VARIABLE} "
+                          f"exported here: give one key, in one place (unset {API_KEY_VARIABLE} or drop api-key)")
     return {**environ, API_KEY_VARIABLE: values[0]}
 
 
