@@ -10,7 +10,8 @@ at ``_``, ``-``, ``.``, spaces and lower-to-upper case changes, so ``apiKey`` is
   Hugging Face's ``TrainingArguments`` masks ``*_token``; a bare ``token`` is the Hub token of
   ``from_pretrained``), except a tokenizer's special tokens and a chat template's markers (``pad_token``,
   ``eos_token``, ``think_token``, ``im_start_token``, ``tool_call_token``, ... :data:`SPECIAL_TOKENS`);
-  ``max_tokens``, ``tokenizer``, ``token_ids`` are kept;
+  counts and positions (``bytes_per_token``, ``first_token``, :data:`COUNTING_TOKEN_WORDS`), ``max_tokens``,
+  ``tokenizer``, ``token_ids`` are kept;
 - a name whose last word is ``key`` or ``keys`` after a word that says it is a credential (``api_key``,
   ``api_keys``, ``access_key``, ``private_key``, ``ssh_key``, ... :data:`CREDENTIAL_KEY_WORDS`); a bare
   ``key`` and a column's or a sort's key (``answer_key``, ``prompt_key``, ``sort_key``) are kept;
