@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import inspect
 import os
+import re
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -280,6 +281,13 @@ def load_causal_lm(path: str, init_kwargs: dict[str, Any]) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(os.path.expanduser(path), **init_kwargs)
     except OSError as exc:
         raise ModelLoadError(f"Could not load model.model_name_or_path {path!r}: {exc}") from exc
+    except TypeError as exc:  # a key of model.model_init_kwargs the model's class does not take
+        unknown = re.search(r"unexpected keyword argument '([^']+)'", str(exc))
+        if unknown is None:
+            raise
+        raise ConfigError(f"model.model_init_kwargs has {unknown.group(1)!r}, which the model class of {path!r} does not take "
+                          f"({exc}): remove it (from_pretrained's own arguments: dtype, device_map, revision, "
+                          "attn_implementation, trust_remote_code, ...)") from exc
 
 
 def build_policy(

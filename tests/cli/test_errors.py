@@ -176,6 +176,14 @@ def test_a_model_directory_without_a_model_says_what_is_missing(config, tmp_path
     )
 
 
+def test_a_key_the_model_class_does_not_take_in_model_init_kwargs_is_one_line_naming_it(config, tiny_model_dir, capsys):
+    """transformers hands unknown from_pretrained keys to the model's __init__ (a TypeError); the line names
+    the key and model.model_init_kwargs, and not the token beside it."""
+    message = error_line(capsys, "fit", "--config", str(config(model={"model_init_kwargs": {"token": "hf_planted123", "bogus": 1}})))
+    assert message.startswith(f"model.model_init_kwargs has 'bogus', which the model class of '{tiny_model_dir}' does not take ("), message
+    assert "remove it" in message and "hf_planted123" not in message
+
+
 def test_a_peft_adapter_directory_says_how_to_train_from_it(config, tmp_path, tiny_model_dir, capsys):
     """``lit-grpo export --no-merge-lora`` writes an adapter; training from it says to merge it with
     ``lit-grpo export ADAPTER DIR``, which works, and training from DIR then works."""
