@@ -42,9 +42,11 @@ def messages_after_the_prompt(completions, **kwargs) -> list[float]:
     return [float(len(completion)) for completion in completions]
 
 
-def fit_with_long_tool_results(tmp_path: Path, model_dir: Path, backend: str, *overrides: str) -> tuple[dict, list[dict]]:
+def fit_with_long_tool_results(tmp_path: Path, model_dir: Path, backend: str, *overrides: str,
+                               run=subprocess.run) -> tuple[dict, list[dict]]:
     """``lit-grpo fit`` of configs/tools-quickstart.yaml, 2 steps, with the long tool and
-    ``max_prompt_length: 64``; returns the logged scalars and the saved conversations."""
+    ``max_prompt_length: 64``, started by ``run`` (``subprocess.run``'s signature); returns the logged scalars and
+    the saved conversations."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_load((REPO / "configs/tools-quickstart.yaml").read_text())
     config["trainer"].update(max_steps=2)
@@ -57,7 +59,7 @@ def fit_with_long_tool_results(tmp_path: Path, model_dir: Path, backend: str, *o
     command = [str(Path(sys.executable).with_name("lit-grpo")), "fit", "--config", "config.yaml", *overrides]
     pythonpath = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    result = run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{command}:\n{result.stdout[-2000:]}\n{result.stderr[-5000:]}"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

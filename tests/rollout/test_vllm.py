@@ -18,10 +18,13 @@ import copy
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Self
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported
 
@@ -478,6 +481,65 @@ def test_unsupported_head_size_is_refused_before_building(tmp_path):
         build_engine(tmp_path)
 
 
+class SideBySide:
+    """Commands run side by side from worker threads, each process in a session (process group) of its own, so
+    that none outlives its test: leaving the ``with`` block (the fixture's or test's end) kills every group whose
+    process still runs, as when the test fails or pytest is interrupted (the interrupt reaches only the main
+    thread, which waits on a worker: enter this block after the thread pool's, so it exits first)."""
+
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen] = []
+        self.killed = False
+        self.lock = threading.Lock()  # a worker starting its process while the finalizer kills
+
+    def run(self, command: list[str], *, timeout: float, capture_output: bool = True, text: bool = True,
+            **options) -> subprocess.CompletedProcess:
+        """:func:`subprocess.run` (output captured unless ``capture_output=False``), the process in a new session."""
+        output = subprocess.PIPE if capture_output else None
+        with self.lock:
+            if self.killed:
+                raise RuntimeError(f"{command} not started: its test has ended")
+            process = subprocess.Popen(command, stdout=output, stderr=output, text=text, start_new_session=True, **options)
+            self.processes.append(process)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_process_group(process)
+            process.communicate()
+            raise
+        return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exception) -> None:
+        with self.lock:
+            self.killed = True
+        for process in self.processes:
+            kill_process_group(process)
+
+
+def kill_process_group(process: subprocess.Popen) -> None:
+    """SIGKILL to the group of ``process`` (also its children) while it runs (once reaped, its id may be another's)."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it has just ended
+            pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interrupt_on_sigterm():
+    """SIGTERM (``timeout pytest ...``, a CI job cancelled) ends pytest as Ctrl-C does, through the finalizers that
+    kill the process groups started here (in sessions of their own, a signal to pytest's group misses them)."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
 BF16_SCRIPT = """
 import json, os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -504,11 +566,13 @@ def test_bfloat16_pushed_engine_equals_engine_loaded_from_disk(setup, tmp_path):
 
     def run(start_dir, push):
         script = BF16_SCRIPT.format(start=str(start_dir), push=push, target=str(setup["path"]))
-        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}  # side by side: one core each
+        result = engines.run([sys.executable, "-c", script], env=one_thread, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         return json.loads(result.stdout.strip().splitlines()[-1])
 
-    with ThreadPoolExecutor(2) as processes:  # the two engines start side by side, each in its own process
+    # the two engines start side by side, each in its own process
+    with ThreadPoolExecutor(2) as processes, SideBySide() as engines:
         from_disk, pushed = processes.map(run, [setup["path"], start], [False, True])
     assert pushed == from_disk
     assert len({tuple(c) for c in from_disk["sampled"]}) > 1
@@ -595,10 +659,12 @@ def test_long_tool_results_neither_crash_the_engine_nor_pass_its_max_model_len(t
     sys.path.insert(0, str(REPO / "tests"))
     import long_tool_run
 
-    with ThreadPoolExecutor(2) as runs:  # the two fits side by side, each in its own process
-        kept_run = runs.submit(long_tool_run.fit_with_long_tool_results, tmp_path / "fits", warm_tool_model, "vllm")
+    with ThreadPoolExecutor(2) as runs, SideBySide() as fits:  # the two fits side by side, each in its own process
+        kept_run = runs.submit(long_tool_run.fit_with_long_tool_results, tmp_path / "fits", warm_tool_model, "vllm",
+                               run=fits.run)
         dropped_run = runs.submit(long_tool_run.fit_with_long_tool_results, tmp_path / "dropped", warm_tool_model, "vllm",
-                                  "--model.vllm_max_model_length", "300")
+                                  "--model.vllm_max_model_length", "300", run=fits.run)
+        wait([kept_run, dropped_run])  # in the block: leaving it kills what still runs
     logged, records = kept_run.result()
     assert min(logged["tools/calls_per_rollout"]) > 0 and logged["tools/dropped_frac"] == [0.0, 0.0]
     assert all(len(result) == long_tool_run.CHARACTERS for result in long_tool_run.tool_messages(records))
@@ -638,10 +704,10 @@ def quickstart_command(tmp_path: Path, *overrides: str, config: dict | None = No
     return command
 
 
-def run_fit(tmp_path: Path, command: list[str]) -> dict[str, list[float]]:
-    """Run ``command`` (one thread per process) in ``tmp_path``; the scalars it logged."""
+def run_fit(tmp_path: Path, command: list[str], run=subprocess.run) -> dict[str, list[float]]:
+    """Run ``command`` (one thread per process) in ``tmp_path`` with ``run`` (or :meth:`SideBySide.run`); the scalars it logged."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    result = run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return scalars(tmp_path / "runs" / "quickstart" / "version_0")
 
@@ -665,8 +731,9 @@ def one_process_fits(tmp_path_factory) -> dict:
                             ("one_step_off", ("--trainer.max_steps", "6", "--model.max_staleness", "1"))):
         run_dir = tmp_path_factory.mktemp(name)
         commands[name] = (run_dir, quickstart_command(run_dir, *overrides))  # in this thread: torch's random state
-    with ThreadPoolExecutor(len(commands)) as fits:
-        yield {name: fits.submit(run_fit, run_dir, command) for name, (run_dir, command) in commands.items()}
+    # at the end, a fit still running (its test failed, was interrupted or not selected) is killed, not awaited
+    with ThreadPoolExecutor(len(commands)) as fits, SideBySide() as processes:
+        yield {name: fits.submit(run_fit, run_dir, command, processes.run) for name, (run_dir, command) in commands.items()}
 
 
 def test_quickstart_learns_with_the_vllm_backend(one_process_fits):
