@@ -10,8 +10,8 @@ in non-reentrant :func:`torch.utils.checkpoint.checkpoint`, so autograd keeps on
 states and recomputes the tile's logits in the backward: no tensor of the size of all the logits
 exists, forward or backward.
 
-Tile size: a byte budget of float32 logits per tile (``tile_bytes``, :data:`LOGITS_TILE_BYTES`, 32
-MiB: 55 tokens at 151,936 entries, 1,024 at 8,192); a tile's temporaries (its logits, the transformed
+Tile size: a byte budget of float32 logits per tile (``tile_bytes``, :data:`LOGITS_TILE_BYTES`, 64
+MiB: 110 tokens at 151,936 entries, 2,048 at 8,192); a tile's temporaries (its logits, the transformed
 logits, and in the backward their gradient) are a few times that. Where every token fits in one tile
 the head runs once without checkpointing, as a plain forward would (nothing to save; no recompute).
 The vocabulary is not split: at these budgets a tile's ``[t, V]`` logits are already small, and a
@@ -36,7 +36,10 @@ from lit_grpo.algorithm.sampling_filters import SamplingFilters, kept_tokens, pe
 
 __all__ = ["LOGITS_TILE_BYTES", "LogitsTransform", "fused_token_logprobs", "sampling_transform", "tokens_per_tile"]
 
-LOGITS_TILE_BYTES = 2**25  # float32 logits of one tile: 32 MiB
+# float32 logits of one tile: 64 MiB, above glibc's largest mmap threshold (32 MiB), so on the CPU a tile's
+# [t, V] temporaries are mapped and handed back when freed; at 32 MiB they stayed in the heap (measured: one
+# step at 4 x 1,024 tokens, vocabulary 151,936, peaked at 3.2-5.8 GiB with 32 MiB tiles, 2.1 GiB with 64 MiB)
+LOGITS_TILE_BYTES = 2**26
 
 # (logits [t, V] float32, flat positions [t] in the [n, C] grid) -> the scored logits [t, V] float32,
 # -inf on the tokens outside the support
