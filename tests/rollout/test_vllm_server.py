@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,10 +51,12 @@ from test_vllm import (  # noqa: E402
     MAX_NEW,
     PROMPTS,
     TINY,
+    SideBySide,
     assert_engine_had_the_trained_weights,
     generation_config,
     hf_greedy,
     hf_logprobs,
+    interrupt_on_sigterm,  # noqa: F401 (a fixture: SIGTERM ends pytest through the finalizers here too)
     perturbed_model,
     prompt_ids,
     scalars,
@@ -105,6 +107,7 @@ class Server:
     model: Path
     port: int
     log: Path
+    cores: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND: vLLM's CPU worker binds its OpenMP threads to these cores
     process: subprocess.Popen | None = None
 
     @property
@@ -120,7 +123,8 @@ class Server:
         with open(self.log, "a") as log:
             # in the log's directory: not in the checkout, whose lit_grpo.egg-info (when one is there) would hide
             # the installed lit-grpo's vLLM plugin from vLLM's processes
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=QUIET, cwd=self.log.parent,
+            env = {**QUIET, "VLLM_CPU_OMP_THREADS_BIND": self.cores}
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.log.parent,
                                             start_new_session=True)
         return self
 
@@ -158,14 +162,17 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def launched_servers(request, tmp_path_factory, model_dir) -> dict[str, Server]:
-    """This module's two servers, launched together when the first is needed: each starts on one thread,
-    so side by side they take the time of one; :func:`server` and :func:`second_server` wait for theirs."""
+    """This module's two servers, launched together when the first is needed: each starts on one thread, on
+    a core of its own, so side by side they take the time of one; :func:`server` and :func:`second_server` wait
+    for theirs. (vLLM's automatic binding would put both on the same core: each server picks on its own.)"""
+    cores = sorted(os.sched_getaffinity(0))
     servers: dict[str, Server] = {}
-    for name in ("server", "second-server"):
+    for index, name in enumerate(("server", "second-server")):
         port = free_port()
         while any(other.port == port for other in servers.values()):
             port = free_port()
-        servers[name] = Server(model_dir, port, tmp_path_factory.mktemp(name) / "server.log")
+        bind = str(cores[index]) if len(cores) >= 2 else "nobind"  # one core: both on it, one thread each (QUIET)
+        servers[name] = Server(model_dir, port, tmp_path_factory.mktemp(name) / "server.log", bind)
         request.addfinalizer(servers[name].stop)
         servers[name].launch()
     return servers
@@ -309,8 +316,8 @@ def test_an_address_without_a_server_is_one_line_naming_it(model_dir):
 
 
 def fit(run_dir: Path, model: Path, urls: list[str], *overrides: str, config: dict | None = None, env=None,
-        returncode: int = 0) -> subprocess.CompletedProcess:
-    """``lit-grpo fit`` of the quickstart with the vllm_server backend, in ``run_dir``."""
+        returncode: int = 0, run=subprocess.run) -> subprocess.CompletedProcess:
+    """``lit-grpo fit`` of the quickstart with the vllm_server backend, in ``run_dir``, started by ``run``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     quickstart = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
     quickstart["data"]["data_files"] = str(REPO / quickstart["data"]["data_files"])
@@ -320,14 +327,14 @@ def fit(run_dir: Path, model: Path, urls: list[str], *overrides: str, config: di
     if config is not None:
         (run_dir / "extra.yaml").write_text(yaml.safe_dump(config))
         command[4:4] = ["--config", "extra.yaml"]
-    result = subprocess.run(command, cwd=run_dir, env={**QUIET, **(env or {})}, capture_output=True, text=True, timeout=900)
+    result = run(command, cwd=run_dir, env={**QUIET, **(env or {})}, capture_output=True, text=True, timeout=900)
     assert result.returncode == returncode, f"{command}: status {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-5000:]}"
     return result
 
 
-def learning_run(run_dir: Path, model: Path, url: str, *overrides: str) -> dict[str, list[float]]:
-    """:func:`fit` through the server at ``url``; the scalars the run logged."""
-    fit(run_dir, model, [url], *overrides)
+def learning_run(run_dir: Path, model: Path, url: str, *overrides: str, run=subprocess.run) -> dict[str, list[float]]:
+    """:func:`fit` through the server at ``url``, started by ``run``; the scalars the run logged."""
+    fit(run_dir, model, [url], *overrides, run=run)
     return scalars(run_dir / "runs" / "quickstart" / "version_0")
 
 
@@ -338,9 +345,12 @@ def learning_runs(tmp_path_factory, server, second_server, model_dir) -> dict:
     the second server. Each test takes its own run's scalars (or failure) with ``.result()``."""
     runs = {"synchronous": (server, ("--trainer.max_steps", "60")),
             "one_step_off": (second_server, ("--trainer.max_steps", "40", "--model.max_staleness", "1"))}
-    with ThreadPoolExecutor(len(runs)) as fits:
-        return {name: fits.submit(learning_run, tmp_path_factory.mktemp(name), model_dir, each.url, *overrides)
-                for name, (each, overrides) in runs.items()}
+    with ThreadPoolExecutor(len(runs)) as fits, SideBySide() as processes:  # interrupted, this kills both runs
+        finished = {name: fits.submit(learning_run, tmp_path_factory.mktemp(name), model_dir, each.url, *overrides,
+                                      run=processes.run)
+                    for name, (each, overrides) in runs.items()}
+        wait(finished.values())
+    return finished
 
 
 def test_quickstart_learns_through_a_server(learning_runs):
