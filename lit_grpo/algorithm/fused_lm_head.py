@@ -34,7 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_grpo.algorithm.sampling_filters import SamplingFilters, kept_tokens, penalised, seen_before, token_first_positions
 
-__all__ = ["LOGITS_TILE_BYTES", "LogitsTransform", "fused_token_logprobs", "sampling_transform", "tokens_per_tile"]
+__all__ = ["ACCELERATOR_TILE_TOKENS", "LOGITS_TILE_BYTES", "LogitsTransform", "fused_token_logprobs", "sampling_transform",
+           "tile_bytes_for", "tokens_per_tile"]
 
 # float32 logits of one tile: 64 MiB, above glibc's largest mmap threshold (32 MiB), so on the CPU a tile's
 # [t, V] temporaries are mapped and handed back when freed; at 32 MiB they stayed in the heap (measured: one
@@ -44,6 +45,17 @@ LOGITS_TILE_BYTES = 2**26
 # (logits [t, V] float32, flat positions [t] in the [n, C] grid) -> the scored logits [t, V] float32,
 # -inf on the tokens outside the support
 LogitsTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+ACCELERATOR_TILE_TOKENS = 1024  # on a GPU: tiles of at least this many tokens keep the head's matmuls compute-bound
+
+
+def tile_bytes_for(device_type: str, vocab_size: int) -> int:
+    """The tile budget on a device: :data:`LOGITS_TILE_BYTES` on the CPU; on an accelerator, whose
+    caching allocator reuses freed tiles, at least :data:`ACCELERATOR_TILE_TOKENS` tokens' logits."""
+    if device_type == "cpu":
+        return LOGITS_TILE_BYTES
+    return max(LOGITS_TILE_BYTES, ACCELERATOR_TILE_TOKENS * 4 * vocab_size)
 
 
 def tokens_per_tile(vocab_size: int, tile_bytes: int = LOGITS_TILE_BYTES) -> int:
@@ -99,8 +111,8 @@ def fused_token_logprobs(
 
     one_tile = n * C <= size
     outputs = []
-    for start in range(0, n * C, size):
-        tile_hidden = flat_hidden[start : start + size]
+    # split, not slices: the backward of a slice adds a zero gradient the size of all the hidden states per tile
+    for start, tile_hidden in zip(range(0, n * C, size), flat_hidden.split(size)):
         if one_tile or not torch.is_grad_enabled():
             outputs.append(tile(tile_hidden, start))
         else:  # the backward recomputes the tile's logits instead of keeping them

@@ -203,7 +203,8 @@ class LogProbPasses:
                 self._fused_head_notes.add(head)
                 rank_zero_info(f"log-probs from the model's full logits, not the fused LM head: {head}")
             return None
-        if tokens is not None and tokens <= fused_lm_head.tokens_per_tile(head.vocab_size, fused_lm_head.LOGITS_TILE_BYTES):
+        tile_bytes = fused_lm_head.tile_bytes_for(next(model.parameters()).device.type, head.vocab_size)
+        if tokens is not None and tokens <= fused_lm_head.tokens_per_tile(head.vocab_size, tile_bytes):
             return None
         return head
 
@@ -235,7 +236,8 @@ class LogProbPasses:
             head.logit_scale, head.softcapping,
         )
         return fused_lm_head.fused_token_logprobs(
-            hidden, head.head, completion_ids, head.vocab_size, transform, with_entropy, fused_lm_head.LOGITS_TILE_BYTES
+            hidden, head.head, completion_ids, head.vocab_size, transform, with_entropy,
+            fused_lm_head.tile_bytes_for(hidden.device.type, head.vocab_size),
         )
 
     def chunk_logps_from_logits(

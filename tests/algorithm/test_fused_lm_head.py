@@ -225,3 +225,39 @@ def test_no_tensor_of_all_the_logits_exists_forward_or_backward(name):
     assert fused_largest <= tile_bytes // 4, (fused_largest, full)
     full_largest = largest(lambda: sampling_log_softmax(head(hidden), tokens, filters, prompt_ids, prompt_mask, with_entropy=True))
     assert full_largest >= full
+
+
+class TensorsOfSize(TorchDispatchMode):
+    """How many tensors of exactly ``numel`` elements the operations make."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.numel() == self.numel:
+                self.count += 1
+        return out
+
+
+def test_the_backward_makes_the_hidden_states_gradient_once_not_once_per_tile():
+    """With 40 tiles, the gradient of the hidden states ``[n * C, H]`` is assembled once (the backward of
+    ``split``); the backward of one slice per tile made a zero tensor of that size per tile."""
+    vocab, rows, width, hidden_size = 64, 2, 40, 8  # the hidden states: 640 elements, the head's weight 512
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(rows, width, hidden_size, requires_grad=True)
+    tokens = torch.randint(0, vocab, (rows, width))
+    logps, _ = fused_token_logprobs(hidden, head, tokens, vocab, tile_bytes=2 * 4 * vocab)  # 2 tokens a tile: 40 tiles
+    with TensorsOfSize(hidden.numel()) as mode:
+        logps.sum().backward()
+    assert mode.count <= 3, mode.count  # the assembled gradient, and its reshape/accumulation
+
+
+def test_the_tile_budget_is_the_cpus_on_the_cpu_and_at_least_a_thousand_tokens_on_an_accelerator():
+    from lit_grpo.algorithm.fused_lm_head import ACCELERATOR_TILE_TOKENS, LOGITS_TILE_BYTES, tile_bytes_for
+
+    assert tile_bytes_for("cpu", 151_936) == LOGITS_TILE_BYTES == 2**26
+    assert tokens_per_tile(151_936, tile_bytes_for("cuda", 151_936)) == ACCELERATOR_TILE_TOKENS == 1024
+    assert tile_bytes_for("cuda", 1_000) == LOGITS_TILE_BYTES  # a small vocabulary: the CPU's budget is already larger
