@@ -325,8 +325,11 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
     def apply_settings(self) -> None:
         """Build the setting groups (:class:`lit_grpo.settings.RunSettings`) from ``hparams`` again and hand
         them to the log-prob passes and the rollout collector: the one way a setting changed in ``hparams``
-        after construction takes effect (the code after setup reads the records, not ``hparams``). The
-        rewards, the tool use and the engine stay those built at construction."""
+        after construction takes effect (the code after setup reads the records, not ``hparams``). It does not
+        re-check the settings, and what was built from them at construction stays as built: the engine and
+        its sampling configs (``generation_config``, ``eval_generation_config``: a changed temperature
+        changes what the trainer recomputes, not what the engine samples), the rewards, the tool use, the
+        validation metrics and the asynchronous pipeline."""
         self.settings = self._run_settings()
         self.logprobs.settings = self.settings
         self.collector.settings = self.settings.generation
