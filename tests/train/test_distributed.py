@@ -482,22 +482,24 @@ def test_validation_metrics_reduce_over_ranks_like_one_process(run_dir):
     assert 0 < one["val/pass@1"] < one["val/pass@4"] < 1  # not vacuous: some prompts pass, some do not
 
 
-def test_a_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message(tiny_model_dir, tmp_path):
-    """2 processes (gloo DDP), synchronous sampling, the quickstart as a user runs it (logger on): rank
-    1's reward raises in the first step. Both ranks end with the reward's own error (rank 0 used to
-    die in the next collective with gloo's 'Connection closed by peer' traceback), and the run that
-    failed before its first step leaves no run directory."""
+def two_ranks_with_a_reward_broken_on_rank_1(tmp_path: Path, tiny_model_dir: Path, subcommand: str, failure: str, *,
+                                             model: dict, data: dict | None = None, trainer: dict | None = None,
+                                             ) -> subprocess.CompletedProcess:
+    """``lit-grpo SUBCOMMAND`` of the quickstart on 2 processes (gloo DDP) whose reward
+    ``flaky.py:broken_on_rank_1`` raises ``failure`` on rank 1 (``model``: where that reward is named):
+    checks that both ranks end with the reward's own ``error:`` line, that neither dies with gloo's
+    'Connection closed by peer', and that nothing hangs (the timeout); the finished process for more checks."""
     (tmp_path / "flaky.py").write_text(
         "import os\n\ndef broken_on_rank_1(completions, **kwargs):\n"
-        "    if os.environ['RANK'] == '1':\n        raise ValueError(\"rank 1's reward broke\")\n"
+        f"    if os.environ['RANK'] == '1':\n        raise ValueError({failure!r})\n"
         "    return [0.0] * len(completions)\n")
     config = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
-    config["model"].update(model_name_or_path=str(tiny_model_dir), rewards=[{"name": "flaky.py:broken_on_rank_1"}])
-    config["data"]["data_files"] = str(REPO / config["data"]["data_files"])
-    config["trainer"].update(max_steps=2, devices=2, strategy="ddp")
+    config["model"].update(model_name_or_path=str(tiny_model_dir), **model)
+    config["data"].update(data_files=str(REPO / config["data"]["data_files"]), **(data or {}))
+    config["trainer"].update(devices=2, strategy="ddp", **(trainer or {}))
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "-m", "lit_grpo.cli", "fit", "--config", "config.yaml"]
+               "-m", "lit_grpo.cli", subcommand, "--config", "config.yaml"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     stopped = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)  # a hang fails here
     assert stopped.returncode != 0
@@ -506,5 +508,16 @@ def test_a_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message(tiny
     errors = re.split(r"error: (?=Reward 'flaky)", stopped.stderr)[1:]
     assert len(errors) == 2, stopped.stderr[-3000:]  # one per rank
     for message in errors:
-        assert message.startswith("Reward 'flaky.py:broken_on_rank_1'") and "rank 1's reward broke" in message, message
+        assert message.startswith("Reward 'flaky.py:broken_on_rank_1'") and failure in message, message
+    return stopped
+
+
+def test_a_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message(tiny_model_dir, tmp_path):
+    """2 processes (gloo DDP), synchronous sampling, the quickstart as a user runs it (logger on): rank
+    1's reward raises in the first step. Both ranks end with the reward's own error (rank 0 used to
+    die in the next collective with gloo's 'Connection closed by peer' traceback), and the run that
+    failed before its first step leaves no run directory."""
+    two_ranks_with_a_reward_broken_on_rank_1(
+        tmp_path, tiny_model_dir, "fit", "rank 1's reward broke", model={"rewards": [{"name": "flaky.py:broken_on_rank_1"}]},
+        trainer={"max_steps": 2})
     assert not list((tmp_path / "runs").glob("*/version_*")), "the failed run's directory was left behind"
