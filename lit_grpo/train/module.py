@@ -113,7 +113,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         num_iterations: mu, passes over each generation batch.
         steps_per_generation: optimizer steps per pass (equal mini-batches of the generation batch).
         micro_batch_size: completions per forward/backward (gradient accumulation); None: a whole mini-batch.
-        loss_type: ``grpo`` | ``bnpo`` | ``dr_grpo`` | ``dapo`` | ``cispo`` | ``sapo``
+        loss_type: ``grpo`` | ``bnpo`` | ``dr_grpo`` | ``dapo`` | ``cispo`` | ``sapo`` | ``luspo`` | ``vespo``
             (``lit_grpo.algorithm.LOSS_TYPES``; for ``cispo`` ``epsilon_high`` bounds the weight, e.g. 5.0).
         beta: weight of the KL penalty to the reference model; 0 loads no reference model.
         epsilon: lower clip range, ratio >= 1 - epsilon.
@@ -178,6 +178,25 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         max_tool_result_length: tokens of one tool result (a longer one keeps both ends); None: no limit.
         max_staleness: asynchronous GRPO: train on batches sampled up to this many optimizer steps before, while the
             next are scored (``lit_grpo.rollout.async_pipeline``); 0: synchronous.
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's Gamma weighting of the sequence
+            importance weight for positive and negative advantages (``loss_type: vespo``; TRL's defaults).
+        off_policy_mask_threshold: DeepSeek-V3.2's mask: a completion with a negative advantage whose KL to the
+            sampling policy exceeds this leaves the loss; None disables.
+        multi_objective_aggregation: ``sum_then_normalize`` (weighted sum of the rewards, then group advantages)
+            or ``normalize_then_sum`` (GDPO: each reward normalised within its group, then the weighted sum).
+        entropy_coef: an entropy bonus, ``- entropy_coef * mean token entropy`` added to the loss; 0 disables.
+        use_adaptive_entropy: adapt ``entropy_coef`` each optimizer step towards ``entropy_target`` (Skywork-OR1),
+            within [``entropy_coef_min``, ``entropy_coef_max``] by steps of ``entropy_coef_delta``.
+        entropy_target: the entropy below which the adaptive bonus applies.
+        entropy_coef_min: the adaptive coefficient's lower bound.
+        entropy_coef_max: its upper bound.
+        entropy_coef_delta: its change per optimizer step.
+        disable_dropout: set every dropout probability of the policy (and reference) to 0.
+        cast_lm_head_to_fp32: compute the LM head and its log-probs in float32 whatever the model's dtype.
+        generation_kwargs: extra sampling arguments for every backend, overriding the named ones (TRL's).
+        vllm_structured_outputs_regex: vLLM backends: constrain completions to this regular expression.
+        log_unique_prompts: log ``num_unique_prompts``, the distinct prompts of each generation batch.
+        vllm_importance_sampling_cap: deprecated (TRL 1.16): ``vllm_importance_sampling_clip_max``, with TRL's warning.
         tokenizer: Python only: the tokenizer of a model given as an object (default: its ``name_or_path``'s).
         optimizer: the ``optimizer:`` block, built once the policy exists; None: AdamW at lr 1e-6 (TRL's).
         lr_scheduler: the ``lr_scheduler:`` block; stepped after every optimizer step.
@@ -255,6 +274,24 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         tool_call_parser: str | None = None,
         max_tool_result_length: int | None = 1024,
         max_staleness: int = 0,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        off_policy_mask_threshold: float | None = None,
+        multi_objective_aggregation: str = "sum_then_normalize",
+        entropy_coef: float = 0.0,
+        use_adaptive_entropy: bool = False,
+        entropy_target: float = 0.2,
+        entropy_coef_min: float = 0.0,
+        entropy_coef_max: float = 1.0,
+        entropy_coef_delta: float = 0.005,
+        disable_dropout: bool = False,
+        cast_lm_head_to_fp32: bool = False,
+        generation_kwargs: dict[str, AsWritten] | None = None,
+        vllm_structured_outputs_regex: str | None = None,
+        log_unique_prompts: bool = False,
+        vllm_importance_sampling_cap: float | None = None,
         tokenizer: Any = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
