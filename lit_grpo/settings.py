@@ -81,7 +81,6 @@ class SamplingSettings:
     """How the training completions were sampled (``model.*`` keys of the same names, and the engine's
     ``filter_order``): what the trainer needs to recompute the distribution their tokens were drawn from."""
 
-    generation_backend: str = "lit"
     filter_order: str = "transformers"  # the engine's sampling_filter_order: a key of sampling_filters.FILTER_ORDERS
     temperature: float = 1.0
     top_k: int | None = 0  # 0 or None: off
@@ -183,6 +182,7 @@ class EvaluationSettings:
     num_generations_eval: int  # k, completions per validation prompt (model.num_generations_eval or num_generations)
     eval_pass_k: tuple[int, ...] = ()  # the k of val/pass@k (model.eval_pass_k or pass@1 and pass@k)
     eval_success_threshold: float = 1.0  # a completion is correct when its reward is at least this
+    temperature_eval: float | None = None  # validation's temperature (0: greedy); None: the training temperature
 
     @classmethod
     def from_hparams(cls, hp: Any) -> EvaluationSettings:
@@ -191,6 +191,7 @@ class EvaluationSettings:
             num_generations_eval=k,
             eval_pass_k=tuple(sorted(set(read_setting(hp, "eval_pass_k") or [1, k]))),
             eval_success_threshold=read_setting(hp, "eval_success_threshold"),
+            temperature_eval=read_setting(hp, "temperature_eval"),
         )
 
 

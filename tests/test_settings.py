@@ -46,7 +46,7 @@ def test_the_records_of_a_module(tiny_model_dir):
     assert module.settings == settings
     assert settings.loss == LossSettings(loss_type="grpo", max_completion_length=8, beta=0.04, epsilon_low=0.1, epsilon_high=0.1)
     assert module.logprobs.settings == settings  # the passes were built with these
-    assert settings.sampling.top_k == 5 and settings.sampling.generation_backend == "lit"
+    assert settings.sampling.top_k == 5 and settings.sampling.filter_order == "transformers"
     # the correction's "auto", resolved for a synchronous run (TRL's defaults)
     passes = settings.logprobs
     assert (passes.vllm_importance_sampling_mode, passes.vllm_importance_sampling_clip_min,

@@ -391,7 +391,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         self.policy = models.build_policy(self.model_source, models.model_init_kwargs(hp.model_init_kwargs), lora=hp.lora,
                                           gradient_checkpointing=hp.gradient_checkpointing)
         eos_token_ids = models.completion_end_token_ids(self.policy, self.tokenizer)
-        self.collector.generation_config, self.eval_generation_config = run_generation_configs(hp, self.tokenizer, eos_token_ids)
+        self.collector.generation_config, self.eval_generation_config = run_generation_configs(
+            self.settings.sampling, self.settings.generation, self.settings.evaluation, self.tokenizer, eos_token_ids)
         if self.device_mesh is not None:  # Lightning's ModelParallelStrategy: shard with FSDP2
             mesh = data_parallel_mesh(self.device_mesh)
             mp_policy = mixed_precision_policy(precision)  # float32 shards, half-precision compute

@@ -15,7 +15,7 @@ from lit_grpo.rollout.engines.base import GenerationEngine
 from lit_grpo.rollout.engines.policy import PolicyEngine
 from lit_grpo.rollout.engines.requests import run_generation_configs
 from lit_grpo.scoring import RewardScorer
-from lit_grpo.settings import GenerationSettings
+from lit_grpo.settings import EvaluationSettings, GenerationSettings, SamplingSettings
 
 ONE_PROCESS = Collectives(all_gather=lambda tensor: tensor, reduce=lambda value, reduce_op: value, rank=lambda: 0,
                           device=lambda: torch.device("cpu"))
@@ -24,7 +24,8 @@ ONE_PROCESS = Collectives(all_gather=lambda tensor: tensor, reduce=lambda value,
 def settings(**overrides) -> AttributeDict:
     hp = AttributeDict(num_generations=4, max_prompt_length=None, max_completion_length=6, chat_template_kwargs=None,
                        scale_rewards="group", dynamic_sampling=False, max_generation_rounds=4, max_staleness=0, temperature=1.0, temperature_eval=None, top_p=1.0,
-                       top_k=0, min_p=None, repetition_penalty=1.0)
+                       top_k=0, min_p=None, repetition_penalty=1.0, num_generations_eval=None, eval_pass_k=None,
+                       eval_success_threshold=1.0)
     hp.update(overrides)
     return hp
 
@@ -38,7 +39,9 @@ def test_a_collector_samples_scores_and_groups_a_batch_without_a_module(tiny_mod
     collector = RolloutCollector(scorer, None, tokenizer, GenerationSettings.from_hparams(hp), weights=lambda: (policy, 3),
                                  collectives=ONE_PROCESS)
     collector.engine = PolicyEngine("lit")
-    collector.generation_config, _ = run_generation_configs(hp, tokenizer, models.completion_end_token_ids(policy, tokenizer))
+    collector.generation_config, _ = run_generation_configs(
+        SamplingSettings.from_hparams(hp, "transformers"), GenerationSettings.from_hparams(hp), EvaluationSettings.from_hparams(hp),
+        tokenizer, models.completion_end_token_ids(policy, tokenizer))
     timings = {"generate": 0.0, "rewards": 0.0}
 
     sampled, dynamic_sampling_stats = collector.collect(PromptBatch(prompts=["Say a:", "Say b:"], columns={}), timings)
@@ -108,3 +111,19 @@ def test_a_fifth_engine_gets_vllms_filter_order_and_the_server_loss_checkpoint_f
     filters = fifth.logprobs.sampling_filters
     assert filters.min_p_first and not filters.penalise_padding  # min-p before top-k and top-p, as vLLM samples
     assert server_loss_callbacks(fifth) == 1
+
+
+def test_the_sampling_configs_are_built_from_the_setting_records(tiny_model_dir):
+    """Issue 52 leftover: training's and validation's generation configs come from the records
+    (sampling: temperature and filters; generation: the completion budget; evaluation: temperature_eval),
+    not from the hyperparameters."""
+    tokenizer = models.load_tokenizer(str(tiny_model_dir), None)
+    sampling = SamplingSettings(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.1)
+    generation = GenerationSettings(max_completion_length=12)
+    train, evaluation = run_generation_configs(sampling, generation, EvaluationSettings(num_generations_eval=2, temperature_eval=0.0),
+                                               tokenizer, [7, 9])
+    assert (train.do_sample, train.temperature, train.top_k, train.top_p, train.min_p) == (True, 0.7, 5, 0.9, 0.05)
+    assert (train.max_new_tokens, train.repetition_penalty, train.eos_token_id) == (12, 1.1, [7, 9])
+    assert (evaluation.do_sample, evaluation.max_new_tokens, evaluation.repetition_penalty) == (False, 12, 1.1)  # temperature_eval 0: greedy
+    _, same = run_generation_configs(sampling, generation, EvaluationSettings(num_generations_eval=2), tokenizer, [7])
+    assert (same.do_sample, same.temperature, same.top_k) == (True, 0.7, 5)  # no temperature_eval: training's

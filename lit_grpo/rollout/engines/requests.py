@@ -14,6 +14,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from lit_grpo.errors import ConfigError
 from lit_grpo.rollout.records import is_conversational
+from lit_grpo.settings import EvaluationSettings, GenerationSettings, SamplingSettings
 
 __all__ = [
     "NO_CHAT_TEMPLATE",
@@ -94,18 +95,25 @@ def generation_config(
     return GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, **common)
 
 
-def run_generation_configs(hp, tokenizer: PreTrainedTokenizerBase, eos_token_ids: list[int]) -> tuple[GenerationConfig, GenerationConfig]:
-    """The training and the validation sampling settings of a run (``hp``: the module's settings;
-    validation samples at ``temperature_eval`` when set)."""
-    sampling = dict(
-        max_new_tokens=hp.max_completion_length,
-        top_p=hp.top_p,
-        top_k=hp.top_k,
-        min_p=hp.min_p,
-        repetition_penalty=hp.repetition_penalty,
+def run_generation_configs(
+    sampling: SamplingSettings,
+    generation: GenerationSettings,
+    evaluation: EvaluationSettings,
+    tokenizer: PreTrainedTokenizerBase,
+    eos_token_ids: list[int],
+) -> tuple[GenerationConfig, GenerationConfig]:
+    """The training and the validation sampling settings of a run, from its setting records (validation
+    samples at ``evaluation.temperature_eval`` when set, else at the training temperature)."""
+    common = dict(
+        max_new_tokens=generation.max_completion_length,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos_token_ids,
         bos_token_id=tokenizer.bos_token_id,
     )
-    eval_temperature = hp.temperature if hp.temperature_eval is None else hp.temperature_eval
-    return generation_config(temperature=hp.temperature, **sampling), generation_config(temperature=eval_temperature, **sampling)
+    eval_temperature = sampling.temperature if evaluation.temperature_eval is None else evaluation.temperature_eval
+    return (generation_config(temperature=sampling.temperature, **common),
+            generation_config(temperature=eval_temperature, **common))
