@@ -388,6 +388,31 @@ class EchoEngine(GenerationEngine):
         return cls()
 
 
+class EchoServerEngine(EchoEngine):
+    """A fifth engine that samples on servers elsewhere, as ``vllm_server`` does."""
+
+    samples_elsewhere = True
+
+
+def test_server_addresses_are_refused_by_what_the_engine_class_says_not_by_its_name(monkeypatch):
+    """Issue 52 leftover: whether model.vllm_server_urls may be given is the engine class's answer
+    (``samples_elsewhere``), so a fifth engine that samples on servers takes them, and one that samples
+    on the trainer's devices refuses them."""
+    from types import SimpleNamespace
+
+    from lit_grpo.errors import ConfigError
+    from lit_grpo.rollout import engines
+
+    monkeypatch.setitem(engines.ENGINES, "echo", f"{EchoEngine.__module__}:EchoEngine")
+    monkeypatch.setitem(engines.ENGINES, "echo_server", f"{EchoServerEngine.__module__}:EchoServerEngine")
+    monkeypatch.setattr(EchoEngine, "checked", [])
+    urls = ["http://localhost:8000"]
+    engines.check_backend(SimpleNamespace(generation_backend="echo_server", vllm_server_urls=urls))
+    assert EchoEngine.checked == ["echo_server"]
+    with pytest.raises(ConfigError, match="model.vllm_server_urls is set but model.generation_backend is 'echo':"):
+        engines.check_backend(SimpleNamespace(generation_backend="echo", vllm_server_urls=urls))
+
+
 def test_a_backend_is_a_registry_line_naming_its_engine_class(monkeypatch):
     """Issue 52.1: model.generation_backend picks its engine from the registry (no if/elif): the four
     built-in backends in their order (the error message lists them), a fifth added by one entry; a

@@ -69,8 +69,9 @@ def engine_class(backend: str) -> EngineClass:
 def check_backend(hp) -> None:
     """Fail now, before any model is loaded, on a backend whose extra is missing or whose settings
     cannot work."""
-    engine_class(hp.generation_backend).check_run(hp)
-    if hp.vllm_server_urls and hp.generation_backend != "vllm_server":  # a setting of another backend's
+    engine = engine_class(hp.generation_backend)
+    engine.check_run(hp)
+    if hp.vllm_server_urls and not engine.samples_elsewhere:  # servers given to an engine that samples here
         raise ConfigError(f"model.vllm_server_urls is set but model.generation_backend is {hp.generation_backend!r}: "
                           "set model.generation_backend: vllm_server to sample on those servers")
 
