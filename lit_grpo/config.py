@@ -16,6 +16,9 @@ and jsonargparse leaves it alone.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
+
 from jsonargparse.typing import register_type
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -24,11 +27,15 @@ from lit_grpo.algorithm.sampling_correction import SAMPLING_CORRECTION_SETTINGS,
 from lit_grpo.errors import ConfigError
 
 __all__ = [
+    "SAMPLING_DISTRIBUTION_ARGUMENTS",
     "AsWritten",
+    "backend_generation_kwargs",
     "check_batch_sizes",
     "check_reference_sync",
     "check_settings",
     "check_trl_options",
+    "named_settings_given_elsewhere",
+    "optional_setting",
     "warn_trl_loss_settings",
 ]
 
@@ -207,6 +214,51 @@ def check_vllm_settings(hp) -> None:
         raise ConfigError(
             f"model.vllm_importance_sampling_clip_min ({low}) and _clip_max ({high}) must satisfy 0 <= min < max"
         )
+
+
+# generation_kwargs' arguments that change the distribution the completions are drawn from, which the trainer
+# recomputes (lit_grpo.algorithm.sampling_filters): they become the named keys' values, everywhere
+SAMPLING_DISTRIBUTION_ARGUMENTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def optional_setting(hp, name: str):
+    """``hp``'s value of ``name`` (a mapping's key, or an attribute), None where it has none."""
+    return hp.get(name) if isinstance(hp, Mapping) else getattr(hp, name, None)
+
+
+def named_settings_given_elsewhere(hp) -> dict:
+    """The named ``model.*`` settings that other keys set, to be put in ``hp`` before it is checked:
+    ``generation_kwargs``' sampling-distribution arguments (TRL: they override the named keys), and TRL's
+    deprecated ``vllm_importance_sampling_cap`` (``vllm_importance_sampling_clip_max``, with TRL's warning)."""
+    generation_kwargs = optional_setting(hp, "generation_kwargs")
+    if generation_kwargs is not None and not (isinstance(generation_kwargs, dict) and all(isinstance(key, str) for key in generation_kwargs)):
+        raise ConfigError(f"model.generation_kwargs must be a mapping of argument names to values, got {generation_kwargs!r}")
+    given = {}
+    for name in SAMPLING_DISTRIBUTION_ARGUMENTS:
+        value = (generation_kwargs or {}).get(name)
+        if name in (generation_kwargs or {}) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"model.generation_kwargs.{name} must be a number, got {value!r}")
+        if name == "temperature" and value is not None and value <= 0:
+            raise ConfigError(f"model.generation_kwargs.temperature must be > 0 (sampling), got {value}")
+        if value is not None:
+            given[name] = 0 if name == "top_k" and value == -1 else value  # vLLM's top_k -1 is off, lit-grpo's 0
+    cap = optional_setting(hp, "vllm_importance_sampling_cap")
+    if cap is not None:
+        clip_max = optional_setting(hp, "vllm_importance_sampling_clip_max")  # "auto" unless given
+        if clip_max != "auto" and clip_max != cap:
+            raise ConfigError(f"model.vllm_importance_sampling_cap ({cap}, deprecated) and model.vllm_importance_sampling_clip_max "
+                              f"({clip_max}) differ: give only vllm_importance_sampling_clip_max")
+        warnings.warn("The `vllm_importance_sampling_cap` argument is deprecated and will be removed in v2.0.0. "
+                      "Use `vllm_importance_sampling_clip_max` instead.", FutureWarning, stacklevel=3)  # TRL 1.16's text
+        given["vllm_importance_sampling_clip_max"] = cap
+    return given
+
+
+def backend_generation_kwargs(hp) -> dict:
+    """``model.generation_kwargs`` less the sampling-distribution arguments (:func:`named_settings_given_elsewhere`):
+    what goes to the backend as it is (``GenerationConfig`` fields, or vLLM's ``SamplingParams``)."""
+    return {name: value for name, value in (optional_setting(hp, "generation_kwargs") or {}).items()
+            if name not in SAMPLING_DISTRIBUTION_ARGUMENTS}
 
 
 def check_batch_sizes(

@@ -52,6 +52,7 @@ __all__ = [
     "OutputHead",
     "decoder_hidden_states",
     "output_head",
+    "disable_dropout",
     "drop_frozen_weights",
     "enable_gradient_checkpointing",
     "completion_end_token_ids",
@@ -356,6 +357,26 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_dropout(*models: torch.nn.Module | None) -> None:
+    """Dropout off in each model given (None skipped), in training mode too (``model.disable_dropout``):
+    every ``torch.nn.Dropout``'s probability 0 (TRL's ``disable_dropout_in_model``; LoRA's dropout too), and the
+    dropout rates that attention and some decoder layers read from their config or an attribute at each
+    forward instead (``attention_dropout``, Falcon's ``hidden_dropout``, ...) 0."""
+    for model in models:
+        if model is None:
+            continue
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+            if isinstance(getattr(module, "attention_dropout", None), float):  # Llama, Qwen2, ...: read at each forward
+                module.attention_dropout = 0.0
+            config = getattr(module, "config", None)
+            for config in (config, getattr(config, "text_config", None)):
+                for name, value in list(getattr(config, "__dict__", {}).items()):
+                    if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+                        setattr(config, name, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ The YAML and Python surface is ``GRPOModule``'s parameters (``model.*`` in the c
 :mod:`lit_grpo.config`; the code after setup reads these frozen records instead of the live
 hyperparameters, so what a piece of code depends on is in its signature:
 
-- :class:`LossSettings`: everything :func:`lit_grpo.algorithm.grpo_loss` reads;
+- :class:`LossSettings`: everything :func:`lit_grpo.algorithm.grpo_loss` reads (TRL 1.16's newer loss
+  options in its :class:`LossOptions`);
 - :class:`SamplingSettings`: the distribution the training completions were sampled from, as the
   trainer recomputes it (:class:`lit_grpo.algorithm.sampling_filters.SamplingFilters`);
 - :class:`LogProbSettings`: how the log-prob passes run (:mod:`lit_grpo.train.logprob_passes`);
@@ -29,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["EvaluationSettings", "GenerationSettings", "LogProbSettings", "LossSettings", "RunSettings",
+__all__ = ["EvaluationSettings", "GenerationSettings", "LogProbSettings", "LossOptions", "LossSettings", "RunSettings",
            "SamplingSettings", "ToolSettings", "UpdateSettings"]
 
 
@@ -41,6 +42,18 @@ def read_setting(hp: Any, name: str) -> Any:
 def same_names(record: type, hp: Any) -> dict[str, Any]:
     """The values of ``hp`` named as ``record``'s fields (a record whose fields are ``model.*`` keys)."""
     return {field.name: read_setting(hp, field.name) for field in fields(record)}
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """TRL 1.16's options of the loss (``model.*`` keys of the same names, TRL's defaults), held in
+    :attr:`LossSettings.options`: VESPO's Gamma weighting and DeepSeek-V3.2's off-policy sequence mask."""
+
+    vespo_k_pos: float = 2.0  # VESPO's Gamma exponent for A >= 0 (low weights damped)
+    vespo_lambda_pos: float = 3.0  # VESPO's Gamma decay for A >= 0 (high weights damped)
+    vespo_k_neg: float = 3.0  # the same for A < 0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask; None: off
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +71,7 @@ class LossSettings:
     sapo_temperature_neg: float = 1.05
     kl_estimator: str = "k3"  # "k1", "k2" or "k3"
     use_bias_correction_kl: bool = True  # the per-token KL times the importance ratio
+    options: LossOptions = LossOptions()  # vespo_* and off_policy_mask_threshold
 
     @classmethod
     def from_hparams(cls, hp: Any) -> LossSettings:
@@ -73,6 +87,7 @@ class LossSettings:
             sapo_temperature_neg=hp.sapo_temperature_neg,
             kl_estimator=hp.kl_estimator,
             use_bias_correction_kl=hp.use_bias_correction_kl,
+            options=LossOptions(**same_names(LossOptions, hp)),
         )
 
 

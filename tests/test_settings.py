@@ -9,6 +9,7 @@ from lit_grpo.settings import (
     EvaluationSettings,
     GenerationSettings,
     LogProbSettings,
+    LossOptions,
     LossSettings,
     RunSettings,
     SamplingSettings,
@@ -29,11 +30,14 @@ RENAMED = {"epsilon_low": "epsilon"}
 def test_the_records_defaults_are_the_modules():
     """A record made without the config (a test, a script) means what GRPOModule's defaults mean."""
     parameters = inspect.signature(GRPOModule).parameters
-    for record in (LossSettings, SamplingSettings, LogProbSettings, GenerationSettings, UpdateSettings, ToolSettings,
-                   EvaluationSettings):
+    for record in (LossSettings, LossOptions, SamplingSettings, LogProbSettings, GenerationSettings, UpdateSettings,
+                   ToolSettings, EvaluationSettings):
         for field in dataclasses.fields(record):
             name = RENAMED.get(field.name, field.name)
             if name in RESOLVED | ENGINES_OWN or field.default is dataclasses.MISSING:
+                continue
+            if dataclasses.is_dataclass(field.default):  # a nested record (LossSettings.options), checked as its own
+                assert field.default == type(field.default)(), f"{record.__name__}.{field.name}"
                 continue
             assert field.default == parameters[name].default, f"{record.__name__}.{field.name}"
 

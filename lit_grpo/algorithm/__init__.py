@@ -63,7 +63,9 @@ from lit_grpo.algorithm.losses import (
     LOSS_TYPES,
     MASKED_AGGREGATIONS,
     Aggregation,
+    InputsObjective,
     LossInputs,
+    LossMetrics,
     LossOptions,
     LossType,
     Objective,
@@ -81,7 +83,9 @@ from lit_grpo.algorithm.losses import (
     register_loss_type,
     rows_without_gradient,
     sapo_objective,
+    vespo_metrics,
     vespo_objective,
+    vespo_sequence_weights,
 )
 from lit_grpo.algorithm.sampling_correction import off_policy_sequence_mask
 from lit_grpo.algorithm.token_logprobs import (

@@ -2,14 +2,15 @@
 :func:`grpo_loss`, the whole GRPO objective of one micro-batch.
 
 As in prime-rl, the loss takes two records: :class:`LossInputs` (the micro-batch's tensors) and
-:class:`lit_grpo.settings.LossSettings` (the run's loss settings, built once). Shapes: ``n`` rows of
-the micro-batch, ``T`` completion length (padded).
+:class:`lit_grpo.settings.LossSettings` (the run's loss settings, built once, TRL 1.16's newer
+options in its :class:`~lit_grpo.settings.LossOptions`). Shapes: ``n`` rows of the micro-batch,
+``T`` completion length (padded).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +27,7 @@ from lit_grpo.algorithm.token_terms import (
     vespo_gamma_weights,
     vespo_loss,
 )
-from lit_grpo.settings import LossSettings
+from lit_grpo.settings import LossOptions, LossSettings
 
 # A ``loss_type`` is two choices: the per-token policy objective (PPO's clipped surrogate, CISPO or
 # SAPO) and the aggregation that turns a micro-batch's per-token losses into one scalar. Every
@@ -47,25 +48,17 @@ Aggregation = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 Objective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossSettings], torch.Tensor]
 
 
-@dataclass(frozen=True)
-class LossOptions:
-    """TRL 1.16's loss options that :class:`~lit_grpo.settings.LossSettings` does not carry yet
-    (``model.*`` keys of the same names, TRL's defaults); :func:`grpo_loss` takes them beside it."""
-
-    vespo_k_pos: float = 2.0  # VESPO's Gamma exponent for A >= 0 (low weights damped)
-    vespo_lambda_pos: float = 3.0  # VESPO's Gamma decay for A >= 0 (high weights damped)
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask; None: off
-
-
-DEFAULT_LOSS_OPTIONS = LossOptions()  # TRL 1.16's defaults
+DEFAULT_LOSS_OPTIONS = LossOptions()  # TRL 1.16's defaults, those of LossSettings.options
 
 
 # An objective that reads more than the ratio (``reads_inputs``): (inputs, settings, options) -> per-token
 # loss [n, T]. grpo_loss still multiplies its loss by ``inputs.sampling_weights`` unless the loss type
 # says the objective folds them in itself (``folds_sampling_weights``, as vespo does).
 InputsObjective = Callable[["LossInputs", LossSettings, LossOptions], torch.Tensor]
+
+# A loss type's own metrics of one micro-batch (TRL's names), beside the loss:
+# (inputs, settings, options) -> {name: [] value}; computed without gradient.
+LossMetrics = Callable[["LossInputs", LossSettings, LossOptions], dict[str, torch.Tensor]]
 
 
 def ppo_objective(ratio, advantages, logps, settings: LossSettings) -> torch.Tensor:
@@ -83,12 +76,12 @@ def sapo_objective(ratio, advantages, logps, settings: LossSettings) -> torch.Te
     return sapo_loss(ratio, advantages, settings.sapo_temperature_pos, settings.sapo_temperature_neg)
 
 
-def vespo_objective(inputs: LossInputs, settings: LossSettings, options: LossOptions) -> torch.Tensor:
-    """:func:`vespo_loss` weighted by :func:`vespo_gamma_weights` of the token log-ratios
+def vespo_sequence_weights(inputs: LossInputs, options: LossOptions) -> torch.Tensor:
+    """VESPO's ``phi`` ``[n, 1]`` (no gradient): :func:`vespo_gamma_weights` of the token log-ratios
     ``logp - old_logp`` (whatever ``importance_sampling_level``; TRL warns unless it is ``token``)
     and of a token-level ``sampling_weights`` (another engine's correction, folded into the weight
-    instead of multiplying the loss, as in TRL)."""
-    gamma_weights = vespo_gamma_weights(
+    instead of multiplying the loss, as in TRL), with ``options``' ``vespo_*``."""
+    return vespo_gamma_weights(
         inputs.advantages,
         inputs.logps.detach() - inputs.old_logps,
         inputs.completion_mask,
@@ -97,8 +90,19 @@ def vespo_objective(inputs: LossInputs, settings: LossSettings, options: LossOpt
         lambda_pos=options.vespo_lambda_pos,
         k_neg=options.vespo_k_neg,
         lambda_neg=options.vespo_lambda_neg,
-    )  # [n, 1]
-    return vespo_loss(gamma_weights, inputs.advantages, inputs.logps)  # [n, T]
+    )
+
+
+def vespo_objective(inputs: LossInputs, settings: LossSettings, options: LossOptions) -> torch.Tensor:
+    """:func:`vespo_loss` weighted by :func:`vespo_sequence_weights`."""
+    return vespo_loss(vespo_sequence_weights(inputs, options), inputs.advantages, inputs.logps)  # [n, T]
+
+
+def vespo_metrics(inputs: LossInputs, settings: LossSettings, options: LossOptions) -> dict[str, torch.Tensor]:
+    """TRL 1.16's ``vespo/phi_seq_mean``: the mean ``phi`` over the micro-batch's rows, every row
+    counted (TRL's ``global_masked_mean`` of a ``(B, 1)`` tensor; a row with no real token has
+    ``phi = 1``)."""
+    return {"vespo/phi_seq_mean": vespo_sequence_weights(inputs, options).mean()}
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,8 @@ class LossType:
     rows_independent: bool = False  # the loss is a sum of per-row terms (normalisers from the masks only)
     reads_inputs: bool = False  # ``objective`` is an :data:`InputsObjective`
     folds_sampling_weights: bool = False  # the objective applies ``sampling_weights`` itself: grpo_loss does not
+    metrics: LossMetrics | None = None  # the loss type's own metrics (TRL's names), beside the loss
+    clips_ratio: bool = True  # the ratio's clip fractions (``clip_ratio/*``) mean something for it
 
 
 LOSS_TYPES: dict[str, LossType] = {}
@@ -123,6 +129,8 @@ def register_loss_type(
     rows_independent: bool = False,
     reads_inputs: bool = False,
     folds_sampling_weights: bool = False,
+    metrics: LossMetrics | None = None,
+    clips_ratio: bool = True,
 ) -> Callable[[Aggregation], Aggregation]:
     """Register a ``loss_type`` by its aggregation (decorator), with its per-token objective.
     ``rows_independent``: say so only if the loss is a sum of per-row terms whose weights depend on
@@ -130,7 +138,9 @@ def register_loss_type(
     objective is an :data:`InputsObjective` (it reads the whole :class:`LossInputs`).
     ``folds_sampling_weights`` (with ``reads_inputs``): the objective applies the engine correction's
     ``inputs.sampling_weights`` itself, so :func:`grpo_loss` does not multiply its loss by them;
-    otherwise it does, as for every other objective."""
+    otherwise it does, as for every other objective. ``metrics``: the loss type's own metrics of a
+    micro-batch (:data:`LossMetrics`, in :attr:`PolicyLossOutput.metrics`); ``clips_ratio=False``: the
+    ratio's clip fractions mean nothing for this objective (:attr:`PolicyLossOutput.clip` is None)."""
     if folds_sampling_weights and not reads_inputs:
         raise ValueError(f"loss_type {name!r}: folds_sampling_weights needs reads_inputs (an InputsObjective)")
 
@@ -142,6 +152,8 @@ def register_loss_type(
             rows_independent=rows_independent,
             reads_inputs=reads_inputs,
             folds_sampling_weights=folds_sampling_weights,
+            metrics=metrics,
+            clips_ratio=clips_ratio,
         )
         return fn
 
@@ -208,12 +220,13 @@ def luspo_aggregation(per_token_loss, completion_mask, max_completion_length, nu
 
 
 # CISPO aggregates like DAPO (token sum over the generation batch's tokens), SAPO like GRPO
-# (sequence means), as in their papers and in TRL; VESPO like DAPO, as in TRL.
+# (sequence means), as in their papers and in TRL; VESPO like DAPO, as in TRL, which logs its mean
+# sequence weight instead of clip fractions (VESPO clips no ratio).
 LOSS_TYPES["cispo"] = LossType(dapo_aggregation, cispo_objective, accumulates_by_mean=False, rows_independent=True)
 LOSS_TYPES["sapo"] = LossType(grpo_aggregation, sapo_objective, accumulates_by_mean=True, rows_independent=True)
 register_loss_type(
     "vespo", vespo_objective, accumulates_by_mean=False, rows_independent=True, reads_inputs=True,
-    folds_sampling_weights=True,
+    folds_sampling_weights=True, metrics=vespo_metrics, clips_ratio=False,
 )(dapo_aggregation)
 
 
@@ -300,7 +313,8 @@ class LossInputs:
 class PolicyLossOutput:
     loss: torch.Tensor  # [] the micro-batch loss to backpropagate
     kl: torch.Tensor | None  # [] masked mean per-token KL, None when beta == 0
-    clip: ClipFractions
+    clip: ClipFractions | None  # None for a loss type that clips no ratio (``LossType.clips_ratio``)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # the loss type's own ([] each, TRL's names)
 
 
 def policy_term(inputs: LossInputs, settings: LossSettings, options: LossOptions, ratio: torch.Tensor) -> torch.Tensor:
@@ -331,8 +345,8 @@ def grpo_loss(inputs: LossInputs, settings: LossSettings, options: LossOptions |
     ``l[i, t] = objective(rho, A_i, logp)[i, t] * policy_mask[i, t] + beta * kl[i, t]``, aggregated
     by ``loss_type`` over ``completion_mask``; the objective is PPO's clipped surrogate
     ``-min(rho * A_i, clip(rho) * A_i)`` for grpo/bnpo/dr_grpo/dapo/luspo, CISPO's, SAPO's or
-    VESPO's for those (:func:`policy_term`, with ``options``' off-policy mask; None: TRL's defaults,
-    :data:`DEFAULT_LOSS_OPTIONS`).
+    VESPO's for those (:func:`policy_term`, with the off-policy mask of ``settings.options``;
+    ``options``, where given, in their place).
 
     ``use_bias_correction_kl`` multiplies the per-token KL by the (unclipped, differentiable)
     importance ratio ``rho`` (DeepSeek-V3.2, arXiv:2512.02556; TRL 1.16's default), which makes its
@@ -342,7 +356,7 @@ def grpo_loss(inputs: LossInputs, settings: LossSettings, options: LossOptions |
     """
     if settings.loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {settings.loss_type!r}")
-    options = DEFAULT_LOSS_OPTIONS if options is None else options
+    options = settings.options if options is None else options
     logps, mask = inputs.logps, inputs.completion_mask
     ratio = importance_ratio(logps, inputs.old_logps, mask, settings.importance_sampling_level)
     per_token_loss = policy_term(inputs, settings, options, ratio)
@@ -362,5 +376,12 @@ def grpo_loss(inputs: LossInputs, settings: LossSettings, options: LossOptions |
         max_completion_length=settings.max_completion_length,
         num_items_in_batch=inputs.num_items_in_batch,
     )
-    clip = clip_fractions(ratio, inputs.advantages, mask, settings.epsilon_low, settings.epsilon_high)
-    return PolicyLossOutput(loss=loss, kl=kl, clip=clip)
+    loss_type = LOSS_TYPES[settings.loss_type]
+    clip = None
+    if loss_type.clips_ratio:
+        clip = clip_fractions(ratio, inputs.advantages, mask, settings.epsilon_low, settings.epsilon_high)
+    metrics = {}
+    if loss_type.metrics is not None:
+        with torch.no_grad():
+            metrics = loss_type.metrics(inputs, settings, options)
+    return PolicyLossOutput(loss=loss, kl=kl, clip=clip, metrics=metrics)

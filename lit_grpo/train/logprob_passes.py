@@ -271,13 +271,16 @@ class LogProbPasses:
         (:func:`lit_grpo.algorithm.rows_without_gradient`: advantage 0 with ``beta = 0``, or no token
         that counts) get no pass and keep 0: their old log-probs only enter a ratio that is multiplied
         by a zero advantage or a zero mask, and the clip fractions count no token of theirs, so the
-        update and every statistic are the same whatever the value. Sharded (FSDP2) ranks compute as
-        many rows as the rank that needs most, so they run as many forwards as each other.
+        update and every statistic are the same whatever the value; not for a loss type with metrics
+        of its own (``LossType.metrics``: vespo's mean ``phi`` counts every row). Sharded (FSDP2)
+        ranks compute as many rows as the rank that needs most, so they run as many forwards as each other.
         """
         old_logps = torch.zeros(scored.rollout.completion_ids.shape, device=scored.rollout.completion_ids.device)
         needed = later_rows
         # rows without gradient need no old log-probs, except to reweight another engine's samples
-        if self.skips_rows_without_gradient() and scored.rollout.sampling_logps is None:
+        # or for the loss type's own metrics
+        loss_metrics = algorithm.LOSS_TYPES[self.loss_settings.loss_type].metrics
+        if self.skips_rows_without_gradient() and scored.rollout.sampling_logps is None and loss_metrics is None:
             loss = self.loss_settings
             inert = algorithm.rows_without_gradient(
                 scored.group.advantages[later_rows], scored.loss_mask[later_rows], loss.loss_type, loss.beta
@@ -350,16 +353,21 @@ class LogProbPasses:
             num_items_in_batch=scored.num_items_in_batch,
             policy_mask=policy_mask,  # [n, C] or None
             sampling_weights=None if correction is None else correction.weights,  # [n, C] or [n, 1]
+            sampling_logps=sampling_logps,  # [n, C] or None (old_logps): off_policy_mask_threshold's KL
         )
-        out = algorithm.grpo_loss(inputs, self.loss_settings)
+        out = algorithm.grpo_loss(inputs, self.loss_settings)  # the options: self.loss_settings.options
         if entropy is None:
             return out.loss, {}
         stats = {
             "entropy": algorithm.masked_mean(entropy, scored.rollout.policy_token_mask[rows, :width]),  # tool tokens left out
-            "clip_ratio/low_mean": out.clip.low,
-            "clip_ratio/high_mean": out.clip.high,
-            "clip_ratio/region_mean": out.clip.region,
+            **out.metrics,  # the loss type's own (vespo/phi_seq_mean)
         }
+        if out.clip is not None:  # not for a loss type that clips no ratio (vespo), as in TRL
+            stats.update({
+                "clip_ratio/low_mean": out.clip.low,
+                "clip_ratio/high_mean": out.clip.high,
+                "clip_ratio/region_mean": out.clip.region,
+            })
         if out.kl is not None:
             stats["kl"] = out.kl
         if sampling_logps is not None:

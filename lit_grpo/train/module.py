@@ -43,7 +43,7 @@ from transformers import GenerationConfig
 from lit_grpo import algorithm, cpu, device_defaults, models
 from lit_grpo.algorithm.evaluation import ValidationMetrics
 from lit_grpo.algorithm.sampling_correction import correction_settings
-from lit_grpo.config import AsWritten, check_batch_sizes, check_settings
+from lit_grpo.config import AsWritten, check_batch_sizes, check_settings, named_settings_given_elsewhere
 from lit_grpo.data import PromptBatch
 from lit_grpo.distributed import data_parallel_mesh, mixed_precision_policy, shard_model
 from lit_grpo.errors import ConfigError
@@ -330,6 +330,9 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
     def _check_settings(self, settings: dict[str, Any]) -> None:
         """The checks of the settings as given that need no model; the importance-sampling correction's
         ``auto`` values resolved; with LoRA, a state dict of the adapter only."""
+        given_elsewhere = named_settings_given_elsewhere(self.hparams)  # generation_kwargs' temperature..., the deprecated cap
+        self.hparams.update(given_elsewhere)
+        settings.update(given_elsewhere)
         check_settings(self.hparams, tuple(ENGINES))  # the backends registered now
         # "auto": the correction of this run's staleness, in the hparams the loss reads (lit_grpo.train.logprob_passes)
         self.hparams.update(correction_settings(settings["vllm_importance_sampling_mode"], settings["vllm_importance_sampling_clip_min"],
@@ -390,6 +393,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
             self.ref_model = models.build_reference(self.model_source, hp.model_init_kwargs, precision)
         self.policy = models.build_policy(self.model_source, models.model_init_kwargs(hp.model_init_kwargs), lora=hp.lora,
                                           gradient_checkpointing=hp.gradient_checkpointing)
+        if hp.disable_dropout:  # TRL's: every dropout of the policy and the reference model at 0
+            models.disable_dropout(self.policy, self.ref_model)
         eos_token_ids = models.completion_end_token_ids(self.policy, self.tokenizer)
         self.collector.generation_config, self.eval_generation_config = run_generation_configs(
             self.settings.sampling, self.settings.generation, self.settings.evaluation, self.tokenizer, eos_token_ids)

@@ -39,7 +39,7 @@ from lit_grpo.algorithm import (
     token_entropy,
     vespo_gamma_weights,
 )
-from lit_grpo.algorithm.losses import dapo_aggregation
+from lit_grpo.algorithm.losses import dapo_aggregation, dapo_normaliser
 from lit_grpo.config import check_trl_options
 from lit_grpo.errors import ConfigError
 from lit_grpo.settings import LossSettings
@@ -56,12 +56,12 @@ TRL_DEFAULTS = LossOptions()  # vespo (2, 3, 3, 2), no off-policy mask
 
 
 def loss_and_grad(logps, old_logps, advantages, mask, options=TRL_DEFAULTS, **settings):
-    """``grpo_loss``'s value and its gradient with respect to ``logps``."""
+    """``grpo_loss``'s value and its gradient with respect to ``logps``, ``options`` in ``LossSettings.options``."""
     logps = logps.clone().requires_grad_(True)
-    extra = {key: settings.pop(key) for key in ("ref_logps", "sampling_weights", "sampling_logps", "num_items_in_batch")
-             if key in settings}
+    extra = {key: settings.pop(key) for key in ("ref_logps", "sampling_weights", "sampling_logps", "num_items_in_batch",
+                                                "policy_mask") if key in settings}
     settings.setdefault("max_completion_length", logps.size(1))
-    out = grpo_loss(LossInputs(logps, old_logps, advantages, mask, **extra), LossSettings(**settings), options)
+    out = grpo_loss(LossInputs(logps, old_logps, advantages, mask, **extra), LossSettings(**settings, options=options))
     out.loss.backward()
     return out.loss.detach(), logps.grad
 
@@ -104,12 +104,15 @@ def trl_get_gamma_weights(advantages, log_ratio_per_token, mask, importance_samp
 def trl_compute_loss(per_token_logps, old_per_token_logps, advantages, mask, *, loss_type, importance_sampling_level="token",
                      epsilon_low=0.2, epsilon_high=0.2, delta=None, beta=0.0, ref_per_token_logps=None,
                      use_bias_correction_kl=True, off_policy_mask_threshold=None, sampling_per_token_logps=None,
-                     importance_sampling_ratio=None, num_items_in_batch=None, vespo=(2.0, 3.0, 3.0, 2.0)):
-    """An *excerpt* of ``GRPOTrainer._compute_loss``, not verbatim: the policy part for luspo, vespo,
-    grpo and dapo only, on one process with no gradient accumulation (``num_processes =
-    current_gradient_accumulation_steps = steps_per_generation = 1``, so those factors are left out),
-    no entropy mask, and ``importance_sampling_ratio is not None`` standing for TRL's ``self.use_vllm
-    and self.vllm_importance_sampling_correction``. Tested against: one process, one micro-batch."""
+                     importance_sampling_ratio=None, num_items_in_batch=None, vespo=(2.0, 3.0, 3.0, 2.0),
+                     entropy_mask=None, num_processes=1, current_gradient_accumulation_steps=1, steps_per_generation=1):
+    """An *excerpt* of ``GRPOTrainer._compute_loss`` in training mode, not verbatim: the policy part
+    for luspo, vespo, grpo and dapo only, with ``self.*`` as arguments (``num_processes`` is
+    ``self.accelerator.num_processes``; TRL's ``steps_per_generation`` counts *micro-batches* per
+    generation batch, lit-grpo's optimizer steps: TRL's = lit-grpo's x ``current_gradient_accumulation_steps``),
+    ``entropy_mask`` given (``get_high_entropy_mask``'s), and ``importance_sampling_ratio is not None``
+    standing for TRL's ``self.use_vllm and self.vllm_importance_sampling_correction``. One
+    micro-batch of one process: a layout of several is :func:`trl_layout`."""
     advantages = advantages.unsqueeze(1)
     if off_policy_mask_threshold is not None:
         sampling = old_per_token_logps if sampling_per_token_logps is None else sampling_per_token_logps
@@ -137,17 +140,24 @@ def trl_compute_loss(per_token_logps, old_per_token_logps, advantages, mask, *, 
         per_token_loss = -phi_seq * advantages * per_token_logps
     if off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
     if importance_sampling_ratio is not None and loss_type != "vespo":
         per_token_loss = per_token_loss * importance_sampling_ratio
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
     if loss_type == "grpo":
-        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        normalizer = current_gradient_accumulation_steps
+        return loss / normalizer
     if loss_type in ["cispo", "dapo", "vespo"]:
-        normalizer = torch.as_tensor(num_items_in_batch).clamp(min=1.0) / 1  # num_processes
+        normalizer = torch.as_tensor(num_items_in_batch).clamp(min=1.0) / num_processes
+        normalizer = normalizer * current_gradient_accumulation_steps / steps_per_generation
         return (per_token_loss * mask).sum() / normalizer
     if loss_type == "luspo":
-        return (per_token_loss * mask).sum(-1).mean()
+        loss = (per_token_loss * mask).sum(-1).mean()
+        normalizer = current_gradient_accumulation_steps
+        return loss / normalizer
     raise ValueError(loss_type)
 
 
@@ -368,9 +378,23 @@ def test_grpo_loss_options_default_to_trl_without_a_call_in_the_signature():
     assert inspect.signature(grpo_loss).parameters["options"].default is None
     logps, old_logps, _, advantages, mask = random_batch(seed=4)
     settings = LossSettings(loss_type="vespo", max_completion_length=logps.size(1))
+    assert settings.options == LossOptions() == TRL_DEFAULTS  # TRL's defaults, in the one loss record
     default = grpo_loss(LossInputs(logps, old_logps, advantages, mask), settings)
     explicit = grpo_loss(LossInputs(logps, old_logps, advantages, mask), settings, LossOptions())
     close(default.loss, explicit.loss)
+
+
+def test_grpo_loss_reads_the_options_of_its_settings_and_an_argument_replaces_them():
+    # None reads settings.options (the run's record, built once); options given take their place
+    logps, old_logps, _, advantages, mask = random_batch(seed=4)
+    inputs = LossInputs(logps, old_logps, advantages, mask)
+    steep = LossOptions(vespo_k_pos=4.0, vespo_k_neg=0.5)
+    run = LossSettings(loss_type="vespo", max_completion_length=logps.size(1), options=steep)
+    default = LossSettings(loss_type="vespo", max_completion_length=logps.size(1))
+    from_settings = grpo_loss(inputs, run)
+    close(from_settings.loss, grpo_loss(inputs, default, steep).loss)
+    assert float((from_settings.loss - grpo_loss(inputs, default).loss).abs()) > 1e-4  # the options do change it
+    close(grpo_loss(inputs, run, TRL_DEFAULTS).loss, grpo_loss(inputs, default).loss)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -735,3 +759,160 @@ def test_config_warns_as_trl_for_the_paper_importance_sampling_level(loss_type, 
 def test_config_does_not_warn_for_the_paper_level(loss_type, level, recwarn):
     check_trl_options(AttributeDict(loss_type=loss_type, importance_sampling_level=level))
     assert not [w for w in recwarn if "importance_sampling_level" in str(w.message)]
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Parity on TRL's layouts: ranks, optimizer steps per generation batch, micro-batches
+# ----------------------------------------------------------------------------------------------
+
+ROWS_PER_MICRO_BATCH = 2
+# (world size, lit-grpo's steps_per_generation, micro-batches per optimizer step = TRL's gradient_accumulation_steps)
+LAYOUTS = [(1, 1, 1), (1, 1, 3), (1, 2, 2), (2, 1, 1), (2, 2, 2)]
+# the loss options on each layout; "engine": another engine's token-level weights, "sampling": its log-probs,
+# "policy_mask": top_entropy_quantile's mask
+LAYOUT_CASES = {
+    "luspo-token": {"loss_type": "luspo"},
+    "luspo-sequence-kl": {"loss_type": "luspo", "importance_sampling_level": "sequence", "beta": 0.04},
+    "luspo-engine-weights": {"loss_type": "luspo", "importance_sampling_level": "sequence", "engine": True},
+    "vespo-default": {"loss_type": "vespo"},
+    "vespo-flat": {"loss_type": "vespo", "vespo": (1.0, 1.0, 1.0, 1.0), "beta": 0.04},
+    "vespo-asymmetric": {"loss_type": "vespo", "vespo": (4.0, 0.5, 0.5, 4.0), "engine": True},
+    "vespo-policy-mask": {"loss_type": "vespo", "vespo": (0.0, 0.0, 2.0, 6.0), "policy_mask": True},
+    "mask-grpo": {"loss_type": "grpo", "threshold": 0.05},
+    "mask-dapo-engine": {"loss_type": "dapo", "threshold": 0.05, "sampling": True, "policy_mask": True},
+    "mask-luspo": {"loss_type": "luspo", "importance_sampling_level": "sequence", "threshold": 0.0, "sampling": True},
+    "mask-vespo": {"loss_type": "vespo", "threshold": 0.05, "sampling": True, "engine": True, "policy_mask": True},
+}
+
+
+def layout_batch(seed, rows, T=6):
+    """One generation batch of ``rows`` completions: log-probs near the sampling policy's (VESPO's
+    sequence weights stay away from 0), another engine's log-probs and token weights, an entropy mask."""
+    generator = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(rows, T, generator=generator) * 3
+    old_logps = logps + 0.05 * torch.randn(rows, T, generator=generator)
+    batch = {
+        "logps": logps,
+        "old_logps": old_logps,
+        "ref_logps": logps + 0.3 * torch.randn(rows, T, generator=generator),
+        "sampling_logps": old_logps + 0.1 * torch.randn(rows, T, generator=generator),
+        "sampling_weights": torch.exp(0.05 * torch.randn(rows, T, generator=generator)),
+        "policy_mask": (torch.rand(rows, T, generator=generator) < 0.7).float(),
+        "advantages": torch.randn(rows, generator=generator),
+        "mask": (torch.arange(T) < torch.randint(1, T + 1, (rows, 1), generator=generator)).float(),
+    }
+    batch["mask"][-1] = 0.0  # a row with no token that counts
+    if rows > 2:
+        batch["advantages"][1] = 0.0  # a group with equal rewards
+    return batch
+
+
+def layout_micro_batches(world_size, steps, micro_batches):
+    """(rank, rows) of every micro-batch: rank r holds its share of the generation batch, its optimizer
+    steps' micro-batches in order."""
+    per_rank = steps * micro_batches * ROWS_PER_MICRO_BATCH
+    for rank in range(world_size):
+        for start in range(rank * per_rank, (rank + 1) * per_rank, ROWS_PER_MICRO_BATCH):
+            yield rank, torch.arange(start, start + ROWS_PER_MICRO_BATCH)
+
+
+def lit_layout(batch, case, world_size, steps, micro_batches):
+    """lit-grpo's update on the layout (lit_grpo.train.update): each micro-batch's ``grpo_loss`` with the
+    generation batch's :func:`dapo_normaliser`, times 1/micro_batches for a mean loss type, and DDP's mean
+    of the ranks' gradients. (every micro-batch's loss and metrics, the gradient [N, T])."""
+    vespo = case.get("vespo", (2.0, 3.0, 3.0, 2.0))
+    options = LossOptions(*vespo, off_policy_mask_threshold=case.get("threshold"))
+    settings = LossSettings(loss_type=case["loss_type"], max_completion_length=batch["mask"].size(1), beta=case.get("beta", 0.0),
+                            importance_sampling_level=case.get("importance_sampling_level", "token"), options=options)
+    num_items = dapo_normaliser(float(batch["mask"].sum()), world_size, steps)
+    scale = 1 / micro_batches if LOSS_TYPES[case["loss_type"]].accumulates_by_mean else 1.0
+    logps = batch["logps"].clone().requires_grad_(True)
+    losses, metrics, total = [], [], 0.0
+    for _, rows in layout_micro_batches(world_size, steps, micro_batches):
+        inputs = LossInputs(
+            logps[rows], batch["old_logps"][rows], batch["advantages"][rows], batch["mask"][rows],
+            ref_logps=batch["ref_logps"][rows], num_items_in_batch=num_items,
+            policy_mask=batch["policy_mask"][rows] if case.get("policy_mask") else None,
+            sampling_weights=batch["sampling_weights"][rows] if case.get("engine") else None,
+            sampling_logps=batch["sampling_logps"][rows] if case.get("sampling") else None,
+        )
+        out = grpo_loss(inputs, settings)
+        losses.append(out.loss.detach() * scale)
+        metrics.append(out.metrics)
+        total = total + out.loss * scale / world_size
+    total.backward()
+    return losses, metrics, logps.grad
+
+
+def trl_layout(batch, case, world_size, steps, micro_batches):
+    """TRL 1.16's training on the same layout: :func:`trl_compute_loss` of each micro-batch with the
+    generation batch's token count over all processes (``num_items_in_batch``), its
+    ``current_gradient_accumulation_steps`` and its ``steps_per_generation`` (micro-batches per generation
+    batch), DDP's mean over ranks. (every micro-batch's loss, the gradient [N, T])."""
+    logps = batch["logps"].clone().requires_grad_(True)
+    losses, total = [], 0.0
+    for _, rows in layout_micro_batches(world_size, steps, micro_batches):
+        loss = trl_compute_loss(
+            logps[rows], batch["old_logps"][rows], batch["advantages"][rows], batch["mask"][rows], loss_type=case["loss_type"],
+            importance_sampling_level=case.get("importance_sampling_level", "token"), beta=case.get("beta", 0.0),
+            ref_per_token_logps=batch["ref_logps"][rows], off_policy_mask_threshold=case.get("threshold"),
+            sampling_per_token_logps=batch["sampling_logps"][rows] if case.get("sampling") else None,
+            importance_sampling_ratio=batch["sampling_weights"][rows] if case.get("engine") else None,
+            num_items_in_batch=batch["mask"].sum(), vespo=case.get("vespo", (2.0, 3.0, 3.0, 2.0)),
+            entropy_mask=batch["policy_mask"][rows] if case.get("policy_mask") else None,
+            num_processes=world_size, current_gradient_accumulation_steps=micro_batches,
+            steps_per_generation=steps * micro_batches,
+        )
+        losses.append(loss.detach())
+        total = total + loss / world_size
+    total.backward()
+    return losses, logps.grad
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "world{}-steps{}-micro{}".format(*layout))
+@pytest.mark.parametrize("name", sorted(LAYOUT_CASES))
+def test_loss_options_match_trl_on_every_layout(name, layout):
+    case = LAYOUT_CASES[name]
+    world_size, steps, micro_batches = layout
+    batch = layout_batch(seed=21, rows=world_size * steps * micro_batches * ROWS_PER_MICRO_BATCH)
+    losses, _, grad = lit_layout(batch, case, *layout)
+    expected_losses, expected_grad = trl_layout(batch, case, *layout)
+    close(torch.stack(losses), torch.stack(expected_losses))
+    close(grad, expected_grad)
+    assert grad.abs().sum() > 0
+
+
+def trl_phi_seq_mean(batch, case, rows_by_rank):
+    """TRL's ``vespo/phi_seq_mean`` of one micro-batch index: ``global_masked_mean(phi_seq)``, a ``(B, 1)``
+    tensor's sum over every rank's rows / their count."""
+    phis = [trl_get_gamma_weights(batch["advantages"][rows].unsqueeze(1), batch["logps"][rows] - batch["old_logps"][rows],
+                                  batch["mask"][rows], batch["sampling_weights"][rows] if case.get("engine") else None,
+                                  *case.get("vespo", (2.0, 3.0, 3.0, 2.0))) for rows in rows_by_rank]
+    totals = torch.stack([torch.stack([phi.sum(), torch.tensor(float(phi.shape[0]))]) for phi in phis]).sum(0)
+    return totals[0] / totals[1].clamp(min=1.0)
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 3), (2, 2, 2)], ids=["world1-steps1-micro3", "world2-steps2-micro2"])
+@pytest.mark.parametrize("name", ["vespo-default", "vespo-asymmetric", "mask-vespo"])
+def test_vespo_phi_seq_mean_is_trls_logged_value(name, layout):
+    # TRL appends one value per micro-batch (its global mean over ranks) and logs their mean; lit-grpo's
+    # update_metrics takes each rank's mean over its micro-batches, then the mean over ranks
+    from lit_grpo.train.step_metrics import update_metrics
+
+    case = LAYOUT_CASES[name]
+    world_size, steps, micro_batches = layout
+    batch = layout_batch(seed=23, rows=world_size * steps * micro_batches * ROWS_PER_MICRO_BATCH)
+    batch["old_logps"][2] = batch["logps"][2] + 0.8  # a row of a weight far from 1: phi far from 1
+    _, metrics, _ = lit_layout(batch, case, *layout)
+    assert all(set(step) == {"vespo/phi_seq_mean"} for step in metrics)
+    per_rank = len(metrics) // world_size
+    rank_values = [update_metrics(metrics[rank * per_rank:(rank + 1) * per_rank], 1, steps, lambda value, op: value)
+                   for rank in range(world_size)]
+    logged = torch.stack([values["vespo/phi_seq_mean"] for values in rank_values]).mean()
+
+    slots = list(layout_micro_batches(world_size, steps, micro_batches))
+    by_index = [[rows for rank, rows in slots if rank == r][index] for r in range(world_size) for index in range(per_rank)]
+    trl_values = [trl_phi_seq_mean(batch, case, [by_index[r * per_rank + index] for r in range(world_size)])
+                  for index in range(per_rank)]
+    close(logged, torch.stack(trl_values).mean())
+    assert abs(float(logged) - 1.0) > 1e-3  # the weights are not all 1

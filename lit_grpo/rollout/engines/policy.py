@@ -26,11 +26,17 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from lit_grpo import cpu
 from lit_grpo.algorithm import completion_mask_from_ids
+from lit_grpo.config import backend_generation_kwargs, optional_setting
 from lit_grpo.distributed import gathered_for_generation
 from lit_grpo.errors import ConfigError
 from lit_grpo.rollout.engines.base import GenerationEngine
 from lit_grpo.rollout.engines.lit_sampler import lit_sampler_unsupported, sample_groups
-from lit_grpo.rollout.engines.requests import tokenize_prompts
+from lit_grpo.rollout.engines.requests import (
+    check_generation_kwargs,
+    is_generation_config_field,
+    tokenize_prompts,
+    with_generation_kwargs,
+)
 from lit_grpo.rollout.records import Rollout
 
 __all__ = ["SAMPLERS", "PolicyEngine", "generate_completions", "generate_from_ids", "weights_cast_once"]
@@ -144,16 +150,24 @@ class PolicyEngine(GenerationEngine):
 
     @classmethod
     def check_run(cls, hp) -> None:
-        """Nothing to check before the model loads: the policy is the engine."""
+        """``model.generation_kwargs`` are ``GenerationConfig`` fields; no vLLM-only setting."""
+        if optional_setting(hp, "vllm_structured_outputs_regex") is not None:
+            raise ConfigError(f"model.vllm_structured_outputs_regex needs a vLLM backend (vLLM's structured outputs): set "
+                              f"model.generation_backend: vllm or vllm_server, got {hp.generation_backend}")
+        check_generation_kwargs(backend_generation_kwargs(hp), is_generation_config_field, hp.generation_backend,
+                                "transformers' GenerationConfig fields")
 
     @classmethod
     def for_run(cls, hp, model_source: Any, precision: str, grows_with_tools: bool) -> PolicyEngine:
-        return cls(hp.generation_backend)
+        return cls(hp.generation_backend, backend_generation_kwargs(hp))
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, generation_kwargs: dict | None = None) -> None:
         if backend not in SAMPLERS:
             raise ConfigError(f"model.generation_backend: the policy samples with {tuple(SAMPLERS)}, got {backend!r}")
         self.backend = backend
+        # model.generation_kwargs (GenerationConfig fields) set on every call's config; the lit sampler hands
+        # those it does not implement to generate (SAMPLERS)
+        self.generation_kwargs = dict(generation_kwargs or {})
         self.policy: torch.nn.Module | None = None
         self.version: int | None = None
 
@@ -166,8 +180,8 @@ class PolicyEngine(GenerationEngine):
         with gathered_for_generation(self.policy):  # FSDP2: gather the weights once, not per token
             if len(prompt_ids) == 0:
                 return None
-            rollout = generate_from_ids(self.policy, prompt_ids, prompt_mask, prompt_truncated, num_generations, config,
-                                        pad_token_id, backend=self.backend)
+            rollout = generate_from_ids(self.policy, prompt_ids, prompt_mask, prompt_truncated, num_generations,
+                                        with_generation_kwargs(config, self.generation_kwargs), pad_token_id, backend=self.backend)
         rollout.weight_versions = torch.full((len(rollout.completion_ids),), self.version or 0, device=prompt_ids.device)
         return rollout
 

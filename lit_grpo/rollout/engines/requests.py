@@ -9,6 +9,9 @@ form the group of prompt ``g`` (:class:`lit_grpo.rollout.records.Rollout`).
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
@@ -17,11 +20,15 @@ from lit_grpo.rollout.records import is_conversational
 from lit_grpo.settings import EvaluationSettings, GenerationSettings, SamplingSettings
 
 __all__ = [
+    "ENGINE_SET_ARGUMENTS",
     "NO_CHAT_TEMPLATE",
+    "check_generation_kwargs",
     "generation_config",
+    "is_generation_config_field",
     "run_generation_configs",
     "render_prompts",
     "tokenize_prompts",
+    "with_generation_kwargs",
 ]
 
 
@@ -117,3 +124,44 @@ def run_generation_configs(
     eval_temperature = sampling.temperature if evaluation.temperature_eval is None else evaluation.temperature_eval
     return (generation_config(temperature=sampling.temperature, **common),
             generation_config(temperature=eval_temperature, **common))
+
+
+# What the engines set themselves, whatever model.generation_kwargs says, and how (after "lit-grpo sets it ")
+ENGINE_SET_ARGUMENTS = {
+    "max_new_tokens": "from model.max_completion_length", "max_length": "from model.max_completion_length",
+    "max_tokens": "from model.max_completion_length", "n": "from model.num_generations",
+    "num_return_sequences": "from model.num_generations",
+    "do_sample": "(training samples; model.temperature_eval: 0 decodes validation greedily)",
+    "pad_token_id": "from the tokenizer", "bos_token_id": "from the tokenizer",
+    "eos_token_id": "to every EOS id of the model and the tokenizer",
+    "stop_token_ids": "to every EOS id of the model and the tokenizer",
+    "return_dict_in_generate": "(it reads the token ids)", "seed": "(each call's, from the run's checkpointed generator)",
+    "logprobs": "(the sampled tokens' log-probs)", "flat_logprobs": "(the engine's)",
+    "detokenize": "(token ids in, token ids out)", "output_kind": "(the engine's)",
+}
+
+
+def check_generation_kwargs(arguments: dict, known: Callable[[str], bool], backend: str, takes: str) -> None:
+    """One line naming the first argument of ``model.generation_kwargs`` (less its sampling-distribution ones,
+    :func:`lit_grpo.config.backend_generation_kwargs`) that an engine sets itself, or that ``backend`` does
+    not take (``known``: whether it does; ``takes``: what it takes, for the message)."""
+    for name in arguments:
+        if name in ENGINE_SET_ARGUMENTS:
+            raise ConfigError(f"model.generation_kwargs.{name}: lit-grpo sets it {ENGINE_SET_ARGUMENTS[name]}")
+        if not known(name):
+            raise ConfigError(f"model.generation_kwargs.{name}: model.generation_backend {backend} takes {takes}, "
+                              f"which have no {name!r}")
+
+
+def is_generation_config_field(name: str) -> bool:
+    """Whether ``name`` is a field of ``transformers``' ``GenerationConfig`` (``update`` returns those it is not)."""
+    return not GenerationConfig().update(**{name: None})
+
+
+def with_generation_kwargs(config: GenerationConfig, arguments: dict) -> GenerationConfig:
+    """A copy of ``config`` with ``arguments`` (``GenerationConfig`` fields, checked) set: ``config`` itself without any."""
+    if not arguments:
+        return config
+    config = copy.deepcopy(config)
+    config.update(**arguments)
+    return config

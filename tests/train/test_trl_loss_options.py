@@ -1,0 +1,179 @@
+"""TRL 1.16's loss options through GRPOModule (issue 54): ``model.loss_type: luspo`` / ``vespo``, the
+``model.vespo_*`` keys and ``model.off_policy_mask_threshold`` reach the loss the module trains on, as
+TRL's ``_compute_loss`` (its lines copied in tests/algorithm/test_trl_options.py) computes it, and
+``vespo/phi_seq_mean`` is logged with TRL's value. The tiny model, one or two optimizer steps."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from test_module import (
+    LOWERCASE,
+    MetricRecorder,
+    accumulated_gradient,
+    adamw,
+    attach_trainer,
+    make_data,
+    make_module,
+)
+from test_trl_options import trl_compute_loss, trl_get_gamma_weights, trl_get_off_policy_mask
+
+import lit_grpo.train.module
+from lit_grpo.data import PromptBatch
+
+
+def scored_batch(module):
+    """8 completions of 2 prompts, of different lengths, with advantages of either sign and none 0."""
+    module.generation_config.sequence_bias = {(module.tokenizer.eos_token_id,): 3.0}
+    batch = PromptBatch(prompts=["Say a:", "Now say the letter b:"], columns={"target": ["a", "b"]})
+    scored, _ = module.generate_and_score(batch)
+    assert len(set(scored.rollout.completion_lengths.tolist())) > 1
+    scored.group.advantages = torch.tensor([-1.5, 1.0, -0.5, 2.0, -1.0, 0.5, -2.0, 1.5])
+    return scored
+
+
+def with_old_logps(module, scored, shift):
+    """Set ``scored.old_logps`` to the policy's own log-probs plus ``shift`` ``[N, 1]`` (a policy that moved)."""
+    with torch.no_grad():
+        current, _ = module.logprobs.completion_logps(module.policy, scored.rollout)  # [N, c]
+    scored.old_logps = torch.zeros(scored.rollout.completion_ids.shape)
+    scored.old_logps[:, : current.size(1)] = current + shift
+    return current
+
+
+@pytest.mark.parametrize("settings", [
+    {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+    {"loss_type": "luspo", "importance_sampling_level": "token"},
+    {"loss_type": "vespo"},  # TRL's defaults (2, 3, 3, 2)
+    {"loss_type": "vespo", "vespo_k_pos": 4.0, "vespo_lambda_pos": 0.5, "vespo_k_neg": 0.5, "vespo_lambda_neg": 4.0},
+])
+@pytest.mark.filterwarnings("ignore:When using 'luspo' loss")  # TRL's warning for luspo at token level
+def test_the_module_trains_luspo_and_vespo_as_trl(tiny_model_dir, fast_trainer, settings):
+    torch.manual_seed(0)
+    module = attach_trainer(make_module(tiny_model_dir, max_completion_length=10, **settings), fast_trainer)
+    scored = scored_batch(module)
+    shift = 0.02 * torch.arange(-4, 4).float().unsqueeze(1)  # [N, 1] per-token log-ratios of either sign
+    with_old_logps(module, scored, shift)
+    rows = torch.arange(8)
+    loss, stats, logps = module.logprobs.micro_batch_loss(module.policy, scored, rows)  # logps [n, c] with grad
+    width = logps.size(1)
+    mask, old_logps = scored.loss_mask[:, :width].float(), scored.old_logps[:, :width]
+    vespo = tuple(module.hparams[name] for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"))
+    expected = trl_compute_loss(logps, old_logps, scored.group.advantages, mask, loss_type=settings["loss_type"],
+                                importance_sampling_level=module.hparams.importance_sampling_level,
+                                num_items_in_batch=scored.num_items_in_batch, vespo=vespo)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    (grad,) = torch.autograd.grad(loss, logps, retain_graph=True)
+    (expected_grad,) = torch.autograd.grad(expected, logps)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+    assert grad.abs().sum() > 0
+    if settings["loss_type"] == "vespo":  # TRL's metric, and no clip fractions (VESPO clips no ratio)
+        phi = trl_get_gamma_weights(scored.group.advantages.unsqueeze(1), logps.detach() - old_logps, mask, None, *vespo)
+        assert float(stats["vespo/phi_seq_mean"]) == pytest.approx(float(phi.mean()), rel=1e-5)
+        assert abs(float(phi.mean()) - 1.0) > 1e-3 and not any(key.startswith("clip_ratio/") for key in stats)
+    else:
+        assert "vespo/phi_seq_mean" not in stats and "clip_ratio/region_mean" in stats
+
+
+@pytest.mark.parametrize("loss_type", ["luspo", "vespo"])
+@pytest.mark.filterwarnings("ignore:When using 'luspo' loss")
+def test_micro_batching_does_not_change_the_gradient_of_luspo_and_vespo(tiny_model_dir, fast_trainer, loss_type):
+    # luspo is a mean over sequences (each micro-batch's loss / micro-batches), vespo a token sum over
+    # the generation batch's tokens (as dapo): either way the accumulated gradient is the whole batch's
+    torch.manual_seed(0)
+    module = attach_trainer(make_module(tiny_model_dir, loss_type=loss_type, max_completion_length=10), fast_trainer)
+    scored = scored_batch(module)
+    with_old_logps(module, scored, 0.05 * torch.arange(-4, 4).float().unsqueeze(1))
+    whole = accumulated_gradient(module, scored, micro_batch_size=8)
+    split = accumulated_gradient(module, scored, micro_batch_size=2)
+    assert whole.norm() > 1e-3
+    torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-4)
+
+
+def test_off_policy_mask_threshold_masks_the_rows_trl_masks(tiny_model_dir, fast_trainer):
+    torch.manual_seed(0)
+    module = attach_trainer(
+        make_module(tiny_model_dir, max_completion_length=10, off_policy_mask_threshold=0.1, loss_type="dapo"), fast_trainer
+    )
+    scored = scored_batch(module)
+    # rows 0-3 sampled by a policy 0.3 nats per token above the current one (KL 0.3 > 0.1), rows 4-7 by
+    # one 0.05 above; of the advantages -1.5, 1, -0.5, 2 | -1, 0.5, -2, 1.5 the negative far rows go: 0 and 2
+    shift = torch.tensor([0.3] * 4 + [0.05] * 4).unsqueeze(1)
+    with_old_logps(module, scored, shift)
+    loss, _, logps = module.logprobs.micro_batch_loss(module.policy, scored, torch.arange(8))
+    (grad,) = torch.autograd.grad(loss, logps, retain_graph=True)
+    width = logps.size(1)
+    mask, old_logps = scored.loss_mask[:, :width].float(), scored.old_logps[:, :width]
+    trained = grad.abs().sum(dim=1) > 0
+    assert trained.tolist() == [False, True, False, True, True, True, True, True]
+    keep = trl_get_off_policy_mask(scored.group.advantages.unsqueeze(1), logps, old_logps, mask, 0.1)
+    assert keep.squeeze(1).bool().tolist() == trained.tolist()
+    expected = trl_compute_loss(logps, old_logps, scored.group.advantages, mask, loss_type="dapo", off_policy_mask_threshold=0.1,
+                                num_items_in_batch=scored.num_items_in_batch)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    (expected_grad,) = torch.autograd.grad(expected, logps)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_off_policy_mask_measures_the_engines_log_probs_where_it_scored_them(tiny_model_dir, fast_trainer):
+    # TRL: inputs.get("sampling_per_token_logps", old_per_token_logps). The trainer's old log-probs are its
+    # own (ratio 1); the engine's are 0.3 nats per token above them on rows 4-7: of those, -1 and -2 go
+    torch.manual_seed(0)
+    module = attach_trainer(
+        make_module(tiny_model_dir, max_completion_length=10, off_policy_mask_threshold=0.1,
+                    vllm_importance_sampling_correction=False),  # the engine's log-probs without its weights
+        fast_trainer,
+    )
+    scored = scored_batch(module)
+    current = with_old_logps(module, scored, 0.0)
+    sampling = torch.zeros(scored.rollout.completion_ids.shape)
+    sampling[:, : current.size(1)] = current + torch.tensor([0.0] * 4 + [0.3] * 4).unsqueeze(1)
+    scored.rollout.sampling_logps = sampling
+    loss, stats, logps = module.logprobs.micro_batch_loss(module.policy, scored, torch.arange(8))
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert (grad.abs().sum(dim=1) > 0).tolist() == [True, True, True, True, False, True, False, True]
+    assert "sampling/sampling_logp_difference/mean" in stats  # the engine's log-probs were read
+
+
+def recorded_loss_inputs(monkeypatch):
+    """Every ``grpo_loss`` call's inputs and settings, as the log-prob passes make them."""
+    calls = []
+    original = lit_grpo.train.module.algorithm.grpo_loss
+
+    def recording(inputs, settings):
+        calls.append((inputs, settings))
+        return original(inputs, settings)
+
+    monkeypatch.setattr(lit_grpo.train.module.algorithm, "grpo_loss", recording)
+    return calls
+
+
+def test_vespo_phi_seq_mean_is_logged_with_trls_value(tiny_model_dir, say_a_or_b_file, fast_trainer, monkeypatch):
+    # two optimizer steps on one generation batch: the first on-policy (phi = 1 for every row), the second
+    # after the policy moved; TRL logs the mean of the two micro-batches' means of phi over sequences
+    pl.seed_everything(0)
+    calls = recorded_loss_inputs(monkeypatch)
+    vespo = (6.0, 0.5, 0.5, 6.0)  # far from TRL's defaults (2, 3, 3, 2): a key that did not arrive would show
+    module = make_module(
+        tiny_model_dir, rewards=LOWERCASE, loss_type="vespo", steps_per_generation=2, optimizer=adamw(0.02),
+        vespo_k_pos=vespo[0], vespo_lambda_pos=vespo[1], vespo_k_neg=vespo[2], vespo_lambda_neg=vespo[3],
+        skip_zero_gradient_rows=False, forward_token_budget=None,  # one grpo_loss call per micro-batch
+    )
+    steps = MetricRecorder()
+    trainer = fast_trainer(max_steps=2, callbacks=[steps])
+    trainer.fit(module, make_data(say_a_or_b_file))
+    assert trainer.global_step == 2 and len(steps.steps) == 1 and len(calls) == 2
+
+    def phi_mean(inputs, parameters):
+        log_ratio = inputs.logps.detach() - inputs.old_logps
+        return float(trl_get_gamma_weights(inputs.advantages.unsqueeze(1), log_ratio, inputs.completion_mask, None,
+                                           *parameters).mean())
+
+    assert phi_mean(calls[0][0], vespo) == pytest.approx(1.0)  # on-policy
+    expected = (phi_mean(calls[0][0], vespo) + phi_mean(calls[1][0], vespo)) / 2
+    logged = steps.steps[0]
+    assert logged["vespo/phi_seq_mean"] == pytest.approx(expected, rel=1e-5)
+    with_defaults = (phi_mean(calls[0][0], (2.0, 3.0, 3.0, 2.0)) + phi_mean(calls[1][0], (2.0, 3.0, 3.0, 2.0))) / 2
+    assert abs(expected - with_defaults) > 1e-3
+    assert not any(name.startswith("clip_ratio/") for name in logged)
