@@ -142,6 +142,7 @@ class GenerationSettings:
     max_completion_length: int = 256  # new tokens per completion (with tools: over every turn)
     chat_template_kwargs: dict[str, Any] | None = None  # apply_chat_template's arguments
     scale_rewards: str = "group"  # a key of lit_grpo.algorithm.ADVANTAGE_ESTIMATORS
+    multi_objective_aggregation: str = "sum_then_normalize"  # a key of lit_grpo.algorithm.MULTI_OBJECTIVE_AGGREGATIONS
     dynamic_sampling: bool = False  # DAPO's: replace groups whose rewards are all equal
     max_generation_rounds: int = 4  # at most this many rounds of sampling per step with dynamic sampling
     max_staleness: int = 0  # asynchronous GRPO's bound, in optimizer steps; 0: synchronous

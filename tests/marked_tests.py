@@ -114,6 +114,9 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
     "tests/rollout/test_dynamic_sampling.py": (
         "test_dynamic_sampling_on_two_processes_keeps_ranks_in_step",
     ),
+    "tests/rollout/test_multi_objective.py": (
+        "test_two_ranks_advantages_use_the_whole_batch_as_trl",
+    ),
     "tests/rollout/test_server_security.py": (
         "test_the_trainer_sends_the_key_on_every_request_and_a_refusal_names_the_variable",
     ),
@@ -233,6 +236,9 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     ),
     "tests/rollout/test_dynamic_sampling.py": (
         "test_dynamic_sampling_on_two_processes_keeps_ranks_in_step",
+    ),
+    "tests/rollout/test_multi_objective.py": (
+        "test_two_ranks_advantages_use_the_whole_batch_as_trl",
     ),
     "tests/rollout/test_tools.py": (
         "test_tools_quickstart_config_runs_through_the_cli_with_the_environment",

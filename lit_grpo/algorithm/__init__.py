@@ -39,6 +39,7 @@ from lit_grpo.algorithm.advantages import (
     group_advantages,
     group_scaled,
     multi_objective_advantages,
+    nanstd,
     normalize_then_sum,
     register_advantage_estimator,
     register_multi_objective_aggregation,

@@ -33,7 +33,7 @@ def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
     return torch.where(all_missing, torch.full_like(rewards, float("nan")), rewards)
 
 
-def _nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Bessel-corrected standard deviation ignoring NaN; 0 where fewer than two values are valid."""
     valid = ~torch.isnan(values)
     count = valid.sum() if dim is None else valid.sum(dim=dim)
@@ -93,7 +93,7 @@ def group_scaled(grouped: GroupedRewards) -> torch.Tensor:
 def batch_scaled(grouped: GroupedRewards) -> torch.Tensor:
     """Divided by the std of the whole batch; the mean stays the group mean (Hu et al. 2025,
     REINFORCE++ / "batch-level normalisation")."""
-    return grouped.centered / (_nanstd(grouped.rewards.reshape(-1)) + grouped.eps)
+    return grouped.centered / (nanstd(grouped.rewards.reshape(-1)) + grouped.eps)
 
 
 @register_advantage_estimator("none")
@@ -133,7 +133,7 @@ def group_advantages(
     mean = grouped.nanmean(dim=1, keepdim=True)  # [B, 1], NaN for a group with no reward at all
     mean = torch.nan_to_num(mean, nan=0.0)
     all_equal = _all_equal(grouped)  # [B, 1], also True for a group with at most one valid reward
-    std = torch.where(all_equal, 0.0, _nanstd(grouped, dim=1).unsqueeze(1))  # [B, 1]
+    std = torch.where(all_equal, 0.0, nanstd(grouped, dim=1).unsqueeze(1))  # [B, 1]
     zero_std = torch.isclose(std, torch.zeros_like(std)).expand_as(grouped)  # [B, G]
 
     centered = torch.where(all_equal, 0.0, grouped - mean)  # [B, G]
@@ -217,11 +217,11 @@ def normalize_then_sum(
     valid = ~torch.isnan(grouped)
     mean_k = torch.nan_to_num(grouped.nanmean(dim=1, keepdim=True), nan=0.0)  # [B, 1, K]
     all_equal = _all_equal(grouped)  # [B, 1, K]: one value or none counts as equal
-    std_k = torch.where(all_equal, 0.0, _nanstd(grouped, dim=1).unsqueeze(1))  # [B, 1, K]
+    std_k = torch.where(all_equal, 0.0, nanstd(grouped, dim=1).unsqueeze(1))  # [B, 1, K]
     normalized = torch.where(all_equal & valid, 0.0, (grouped - mean_k) / (std_k + eps))  # [B, G, K], NaN stays
     summed = combine_rewards(normalized.reshape(N, K), weights)  # [N], NaN where every reward is None
     batch_mean = torch.nan_to_num(summed.nanmean(), nan=0.0)
-    batch_std = _nanstd(summed)
+    batch_std = nanstd(summed)
     advantages = torch.nan_to_num((summed - batch_mean) / (batch_std + eps), nan=0.0)  # [N]
     summed_equal = _all_equal(summed.view(-1, num_generations)).expand(-1, num_generations)  # [B, G]
     return GroupAdvantages(

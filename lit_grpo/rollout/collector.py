@@ -5,7 +5,7 @@ DAPO's dynamic sampling (:mod:`lit_grpo.rollout.dynamic_sampling`) and the async
 1. sample G completions per prompt with the run's engine (:mod:`lit_grpo.rollout.engines`), which gets
    the policy's current weights first; with tools, multi-turn rollouts (:mod:`lit_grpo.rollout.tools.tool_use`);
 2. score every completion with the reward functions (:mod:`lit_grpo.scoring`), then the environments';
-3. turn the rewards of every rank into group-relative advantages (:func:`lit_grpo.algorithm.group_advantages`).
+3. turn the rewards of every rank into group-relative advantages (:func:`lit_grpo.algorithm.multi_objective_advantages`).
 
 The collector owns the engine, the scorer and the tool use; of the trainer it gets only the policy
 and its version (:class:`CurrentWeights`) and the collectives over ranks (:class:`Collectives`).
@@ -110,13 +110,17 @@ class RolloutCollector:
         return self.groups(batch, rollout, completions, rewards_per_func)
 
     def groups(self, batch: PromptBatch, rollout: Rollout, completions: list, rewards_per_func: torch.Tensor) -> SampledGroups:
-        """Step 3 for a sampled and scored batch (``rewards_per_func [N, K]`` on the trainer's device).
-        Groups never straddle ranks, but the rewards of every rank are gathered so that batch-level
-        statistics (``scale_rewards: batch``, the logged reward metrics) describe the global batch;
-        this rank keeps its own rows."""
+        """Step 3 for a sampled and scored batch (``rewards_per_func [N, K]`` on the trainer's device):
+        advantages by ``model.multi_objective_aggregation`` (:func:`lit_grpo.algorithm.multi_objective_advantages`:
+        the weighted sum then group advantages, or GDPO's rewards normalised one by one), and the weighted
+        sum as the reward (logged under both, as TRL does). Groups never straddle ranks, but the rewards of
+        every rank are gathered so that batch-level statistics (``scale_rewards: batch``, GDPO's batch
+        normalisation, the logged reward metrics) describe the global batch; this rank keeps its own rows."""
+        settings, weights = self.settings, self.reward_weights(self.scorer)  # weights [K]
         all_rewards_per_func = gather_rows(rewards_per_func, self.collectives.all_gather)  # [world * N, K]
-        all_rewards = algorithm.combine_rewards(all_rewards_per_func, self.reward_weights(self.scorer))  # [world * N]
-        all_group = algorithm.group_advantages(all_rewards, self.settings.num_generations, self.settings.scale_rewards)
+        all_rewards = algorithm.combine_rewards(all_rewards_per_func, weights)  # [world * N], the logged reward
+        all_group = algorithm.multi_objective_advantages(all_rewards_per_func, weights, settings.num_generations,
+                                                         settings.scale_rewards, settings.multi_objective_aggregation)
         N = rewards_per_func.size(0)
         rank = self.collectives.rank()
         local_rows = slice(rank * N, (rank + 1) * N)

@@ -304,25 +304,30 @@ def split_chunks(chunks: list[torch.Tensor], count: int) -> list[torch.Tensor]:
 def rollout_statistics(scored: ScoredRollout, reward_names: list[str], all_gather) -> dict[str, torch.Tensor]:
     """TRL's metrics of a generation batch over all ranks (``all_gather``: ``LightningModule.all_gather``):
     ``reward``, ``reward_std``, ``frac_reward_zero_std``, ``completions/*`` and ``rewards/<name>/mean|std``;
-    and ``prompts/truncated_frac``, the fraction of prompts ``max_prompt_length`` cut."""
+    and ``prompts/truncated_frac``, the fraction of prompts ``max_prompt_length`` cut.
+
+    ``reward`` and ``reward_std`` are the mean and the Bessel-corrected std of the weighted reward sums
+    of every completion of every rank, a completion no reward applies to left out, under either
+    ``model.multi_objective_aggregation`` (TRL 1.16's ``nanstd(rewards)``; 0 where fewer than two
+    completions have a reward, where TRL logs NaN). ``frac_reward_zero_std`` is the fraction of
+    completions whose group carries no signal (:attr:`~lit_grpo.algorithm.GroupAdvantages.zero_std`)."""
     rollout = scored.rollout
     prompt_truncated = rollout.prompt_truncated if rollout.prompt_truncated is not None else torch.zeros_like(rollout.is_truncated)
     per_completion = torch.stack(
         [
             scored.rewards,
-            scored.group.group_std,
             scored.group.zero_std.float(),
             rollout.completion_lengths.float(),
             rollout.is_truncated.float(),
             prompt_truncated.float(),
         ],
         dim=1,
-    )  # [N, 6]
-    rewards, group_std, zero_std, lengths, is_truncated, prompt_cut = gather_rows(per_completion, all_gather).unbind(1)
+    )  # [N, 5]
+    rewards, zero_std, lengths, is_truncated, prompt_cut = gather_rows(per_completion, all_gather).unbind(1)
     rewards_per_func = gather_rows(scored.rewards_per_func, all_gather)  # [world * N, K]
     metrics = {
         "reward": rewards.nanmean(),
-        "reward_std": group_std.mean(),
+        "reward_std": algorithm.nanstd(rewards),  # TRL's: the weighted sums of the whole batch, unscorable rows left out
         "frac_reward_zero_std": zero_std.mean(),
         "completions/mean_length": lengths.mean(),
         "completions/min_length": lengths.min(),

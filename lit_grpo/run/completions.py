@@ -38,6 +38,7 @@ __all__ = [
     "read_records",
     "show_step",
     "table_rows",
+    "unique_prompt_rows",
 ]
 
 COMPLETIONS_FILE = "completions.jsonl"
@@ -239,7 +240,9 @@ class CompletionLog:
     every ``table_every`` steps (``model.log_completions_every_n_steps``; 0: never) with ``table_rows`` rows
     (``model.num_completions_to_log``); every ``file_every`` steps (``trainer.log_every_n_steps``) all
     ranks' appended to ``completions.jsonl`` in ``log_dir`` (``model.save_completions``; None: no logger,
-    nowhere to write) and the first ``print_rows`` printed (``model.print_completions``)."""
+    nowhere to write) and the first ``print_rows`` printed (``model.print_completions``). With
+    ``unique_prompts`` the table shows only the first completion of each distinct prompt
+    (:func:`unique_prompt_rows`)."""
 
     table_every: int
     table_rows: int
@@ -247,6 +250,7 @@ class CompletionLog:
     save: bool
     print_rows: int
     log_dir: Path | None
+    unique_prompts: bool = False  # model.log_unique_prompts: the table keeps one row per distinct prompt (TRL's)
     loggers_told: set[type] = field(default_factory=set)  # loggers without a completions table, said once
 
     def wanted(self, step: int, is_global_zero: bool, has_loggers: bool) -> tuple[bool, bool]:
@@ -254,6 +258,15 @@ class CompletionLog:
         to_table = bool(self.table_every) and step % self.table_every == 0 and is_global_zero and has_loggers
         to_file = bool(self.save or self.print_rows) and step % max(self.file_every, 1) == 0
         return to_table, to_file
+
+
+def unique_prompt_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first record of each distinct prompt, in order (TRL's ``log_unique_prompts``, which compares
+    prompts by their text: a conversation by its ``str``)."""
+    firsts: dict[str, dict[str, Any]] = {}
+    for record in records:
+        firsts.setdefault(str(record["prompt"]), record)
+    return list(firsts.values())
 
 
 def log_step_completions(log: CompletionLog, loggers: list, step: int, is_global_zero: bool,
@@ -269,10 +282,11 @@ def log_step_completions(log: CompletionLog, loggers: list, step: int, is_global
     if not (to_table or to_file):
         return
     records = make_records()
+    table = unique_prompt_rows(records) if log.unique_prompts else records
     for logger in loggers if to_table else []:
         where = logger.log_dir or logger.save_dir  # rank 0 only: the directory the logger writes to
         with writing(f"the completions table of step {step} ({type(logger).__name__})", where):
-            shown = log_table(logger, records[: log.table_rows], step)
+            shown = log_table(logger, table[: log.table_rows], step)
         if not shown and type(logger) not in log.loggers_told:
             log.loggers_told.add(type(logger))
             rank_zero_info(

@@ -195,7 +195,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         cast_lm_head_to_fp32: compute the LM head and its log-probs in float32 whatever the model's dtype.
         generation_kwargs: extra sampling arguments for every backend, overriding the named ones (TRL's).
         vllm_structured_outputs_regex: vLLM backends: constrain completions to this regular expression.
-        log_unique_prompts: log ``num_unique_prompts``, the distinct prompts of each generation batch.
+        log_unique_prompts: the logger's completions table keeps one completion per distinct prompt (TRL's).
         vllm_importance_sampling_cap: deprecated (TRL 1.16): ``vllm_importance_sampling_clip_max``, with TRL's warning.
         tokenizer: Python only: the tokenizer of a model given as an object (default: its ``name_or_path``'s).
         optimizer: the ``optimizer:`` block, built once the policy exists; None: AdamW at lr 1e-6 (TRL's).
@@ -417,7 +417,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         self.run_log_dir = run_directory(self.trainer.logger, log_dir, self.trainer.default_root_dir)
         hp = self.hparams
         self.completion_log = CompletionLog(hp.log_completions_every_n_steps, hp.num_completions_to_log, self.trainer.log_every_n_steps,
-                                            hp.save_completions, hp.print_completions, self.run_log_dir)
+                                            hp.save_completions, hp.print_completions, self.run_log_dir, hp.log_unique_prompts)
         device = self.trainer.strategy.root_device
         cpu.prepare(device, self._precision(), self.policy)  # a no-op off the CPU
         self.logprobs.device_defaults = device_defaults.for_run(device, self.policy, self.hparams)  # and said once

@@ -23,7 +23,7 @@ ONE_PROCESS = Collectives(all_gather=lambda tensor: tensor, reduce=lambda value,
 
 def settings(**overrides) -> AttributeDict:
     hp = AttributeDict(num_generations=4, max_prompt_length=None, max_completion_length=6, chat_template_kwargs=None,
-                       scale_rewards="group", dynamic_sampling=False, max_generation_rounds=4, max_staleness=0, temperature=1.0, temperature_eval=None, top_p=1.0,
+                       scale_rewards="group", multi_objective_aggregation="sum_then_normalize", dynamic_sampling=False, max_generation_rounds=4, max_staleness=0, temperature=1.0, temperature_eval=None, top_p=1.0,
                        top_k=0, min_p=None, repetition_penalty=1.0, num_generations_eval=None, eval_pass_k=None,
                        eval_success_threshold=1.0)
     hp.update(overrides)

@@ -154,3 +154,31 @@ def test_wandb_logger_gets_the_completions_table(tiny_model_dir, say_a_or_b_file
     # completions.jsonl: in the run's own directory, <save_dir>/<project>/<run id>
     assert module.run_log_dir == tmp_path / "lit-grpo-test" / str(logger.version)
     assert (module.run_log_dir / "completions.jsonl").is_file()
+
+
+def test_log_unique_prompts_keeps_the_first_completion_of_each_prompt_in_the_table(
+    tiny_model_dir, write_jsonl, fast_trainer, tmp_path, monkeypatch
+):
+    """Two prompts repeated (a, b, a, b in a batch of 4, G = 2): with ``model.log_unique_prompts`` the logger's
+    table shows the first completion of each prompt (TRL's), ``completions.jsonl`` keeps all 8 rows."""
+    import lit_grpo.run.completions
+
+    tables = []
+    monkeypatch.setattr(lit_grpo.run.completions, "log_table", lambda logger, records, step: tables.append(records) or True)
+    module = make_module(tiny_model_dir, rewards=LOWERCASE, num_generations=2, log_completions_every_n_steps=1,
+                         num_completions_to_log=8, log_unique_prompts=True)
+    logger = TensorBoardLogger(tmp_path / "runs", name="unique")
+    data = make_data(write_jsonl([{"prompt": prompt} for prompt in ["Say a:", "Say b:"] * 2]), batch_size=4, shuffle=False)
+    fit_with_logger(module, logger, data, fast_trainer, steps=1)
+    records = [json.loads(line) for line in (Path(logger.log_dir) / "completions.jsonl").read_text().splitlines()]
+    assert [record["prompt"] for record in records] == ["Say a:"] * 2 + ["Say b:"] * 2 + ["Say a:"] * 2 + ["Say b:"] * 2
+    assert tables == [[records[0], records[2]]]
+
+
+def test_unique_prompt_rows_compares_conversations_by_their_text():
+    from lit_grpo.run.completions import unique_prompt_rows
+
+    chat = [{"role": "user", "content": "hi"}]
+    records = [{"prompt": list(chat), "completion": "1"}, {"prompt": "hi", "completion": "2"},
+               {"prompt": [dict(chat[0])], "completion": "3"}, {"prompt": "hi", "completion": "4"}]
+    assert [record["completion"] for record in unique_prompt_rows(records)] == ["1", "2"]
