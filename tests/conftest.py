@@ -229,13 +229,45 @@ def gsm8k_file(write_jsonl):
     return write
 
 
+# examples/environment-plugin's warm start of a tiny tool-calling model, as the tests train it
+WARM_TOOL_MODEL_ARGS = ["--steps", "150", "--short-steps", "50", "--call-frac", "1", "--hidden-size", "64"]
+KV_LOOKUP = TESTS.parent / "examples" / "environment-plugin"
+
+
+def cached_warm_tool_model(config: pytest.Config, target: Path) -> Path:
+    """The warm-started tool model at ``target``, copied from pytest's cache (``.pytest_cache``), where it is
+    trained once for every session: the README's test block and its vLLM block share one (about 25 s of
+    training on 2 cores). The cache's key is the warm start's arguments and the source of the files that
+    make it, so a changed warm start trains anew; each session gets a copy of its own."""
+    import hashlib
+    import shutil
+    import subprocess
+
+    sources = [KV_LOOKUP / "lit_grpo_kv_lookup" / "warm_start.py", KV_LOOKUP / "lit_grpo_kv_lookup" / "__init__.py",
+               TESTS.parent / "lit_grpo" / "tiny.py", TESTS.parent / "lit_grpo" / "models.py"]
+    digest = hashlib.sha256(" ".join(WARM_TOOL_MODEL_ARGS).encode())
+    for source in sources:
+        digest.update(source.read_bytes())
+    name = f"warm-tool-model-{digest.hexdigest()[:16]}"
+    cached = config.cache.mkdir(name) if config.cache is not None else target / name  # -p no:cacheprovider: this session's
+    if not (cached / "model.safetensors").exists():
+        # a subprocess: the vLLM environment has the example on PYTHONPATH only; trained beside the cache, then renamed
+        partial = cached.with_name(cached.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(KV_LOOKUP), os.environ.get("PYTHONPATH")]))}
+        subprocess.run([sys.executable, "-m", "lit_grpo_kv_lookup.warm_start", str(partial), *WARM_TOOL_MODEL_ARGS],
+                       env=env, check=True, capture_output=True, timeout=900)
+        shutil.rmtree(cached)
+        partial.rename(cached)
+    if config.cache is None:
+        return cached
+    shutil.copytree(cached, target, dirs_exist_ok=True)
+    return target
+
+
 @pytest.fixture(scope="session")
-def warm_tool_model(tmp_path_factory):
+def warm_tool_model(request, tmp_path_factory):
     """examples/environment-plugin's warm-started tiny Qwen2 model (briefly trained on lookup
     transcripts): it calls the `lookup` tool, so its rollouts are multi-turn."""
     pytest.importorskip("lit_grpo_kv_lookup", reason="pip install -e examples/environment-plugin (README: Tests)")
-    path = tmp_path_factory.mktemp("tiny-kv-model")
-    from lit_grpo_kv_lookup.warm_start import main as warm_start
-
-    warm_start([str(path), "--steps", "150", "--short-steps", "50", "--call-frac", "1", "--hidden-size", "64"])
-    return path
+    return cached_warm_tool_model(request.config, tmp_path_factory.mktemp("tiny-kv-model"))

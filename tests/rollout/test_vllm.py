@@ -49,7 +49,7 @@ from lit_grpo.errors import ConfigError  # noqa: E402
 from lit_grpo.train.module import GRPOModule  # noqa: E402
 from lit_grpo.rollout.engines.policy_weights import hf_named_weights  # noqa: E402
 from lit_grpo.tiny import build_tiny_model  # noqa: E402
-from conftest import set_hparams  # noqa: E402
+from conftest import cached_warm_tool_model, set_hparams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 LIT_GRPO = str(Path(sys.executable).with_name("lit-grpo"))
@@ -579,14 +579,10 @@ def test_bfloat16_pushed_engine_equals_engine_loaded_from_disk(setup, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def warm_tool_model(tmp_path_factory):
-    """examples/environment-plugin's warm-started tiny model (head size 32), built in a subprocess."""
-    path = tmp_path_factory.mktemp("kv-model")
-    env = {**os.environ, "PYTHONPATH": str(REPO / "examples/environment-plugin")}
-    subprocess.run([sys.executable, "-m", "lit_grpo_kv_lookup.warm_start", str(path), "--steps", "150",
-                    "--short-steps", "50", "--call-frac", "1"], env=env,
-                   check=True, capture_output=True, timeout=900)
-    return path
+def warm_tool_model(request, tmp_path_factory):
+    """examples/environment-plugin's warm-started tiny model (head size 32): the main suite's, from pytest's
+    cache (tests/conftest.py: trained in a subprocess where the cache has none)."""
+    return cached_warm_tool_model(request.config, tmp_path_factory.mktemp("kv-model"))
 
 
 TOOLS_SCRIPT = """
