@@ -19,6 +19,7 @@ from test_module import (
 )
 from test_trl_options import trl_compute_loss, trl_get_gamma_weights, trl_get_off_policy_mask
 
+import lit_grpo.train.logprob_passes
 import lit_grpo.train.module
 from lit_grpo.data import PromptBatch
 
@@ -177,3 +178,48 @@ def test_vespo_phi_seq_mean_is_logged_with_trls_value(tiny_model_dir, say_a_or_b
     with_defaults = (phi_mean(calls[0][0], (2.0, 3.0, 3.0, 2.0)) + phi_mean(calls[1][0], (2.0, 3.0, 3.0, 2.0))) / 2
     assert abs(expected - with_defaults) > 1e-3
     assert not any(name.startswith("clip_ratio/") for name in logged)
+
+
+def test_vespo_computes_the_old_log_probs_of_zero_advantage_rows_that_phi_counts(
+    tiny_model_dir, say_a_or_b_file, fast_trainer, monkeypatch
+):
+    # skip_zero_gradient_rows leaves the old log-probs of zero-advantage rows out (their loss terms are 0),
+    # but vespo/phi_seq_mean averages phi over every row, those too: vespo computes them, and the update
+    # and every logged value equal those of a run that does not skip
+    monkeypatch.setattr(lit_grpo.train.logprob_passes, "FORWARD_OVERHEAD_TOKENS", 0)  # short rows: left out all the same
+    runs = {}
+    for skip in (False, True):
+        pl.seed_everything(0)
+        module = make_module(tiny_model_dir, rewards=LOWERCASE, loss_type="vespo", steps_per_generation=2,
+                             optimizer=adamw(0.02), skip_zero_gradient_rows=skip)
+        sampled = []
+        generate_and_score = module.generate_and_score
+
+        def recording(batch, training=True, generate_and_score=generate_and_score, sampled=sampled):
+            scored, completions = generate_and_score(batch, training)
+            scored.group.advantages[:4] = 0.0  # a group of equal rewards
+            sampled.append(scored)
+            return scored, completions
+
+        module.generate_and_score = recording
+        rows_per_pass = []
+        logps_no_grad = module.logprobs.logps_no_grad
+
+        def counting(model, rollout, logps_no_grad=logps_no_grad, rows_per_pass=rows_per_pass):
+            rows_per_pass.append(rollout.completion_ids.size(0))
+            return logps_no_grad(model, rollout)
+
+        module.logprobs.logps_no_grad = counting
+        steps = MetricRecorder()
+        trainer = fast_trainer(max_steps=2, callbacks=[steps])
+        trainer.fit(module, make_data(say_a_or_b_file))
+        runs[skip] = rows_per_pass, steps.steps[0], [p.detach().clone() for p in module.policy.parameters()], sampled[0]
+
+    (every_row, expected_metrics, expected, _), (rows_per_pass, metrics, weights, scored) = runs[False], runs[True]
+    assert every_row == rows_per_pass == [4]  # the second optimizer step's 4 rows, zero advantage or not
+    later_zero_rows = (scored.old_logps[:4] != 0).any(dim=1)  # the zero-advantage group's rows have old log-probs
+    assert later_zero_rows.all()
+    assert metrics["vespo/phi_seq_mean"] == pytest.approx(expected_metrics["vespo/phi_seq_mean"], rel=1e-5)
+    assert abs(metrics["vespo/phi_seq_mean"] - 1.0) > 1e-4
+    for got, want in zip(weights, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
