@@ -1,5 +1,6 @@
 """The fused LM head (issue 53.1): log-probs, entropies and gradients equal the full-logits computation,
-and no tensor of all the logits is ever built.
+and no tensor of all the logits is ever built, on both paths: the custom backward of a plain weight
+(:class:`LinearHead`) and the checkpointed tiles of any other head (a callable).
 
 The reference is today's path: the head applied to every position at once (``[n, C, V]`` logits, the
 model's scaling and soft-capping applied to them), then
@@ -12,7 +13,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_grpo.algorithm.fused_lm_head import fused_token_logprobs, sampling_transform, tokens_per_tile
+from lit_grpo.algorithm.fused_lm_head import (
+    LinearHead,
+    fused_token_logprobs,
+    linear_head,
+    sampling_transform,
+    tokens_per_tile,
+)
 from lit_grpo.algorithm.sampling_filters import SamplingFilters, sampling_log_softmax
 
 N, C, H, V = 2, 7, 16, 50
@@ -30,6 +37,18 @@ FILTERS = {
         temperature=0.9, top_k=12, top_p=0.85, min_p=0.05, repetition_penalty=1.2, min_p_first=True
     ),
 }
+
+
+PATHS = ["custom backward", "checkpointed"]
+
+
+def on_path(head: torch.nn.Module, path: str):
+    """The head as :func:`fused_token_logprobs` gets it on ``path``: its plain weight, or the module to call."""
+    if path == "checkpointed":
+        return head
+    linear = linear_head(head)
+    assert isinstance(linear, LinearHead)
+    return linear
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-6) -> None:
@@ -54,9 +73,10 @@ def full_logits_reference(hidden, head, tokens, filters, prompt_ids, prompt_mask
     return sampling_log_softmax(logits, tokens, filters, prompt_ids, prompt_mask, with_entropy=True)
 
 
-def fused(hidden, head, tokens, filters, prompt_ids, prompt_mask, tile_bytes=TILE_OF_3, **model_transform):
+def fused(hidden, head, tokens, filters, prompt_ids, prompt_mask, tile_bytes=TILE_OF_3, entropy_grad=False, **model_transform):
     transform = sampling_transform(filters, tokens, V, prompt_ids, prompt_mask, **model_transform)
-    return fused_token_logprobs(hidden, head, tokens, V, transform, with_entropy=True, tile_bytes=tile_bytes)
+    return fused_token_logprobs(hidden, head, tokens, V, transform, with_entropy=True, tile_bytes=tile_bytes,
+                                entropy_grad=entropy_grad)
 
 
 def values_and_gradients(compute, hidden, parameters, weights):
@@ -67,14 +87,16 @@ def values_and_gradients(compute, hidden, parameters, weights):
     return logps.detach(), entropy, gradients
 
 
-def assert_fused_equals_full(head, parameters, filters, rtol=1e-5, atol=1e-6, entropy_atol=1e-6, **model_transform):
+def assert_fused_equals_full(head, parameters, filters, rtol=1e-5, atol=1e-6, entropy_atol=1e-6, path="checkpointed",
+                             **model_transform):
     hidden, tokens, prompt_ids, prompt_mask, weights = inputs()
     expected = values_and_gradients(
         lambda h: full_logits_reference(h, head, tokens, filters, prompt_ids, prompt_mask, **model_transform),
         hidden, parameters, weights,
     )
+    fused_head = on_path(head, path)
     actual = values_and_gradients(
-        lambda h: fused(h, head, tokens, filters, prompt_ids, prompt_mask, **model_transform), hidden, parameters, weights
+        lambda h: fused(h, fused_head, tokens, filters, prompt_ids, prompt_mask, **model_transform), hidden, parameters, weights
     )
     close(actual[0], expected[0], rtol, atol)  # log-probs
     close(actual[1], expected[1], rtol, entropy_atol)  # entropy
@@ -82,16 +104,19 @@ def assert_fused_equals_full(head, parameters, filters, rtol=1e-5, atol=1e-6, en
         close(got, want, rtol, atol)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", list(FILTERS))
-def test_log_probs_entropy_and_gradients_equal_the_full_logits_for_every_filter(name):
+def test_log_probs_entropy_and_gradients_equal_the_full_logits_for_every_filter(name, path):
+    """The gradients of the hidden states, the weight and the bias too."""
     torch.manual_seed(0)
     head = torch.nn.Linear(H, V)
-    assert_fused_equals_full(head, list(head.parameters()), FILTERS[name])
+    assert_fused_equals_full(head, list(head.parameters()), FILTERS[name], path=path)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("model_transform", [{"softcapping": 3.0}, {"logit_scale": 0.25}, {"logit_scale": 1 / 0.3}])
 @pytest.mark.parametrize("name", ["temperature", "all, vLLM's order"])
-def test_the_models_scaling_and_soft_capping(model_transform, name):
+def test_the_models_scaling_and_soft_capping(model_transform, name, path):
     """Gemma's soft-capping, Granite's logits_scaling (a divisor: 1 / 0.3) and Cohere's logit_scale."""
     torch.manual_seed(1)
     head = torch.nn.Linear(H, V, bias=False)
@@ -99,24 +124,28 @@ def test_the_models_scaling_and_soft_capping(model_transform, name):
         head.weight.mul_(4)  # logits beyond the cap, where tanh bends
     # logits up to ~40: the entropy (logsumexp(z) - E[z]) cancels down to a few float32 steps of z, and
     # gradients of order 1 differ by the tiles' float32 matrix products (1e-5 of their scale)
-    assert_fused_equals_full(head, [head.weight], FILTERS[name], atol=1e-5, entropy_atol=5e-5, **model_transform)
+    assert_fused_equals_full(head, [head.weight], FILTERS[name], atol=1e-5, entropy_atol=5e-5, path=path, **model_transform)
 
 
-def test_a_tied_head_gets_the_gradient_of_both_uses():
+@pytest.mark.parametrize("path", PATHS)
+def test_a_tied_head_gets_the_gradient_of_both_uses(path):
     """A tied head is the input embedding's weight: its gradient from the head adds to the embedding's."""
     torch.manual_seed(2)
     embedding = torch.nn.Embedding(V, H)
     hidden, tokens, prompt_ids, prompt_mask, weights = inputs()
 
-    def compute(log_softmax):
+    def compute(log_softmax, head):
         embedding.zero_grad()
         body = hidden + embedding(tokens)  # the weight's first use: the input embedding
-        logps, _ = log_softmax(body, lambda h: torch.nn.functional.linear(h, embedding.weight), tokens,
-                               FILTERS["temperature"], prompt_ids, prompt_mask)
+        logps, _ = log_softmax(body, head, tokens, FILTERS["temperature"], prompt_ids, prompt_mask)
         (logps * weights).sum().backward()
         return logps.detach(), embedding.weight.grad.clone()
 
-    expected, actual = compute(full_logits_reference), compute(fused)
+    def call(h):
+        return torch.nn.functional.linear(h, embedding.weight)
+
+    expected = compute(full_logits_reference, call)
+    actual = compute(fused, call if path == "checkpointed" else LinearHead(embedding.weight))
     close(actual[0], expected[0])
     close(actual[1], expected[1], atol=1e-5)  # sums over every position: 1e-5 of its scale
 
@@ -133,24 +162,36 @@ def test_a_lora_adapter_on_the_head():
 
     model = get_peft_model(Body(), LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"], init_lora_weights=False))
     head = model.base_model.model.lm_head
+    assert linear_head(head) is None  # not a plain weight: the module is called, in checkpointed tiles
     adapter = [p for p in model.parameters() if p.requires_grad]
     assert len(adapter) == 2  # lora_A, lora_B: the base weight is frozen
     assert_fused_equals_full(head, adapter, FILTERS["all, transformers' order"])
 
 
-def test_tiles_that_do_not_divide_the_completion_and_any_tile_size():
+@pytest.mark.parametrize("path", PATHS)
+def test_tiles_that_do_not_divide_the_completion_and_any_tile_size(path):
+    """Values and gradients with tiles of 1, 3, 5 (14 = 5 + 5 + 4), every token and more."""
     torch.manual_seed(4)
     head = torch.nn.Linear(H, V)
-    hidden, tokens, prompt_ids, prompt_mask, _ = inputs()
-    expected = full_logits_reference(hidden, head, tokens, FILTERS["penalty"], prompt_ids, prompt_mask)
+    hidden, tokens, prompt_ids, prompt_mask, weights = inputs()
+    filters = FILTERS["penalty"]
+    expected = values_and_gradients(
+        lambda h: full_logits_reference(h, head, tokens, filters, prompt_ids, prompt_mask), hidden, list(head.parameters()),
+        weights)
     for tokens_in_tile in (1, 3, 5, 14, 100):  # 14 = every token: one tile, no recompute
         assert tokens_per_tile(V, tokens_in_tile * 4 * V) == tokens_in_tile
-        logps, entropy = fused(hidden, head, tokens, FILTERS["penalty"], prompt_ids, prompt_mask, tokens_in_tile * 4 * V)
-        close(logps, expected[0])
-        close(entropy, expected[1])
+        actual = values_and_gradients(
+            lambda h, tile_bytes=tokens_in_tile * 4 * V: fused(h, on_path(head, path), tokens, filters, prompt_ids,
+                                                              prompt_mask, tile_bytes),
+            hidden, list(head.parameters()), weights)
+        close(actual[0], expected[0])
+        close(actual[1], expected[1])
+        for got, want in zip(actual[2], expected[2]):
+            close(got, want, atol=1e-5)
 
 
-def test_bf16_autocast_within_the_bf16_tolerance():
+@pytest.mark.parametrize("path", PATHS)
+def test_bf16_autocast_within_the_bf16_tolerance(path):
     """Under bf16 autocast the head's logits are bf16 in both paths; log-probs agree as closely as
     the full path agrees with itself on float32 weights (the same bf16 matrix products per row)."""
     torch.manual_seed(5)
@@ -161,7 +202,7 @@ def test_bf16_autocast_within_the_bf16_tolerance():
         expected = values_and_gradients(
             lambda h: full_logits_reference(h, head, tokens, filters, prompt_ids, prompt_mask), hidden, [head.weight], weights)
         actual = values_and_gradients(
-            lambda h: fused(h, head, tokens, filters, prompt_ids, prompt_mask), hidden, [head.weight], weights)
+            lambda h: fused(h, on_path(head, path), tokens, filters, prompt_ids, prompt_mask), hidden, [head.weight], weights)
     float32 = values_and_gradients(
         lambda h: full_logits_reference(h, head, tokens, filters, prompt_ids, prompt_mask), hidden, [head.weight], weights)
     close(actual[0], expected[0], rtol=1e-3, atol=1e-3)
@@ -171,15 +212,16 @@ def test_bf16_autocast_within_the_bf16_tolerance():
         close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
-def test_without_gradient_and_without_tokens():
+@pytest.mark.parametrize("path", PATHS)
+def test_without_gradient_and_without_tokens(path):
     head = torch.nn.Linear(H, V)
     hidden, tokens, prompt_ids, prompt_mask, _ = inputs()
     with torch.no_grad():
-        logps, entropy = fused(hidden, head, tokens, FILTERS["top_k"], prompt_ids, prompt_mask)
+        logps, entropy = fused(hidden, on_path(head, path), tokens, FILTERS["top_k"], prompt_ids, prompt_mask)
         expected = full_logits_reference(hidden, head, tokens, FILTERS["top_k"], prompt_ids, prompt_mask)
     close(logps, expected[0])
     close(entropy, expected[1])
-    empty, empty_entropy = fused_token_logprobs(hidden[:, :0], head, tokens[:, :0], V, with_entropy=True)
+    empty, empty_entropy = fused_token_logprobs(hidden[:, :0], on_path(head, path), tokens[:, :0], V, with_entropy=True)
     assert empty.shape == empty_entropy.shape == (N, 0)
 
 
@@ -199,8 +241,9 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", ["temperature", "all, vLLM's order"])
-def test_no_tensor_of_all_the_logits_exists_forward_or_backward(name):
+def test_no_tensor_of_all_the_logits_exists_forward_or_backward(name, path):
     """At a vocabulary of 16,384 and 2 x 64 tokens all the logits are 2 M elements (8 MiB in float32);
     with tiles of 1 MiB no operation, forward or backward, makes a tensor of more than a tile's
     logits. The full-logits path makes several of all of them."""
@@ -221,7 +264,7 @@ def test_no_tensor_of_all_the_logits_exists_forward_or_backward(name):
         return mode.largest
 
     fused_largest = largest(lambda: fused_token_logprobs(
-        hidden, head, tokens, vocab, sampling_transform(filters, tokens, vocab, prompt_ids, prompt_mask), with_entropy=True, tile_bytes=tile_bytes))
+        hidden, on_path(head, path), tokens, vocab, sampling_transform(filters, tokens, vocab, prompt_ids, prompt_mask), with_entropy=True, tile_bytes=tile_bytes))
     assert fused_largest <= tile_bytes // 4, (fused_largest, full)
     full_largest = largest(lambda: sampling_log_softmax(head(hidden), tokens, filters, prompt_ids, prompt_mask, with_entropy=True))
     assert full_largest >= full
@@ -242,14 +285,16 @@ class TensorsOfSize(TorchDispatchMode):
         return out
 
 
-def test_the_backward_makes_the_hidden_states_gradient_once_not_once_per_tile():
+@pytest.mark.parametrize("path", PATHS)
+def test_the_backward_makes_the_hidden_states_gradient_once_not_once_per_tile(path):
     """With 40 tiles, the gradient of the hidden states ``[n * C, H]`` is assembled once (the backward of
-    ``split``); the backward of one slice per tile made a zero tensor of that size per tile."""
+    ``split``, or written tile by tile into one tensor); the backward of one slice per tile made a zero
+    tensor of that size per tile."""
     vocab, rows, width, hidden_size = 64, 2, 40, 8  # the hidden states: 640 elements, the head's weight 512
     head = torch.nn.Linear(hidden_size, vocab, bias=False)
     hidden = torch.randn(rows, width, hidden_size, requires_grad=True)
     tokens = torch.randint(0, vocab, (rows, width))
-    logps, _ = fused_token_logprobs(hidden, head, tokens, vocab, tile_bytes=2 * 4 * vocab)  # 2 tokens a tile: 40 tiles
+    logps, _ = fused_token_logprobs(hidden, on_path(head, path), tokens, vocab, tile_bytes=2 * 4 * vocab)  # 2 tokens a tile: 40 tiles
     with TensorsOfSize(hidden.numel()) as mode:
         logps.sum().backward()
     assert mode.count <= 3, mode.count  # the assembled gradient, and its reshape/accumulation
@@ -261,3 +306,154 @@ def test_the_tile_budget_is_the_cpus_on_the_cpu_and_at_least_a_thousand_tokens_o
     assert tile_bytes_for("cpu", 151_936) == LOGITS_TILE_BYTES == 2**26
     assert tokens_per_tile(151_936, tile_bytes_for("cuda", 151_936)) == ACCELERATOR_TILE_TOKENS == 1024
     assert tile_bytes_for("cuda", 1_000) == LOGITS_TILE_BYTES  # a small vocabulary: the CPU's budget is already larger
+
+
+def full_entropy_with_gradient(hidden, head, tokens, filters, prompt_ids, prompt_mask):
+    """The entropy ``[n, C]`` with its gradient from every position's scored logits at once: the head on all
+    of them, the same transform as the log-probs, then ``-sum p log p`` (0 off the support)."""
+    transform = sampling_transform(filters, tokens, V, prompt_ids, prompt_mask)
+    z = transform(head(hidden).reshape(N * C, V), torch.arange(N * C))  # [n * C, V]
+    probs, log_probs = z.softmax(-1), z.log_softmax(-1)
+    return -(probs * torch.where(probs > 0, log_probs, 0.0)).sum(-1).reshape(N, C)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", ["plain", "temperature", "top_p", "all, vLLM's order"])
+def test_the_entropy_with_its_gradient_equals_the_full_logits(name, path):
+    """``entropy_grad``: the entropy's gradient (with the log-probs', as an entropy bonus adds them) w.r.t.
+    hidden states, weight and bias equals the full logits' in float32; without it, no gradient."""
+    torch.manual_seed(7)
+    head = torch.nn.Linear(H, V)
+    filters = FILTERS[name]
+    hidden, tokens, prompt_ids, prompt_mask, weights = inputs()
+    entropy_weights = torch.randn(N, C, generator=torch.Generator().manual_seed(8))
+    parameters = list(head.parameters())
+
+    def gradients(compute):
+        leaf = hidden.clone().requires_grad_()
+        logps, entropy = compute(leaf)
+        loss = (logps * weights).sum() + (entropy * entropy_weights).sum()
+        return entropy.detach(), torch.autograd.grad(loss, [leaf, *parameters])
+
+    expected = gradients(lambda h: (
+        full_logits_reference(h, head, tokens, filters, prompt_ids, prompt_mask)[0],
+        full_entropy_with_gradient(h, head, tokens, filters, prompt_ids, prompt_mask),
+    ))
+    actual = gradients(lambda h: fused(h, on_path(head, path), tokens, filters, prompt_ids, prompt_mask, entropy_grad=True))
+    close(actual[0], expected[0])
+    for got, want in zip(actual[1], expected[1]):
+        close(got, want)
+    _, entropy = fused(hidden.clone().requires_grad_(), on_path(head, path), tokens, filters, prompt_ids, prompt_mask)
+    assert not entropy.requires_grad  # a metric
+
+
+def weight_gradient(head, hidden, tokens, tile_bytes=None, path="checkpointed"):
+    """d sum(logps) / d weight: from the full logits (``tile_bytes`` None) or the fused head on ``path``."""
+    head.zero_grad()
+    if tile_bytes is None:
+        logps = head(hidden).float().log_softmax(-1).gather(-1, tokens[..., None])
+    else:
+        logps, _ = fused_token_logprobs(hidden, on_path(head, path), tokens, head.out_features, tile_bytes=tile_bytes)
+    logps.sum().backward()
+    return head.weight.grad.float().clone()
+
+
+def test_a_bf16_weight_gradient_over_many_tiles_is_summed_in_float32():
+    """Under bf16 autocast, 128 tiles' weight gradients summed in float32 (one rounding) stay as close to
+    the float32 gradient as the full logits' one bf16 product; summed in bf16 tile by tile (the
+    checkpointed path, as before) the error grew with the tiles (measured: 4 times the full path's)."""
+    vocab, tokens_count, hidden_size = 4096, 2048, 128
+    generator = torch.Generator().manual_seed(9)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(1, tokens_count, hidden_size, generator=generator)
+    tokens = torch.randint(0, vocab, (1, tokens_count), generator=generator)
+    sixteen_tokens = 16 * 4 * vocab
+    reference = weight_gradient(head, hidden, tokens)  # float32
+
+    def error(gradient):
+        return float((gradient - reference).norm() / reference.norm())
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full = error(weight_gradient(head, hidden, tokens))
+        summed_in_float32 = error(weight_gradient(head, hidden, tokens, sixteen_tokens, "custom backward"))
+        summed_in_bf16 = error(weight_gradient(head, hidden, tokens, sixteen_tokens))
+    assert summed_in_float32 <= 1.2 * full, (summed_in_float32, full)
+    assert summed_in_bf16 > 2 * summed_in_float32, (summed_in_bf16, summed_in_float32)
+
+
+class NewTensorsOfSize(TorchDispatchMode):
+    """How many tensors of exactly ``numel`` elements the operations allocate (not counting views and
+    in-place results, whose memory is an input's)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = [arg for arg in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(arg, torch.Tensor)]
+        memory = {tensor.untyped_storage().data_ptr() for tensor in inputs}
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.numel() == self.numel:
+                self.count += tensor.untyped_storage().data_ptr() not in memory
+        return out
+
+
+def test_the_backward_makes_the_weight_gradient_once_not_once_per_tile():
+    """One float32 weight gradient accumulated over 40 tiles; the checkpointed tiles make one ``[V, H]``
+    gradient per tile and add them up."""
+    vocab, rows, width, hidden_size = 64, 2, 40, 6  # the head's weight: 384 elements, the hidden states 480
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(rows, width, hidden_size, requires_grad=True)
+    tokens = torch.randint(0, vocab, (rows, width))
+
+    def weight_sized_tensors(fused_head) -> int:
+        logps, _ = fused_token_logprobs(hidden, fused_head, tokens, vocab, tile_bytes=2 * 4 * vocab)  # 40 tiles
+        with NewTensorsOfSize(head.weight.numel()) as mode:
+            logps.sum().backward()
+        return mode.count
+
+    assert weight_sized_tensors(linear_head(head)) <= 2  # the float32 buffer (and an accumulation)
+    assert weight_sized_tensors(head) >= 40
+
+
+def test_a_head_in_float32_under_bf16_autocast_and_with_bf16_weights():
+    """``LinearHead.float32`` (``model.cast_lm_head_to_fp32``): the head's product in float32 whatever
+    the autocast and the weight's dtype. Under bf16 autocast the log-probs then equal float32's
+    (without it they carry bf16's rounding); a bf16 weight gets its gradient in bf16, from a float32 sum."""
+    torch.manual_seed(10)
+    head = torch.nn.Linear(H, V)
+    hidden, tokens, prompt_ids, prompt_mask, weights = inputs()
+    filters = FILTERS["temperature"]
+    float32 = values_and_gradients(
+        lambda h: fused(h, linear_head(head), tokens, filters, prompt_ids, prompt_mask), hidden, [head.weight], weights)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = values_and_gradients(lambda h: fused(h, linear_head(head, float32=True), tokens, filters, prompt_ids,
+                                                    prompt_mask), hidden, [head.weight], weights)
+        bf16 = values_and_gradients(
+            lambda h: fused(h, linear_head(head), tokens, filters, prompt_ids, prompt_mask), hidden, [head.weight], weights)
+    close(cast[0], float32[0])
+    for got, want in zip(cast[2], float32[2]):
+        close(got, want)
+    assert (bf16[0] - float32[0]).abs().max() > 1e-3  # what the option is for
+    bf16_head = torch.nn.Linear(H, V).to(torch.bfloat16)
+    upcast = torch.nn.Linear(H, V)
+    upcast.load_state_dict(bf16_head.state_dict())  # the same values in float32
+    logps, _ = fused(hidden.bfloat16(), linear_head(bf16_head, float32=True), tokens, filters, prompt_ids, prompt_mask)
+    expected, _ = fused(hidden.bfloat16().float(), linear_head(upcast), tokens, filters, prompt_ids, prompt_mask)
+    close(logps, expected)
+    (logps * weights).sum().backward()
+    assert bf16_head.weight.grad.dtype == torch.bfloat16
+
+
+def test_only_a_plain_linear_layer_of_plain_tensors_is_a_linear_head():
+    head = torch.nn.Linear(H, V)
+    linear = linear_head(head, float32=True)
+    assert linear.weight is head.weight and linear.bias is head.bias and linear.float32
+
+    class Quantised(torch.nn.Parameter):  # any other kind of weight (a DTensor, a quantised weight): the module is called
+        pass
+
+    head.weight = Quantised(head.weight.detach())
+    assert linear_head(head) is None
+    assert linear_head(torch.nn.Sequential(torch.nn.Linear(H, V))) is None
