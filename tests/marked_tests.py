@@ -192,6 +192,9 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
     "tests/train/test_fused_head_logprobs.py": (
         "test_fsdp2_sharded_head_gives_the_full_logits_values",
     ),
+    "tests/train/test_trl_loss_options.py": (
+        "test_vespo_with_the_off_policy_mask_on_two_processes_matches_one_process",
+    ),
     "tests/train/test_validation_ranks.py": (
         "test_an_evaluation_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message",
     ),
@@ -288,6 +291,9 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     ),
     "tests/train/test_module.py": (
         "test_seeded_quickstart_task_learns",
+    ),
+    "tests/train/test_trl_loss_options.py": (
+        "test_vespo_with_the_off_policy_mask_on_two_processes_matches_one_process",
     ),
     "tests/train/test_validation_ranks.py": (
         "test_an_evaluation_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message",

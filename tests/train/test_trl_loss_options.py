@@ -223,3 +223,35 @@ def test_vespo_computes_the_old_log_probs_of_zero_advantage_rows_that_phi_counts
     assert abs(metrics["vespo/phi_seq_mean"] - 1.0) > 1e-4
     for got, want in zip(weights, expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_vespo_with_the_off_policy_mask_on_two_processes_matches_one_process(tiny_model_dir, tmp_path):
+    """DDP on 2 ranks (tests/distributed_worker.py through torch.distributed.run, as a user launches it):
+    vespo's token sum over the generation batch's tokens of every rank, the off-policy mask and
+    ``vespo/phi_seq_mean`` averaged over ranks give the losses, metrics and weights of one process on the
+    same global batch. ``num_iterations: 2``: the second pass is off-policy (phi away from 1, the mask on)."""
+    import json
+
+    import yaml
+    from test_distributed import BASE_CONFIG, GLOBAL_BATCH, run_worker
+
+    rows = [{"prompt": f"Say {c} {i}:"} for i, c in enumerate("abcdefghijkl")]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = json.loads(json.dumps(BASE_CONFIG))
+    config["model"].update(model_name_or_path=str(tiny_model_dir), loss_type="vespo", vespo_k_pos=3.0, vespo_lambda_pos=1.0,
+                           off_policy_mask_threshold=0.0)
+    config["data"]["data_files"] = str(tmp_path / "prompts.jsonl")
+    config["trainer"]["max_steps"] = 2  # one generation batch, two passes
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(config))
+    one = run_worker(tmp_path, "single_vespo", 1, {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}},
+                     "--fixed-completions")
+    two = run_worker(tmp_path, "ddp_vespo", 2, {"trainer": {"devices": 2, "strategy": "ddp"},
+                                                "data": {"batch_size": GLOBAL_BATCH // 2}}, "--fixed-completions")
+    assert two["world_size"] == 2 and len(one["steps"]) == len(two["steps"]) == 1
+    expected, actual = one["steps"][0], two["steps"][0]
+    for name in ["loss", "kl", "entropy", "vespo/phi_seq_mean", "grad_norm"]:
+        assert actual[name] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), name
+    assert abs(expected["vespo/phi_seq_mean"] - 1.0) > 1e-4  # the second pass's weights are not all 1
+    assert not any(name.startswith("clip_ratio/") for name in expected)
+    for name, weights in one["state"].items():
+        torch.testing.assert_close(two["state"][name], weights, rtol=1e-4, atol=1e-5, msg=name)
