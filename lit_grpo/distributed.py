@@ -37,6 +37,7 @@ __all__ = [
     "gathered_for_generation",
     "mixed_precision_policy",
     "reshard",
+    "root_reshards_after_forward",
     "shard_model",
 ]
 
@@ -122,11 +123,24 @@ def _fsdp_modules(model: torch.nn.Module) -> list:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
-def _reshards_after_forward(module) -> bool:
+def _reshards_after_forward(module, root: bool = False) -> bool:
     """Whether an FSDP2 unit frees its gathered weights after each forward (FSDP2 keeps this setting
-    on the unit's parameter group; the root unit keeps its weights by default)."""
-    group = module._get_fsdp_state()._fsdp_param_group
+    on the unit's parameter group; the ``root`` unit keeps its weights by default). Before the root's
+    first forward FSDP2 has not yet applied the root's default (``reshard_after_forward=None``: its
+    parameter group still says True), hence the state's flag of a setting left to FSDP2."""
+    state = module._get_fsdp_state()
+    group = state._fsdp_param_group
+    if root and state._auto_reshard_after_forward:  # no public form in torch 2.13
+        return False
     return group is not None and group.post_forward_mesh_info is not None
+
+
+def root_reshards_after_forward(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s outermost FSDP2 unit (the root: embeddings, norm, LM head) frees its gathered
+    weights after each forward, so that its head called after the forward would meet its shards.
+    False for a model not sharded (and for the root's default, which keeps them)."""
+    units = _fsdp_modules(model)
+    return bool(units) and _reshards_after_forward(units[0], root=True)
 
 
 @contextmanager
@@ -141,7 +155,8 @@ def gathered_for_generation(model: torch.nn.Module) -> Iterator[None]:
     if not units:
         yield
         return
-    settings = [_reshards_after_forward(unit) for unit in units]
+    # the root's default (keep) restored as such, also where this runs before the model's first forward
+    settings = [_reshards_after_forward(unit, root=index == 0) for index, unit in enumerate(units)]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()

@@ -32,6 +32,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from lit_grpo.algorithm.fused_lm_head import LinearHead, linear_head
 from lit_grpo.errors import ConfigError, MissingFileError, ModelLoadError
 
 __all__ = [
@@ -232,6 +233,18 @@ class OutputHead:
     vocab_size: int
     logit_scale: float = 1.0  # Cohere's logit_scale, 1 / Granite's logits_scaling
     softcapping: float | None = None  # Gemma 2/3's final_logit_softcapping: s * tanh(z / s)
+
+    @property
+    def is_linear_layer(self) -> bool:
+        """Whether the head is a plain ``nn.Linear`` (not a LoRA wrapper or any other module)."""
+        return isinstance(self.head, torch.nn.Linear)
+
+    def fused(self, float32: bool = False) -> LinearHead | torch.nn.Module:
+        """The head as :func:`~lit_grpo.algorithm.fused_lm_head.fused_token_logprobs` takes it, read now
+        (after the model's forward, which gathers an FSDP2 head): its plain weight (and bias) for the
+        custom backward, in float32 with ``float32`` (``model.cast_lm_head_to_fp32``); else the module
+        itself, whose tiles are checkpointed (a LoRA wrapper, a weight that is still a DTensor)."""
+        return linear_head(self.head, float32) or self.head
 
 
 def output_head(model: torch.nn.Module) -> OutputHead | str:

@@ -127,6 +127,7 @@ class LogProbSettings:
     vllm_importance_sampling_mode: str = "sequence_mask"
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_clip_max: float | None = 3.0
+    cast_lm_head_to_fp32: bool = False  # the fused LM head's product in float32 (TRL's option)
 
     @classmethod
     def from_hparams(cls, hp: Any) -> LogProbSettings:

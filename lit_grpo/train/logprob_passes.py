@@ -40,7 +40,8 @@ from lit_grpo.algorithm.losses import LossInputs
 from lit_grpo.algorithm.sampling_correction import SamplingCorrection, sampling_correction
 from lit_grpo.algorithm.sampling_filters import SamplingFilters, sampling_log_softmax
 from lit_grpo.device_defaults import AUTO, CPU_DEFAULTS
-from lit_grpo.distributed import agreed_over_sharded_ranks, gather_real_values
+from lit_grpo.distributed import agreed_over_sharded_ranks, gather_real_values, root_reshards_after_forward
+from lit_grpo.errors import ConfigError
 from lit_grpo.rollout.engines.lit_sampler import penalty_skips_left_padding
 from lit_grpo.rollout.records import (
     FORWARD_OVERHEAD_TOKENS,
@@ -194,17 +195,24 @@ class LogProbPasses:
 
     def fused_head(self, model: torch.nn.Module, tokens: int | None = None) -> models.OutputHead | None:
         """The body and head of ``model`` for the fused LM head, or None where the logits come from
-        the model's own forward: a head not known to be linear (said once, with the reason), or
-        ``tokens`` whose logits fit in one tile (the model's forward then runs the head once, as
-        the fused head would)."""
+        the model's own forward: a head not known to be linear, or an FSDP2 root unit that frees
+        the gathered head after each forward (said once, with the reason), or ``tokens`` whose
+        logits fit in one tile (the model's forward then runs the head once, as the fused head
+        would; not with ``cast_lm_head_to_fp32``, which only the fused head applies)."""
         head = models.output_head(model)
+        if not isinstance(head, str) and root_reshards_after_forward(model):
+            head = "its FSDP2 root unit frees the gathered LM head after each forward"
+        cast = self.passes.cast_lm_head_to_fp32
+        if cast and (isinstance(head, str) or not head.is_linear_layer):
+            why = head if isinstance(head, str) else f"its head is a {type(head.head).__name__}, not a torch.nn.Linear"
+            raise ConfigError(f"model.cast_lm_head_to_fp32 needs the fused LM head on a plain linear head: {why}")
         if isinstance(head, str):
             if head not in self._fused_head_notes:
                 self._fused_head_notes.add(head)
                 rank_zero_info(f"log-probs from the model's full logits, not the fused LM head: {head}")
             return None
         tile_bytes = fused_lm_head.tile_bytes_for(next(model.parameters()).device.type, head.vocab_size)
-        if tokens is not None and tokens <= fused_lm_head.tokens_per_tile(head.vocab_size, tile_bytes):
+        if not cast and tokens is not None and tokens <= fused_lm_head.tokens_per_tile(head.vocab_size, tile_bytes):
             return None
         return head
 
@@ -236,7 +244,7 @@ class LogProbPasses:
             head.logit_scale, head.softcapping,
         )
         return fused_lm_head.fused_token_logprobs(
-            hidden, head.head, completion_ids, head.vocab_size, transform, with_entropy,
+            hidden, head.fused(self.passes.cast_lm_head_to_fp32), completion_ids, head.vocab_size, transform, with_entropy,
             fused_lm_head.tile_bytes_for(hidden.device.type, head.vocab_size),
         )
 

@@ -98,24 +98,33 @@ def test_lora_on_the_head_and_the_reference_without_its_adapter(tiny_model_dir, 
     assert not torch.allclose(fused_reference[mask], fused[0][mask])  # the adapter was really off
 
 
-ARCHITECTURES = {  # model_type: what its configuration adds to a small decoder
-    "llama": {},
+ARCHITECTURES = {  # model_type: what its configuration adds to a small decoder (MoE and MLA sizes kept small)
     "qwen3": {"tie_word_embeddings": True},
+    "gemma": {"head_dim": 8},
+    "ministral": {"head_dim": 8},
     "gemma2": {"final_logit_softcapping": 0.5, "head_dim": 8},
     "gemma3_text": {"final_logit_softcapping": 0.5, "head_dim": 8},
     "granite": {"logits_scaling": 0.3},
     "cohere": {"logit_scale": 3.0},
+    "cohere2": {"logit_scale": 0.0625},
+    "mixtral": {"num_local_experts": 4},
+    "granitemoe": {"num_local_experts": 4},
+    "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    "deepseek_v3": {"q_lora_rank": None, "kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
+                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
 }
 
 
-@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+@pytest.mark.parametrize("model_type", sorted(lit_grpo.models.FUSED_HEAD_MODEL_TYPES))
 def test_the_head_of_each_listed_architecture_gives_its_logits(model_type):
     """decoder + head + the configuration's scaling or soft-capping reproduce the model's own logits,
     and the fused log-probs are the log-softmax of them."""
     torch.manual_seed(2)
     shape = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
-    config = AutoConfig.for_model(model_type, **shape, **ARCHITECTURES[model_type])
+                 num_key_value_heads=2, pad_token_id=None)  # some default padding ids lie outside 101 tokens
+    config = AutoConfig.for_model(model_type, **shape, **ARCHITECTURES.get(model_type, {}))
     model = AutoModelForCausalLM.from_config(config).eval()
     input_ids = torch.randint(0, 101, (2, 12))
     parts = output_head(model)
@@ -124,7 +133,7 @@ def test_the_head_of_each_listed_architecture_gives_its_logits(model_type):
         logits = model(input_ids=input_ids).logits  # [2, 12, V]
         hidden = decoder_hidden_states(model, parts, input_ids=input_ids)  # [2, 12, H]
         logps, _ = fused_token_logprobs(
-            hidden[:, :-1], parts.head, input_ids[:, 1:], parts.vocab_size,
+            hidden[:, :-1], parts.fused(), input_ids[:, 1:], parts.vocab_size,
             sampling_transform(SamplingFilters(), input_ids[:, 1:], parts.vocab_size,
                                logit_scale=parts.logit_scale, softcapping=parts.softcapping))
     close(logps, logits[:, :-1].log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1))
@@ -186,9 +195,9 @@ def test_training_steps_are_the_same_with_the_fused_head(tiny_model_dir, say_a_o
     fused_passes = []
     fused_token_logprobs = lit_grpo.algorithm.fused_lm_head.fused_token_logprobs
 
-    def counting_fused_token_logprobs(*args):
+    def counting_fused_token_logprobs(*args, **kwargs):
         fused_passes.append(torch.is_grad_enabled())
-        return fused_token_logprobs(*args)
+        return fused_token_logprobs(*args, **kwargs)
 
     monkeypatch.setattr(lit_grpo.algorithm.fused_lm_head, "fused_token_logprobs", counting_fused_token_logprobs)
     fused, fused_weights = train()
@@ -203,13 +212,64 @@ def test_training_steps_are_the_same_with_the_fused_head(tiny_model_dir, say_a_o
     torch.testing.assert_close(fused_weights, weights, atol=1e-5, rtol=1e-4)
 
 
+def test_cast_lm_head_to_fp32_scores_every_pass_with_a_float32_head(tiny_model_dir, monkeypatch):
+    """``model.cast_lm_head_to_fp32``: every pass goes through the fused head, also a forward whose
+    logits fit in one tile (without the option the model's own logits), and the head's product is in
+    float32: with bf16 weights the log-probs are those of the hidden states and weight upcast, not
+    bf16's. A LoRA adapter on the head is refused in one line (as TRL refuses it)."""
+    torch.manual_seed(3)
+    module = GRPOModule(str(tiny_model_dir), rewards=REWARDS, num_generations=4, max_completion_length=9,
+                        temperature=0.7, cast_lm_head_to_fp32=True)
+    module.configure_model()
+    module.policy.to(torch.bfloat16)
+    rollout = hand_made_rollout(module.tokenizer, [4, 6, 2, 5], order=[0, 1, 2, 0])
+    heads, hiddens = [], []
+    fused_token_logprobs = lit_grpo.algorithm.fused_lm_head.fused_token_logprobs
+
+    def recording(hidden, head, *args, **kwargs):
+        heads.append(head)
+        hiddens.append(hidden)
+        return fused_token_logprobs(hidden, head, *args, **kwargs)
+
+    monkeypatch.setattr(lit_grpo.algorithm.fused_lm_head, "fused_token_logprobs", recording)
+    logps, _ = module.logprobs.completion_logps(module.policy, rollout, group_by_length=False)
+    assert len(heads) == 1 and heads[0].float32 and heads[0].weight.dtype == torch.bfloat16
+    width = logps.size(1)
+    weight = output_head(module.policy).head.weight
+    logits = torch.nn.functional.linear(hiddens[0].float(), weight.float()) / 0.7  # [n, C, V]
+    expected = logits.log_softmax(-1).gather(-1, rollout.completion_ids[:, :width, None]).squeeze(-1)
+    mask = rollout.completion_mask[:, :width].bool()
+    close(logps[mask], expected[mask])
+    heads.clear()
+    from conftest import set_hparams
+
+    set_hparams(module, cast_lm_head_to_fp32=False)
+    bf16_logps, _ = module.logprobs.completion_logps(module.policy, rollout, group_by_length=False)
+    assert not heads  # one tile's logits: the model's own forward, in bf16
+    assert (bf16_logps[mask] - logps[mask]).abs().max() > 1e-4  # bf16 rounding of small logits (the tiny model's)
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+def test_cast_lm_head_to_fp32_with_a_lora_adapter_on_the_head_is_refused(tiny_model_dir):
+    from lit_grpo.errors import ConfigError
+
+    lora = {"target_modules": ["q_proj", "lm_head"], "r": 4}
+    module = GRPOModule(str(tiny_model_dir), rewards=REWARDS, num_generations=4, max_completion_length=9, lora=lora,
+                        cast_lm_head_to_fp32=True)
+    module.configure_model()
+    rollout = hand_made_rollout(module.tokenizer, [4, 6, 2, 5], order=[0, 1, 2, 0])
+    with pytest.raises(ConfigError, match=r"^model.cast_lm_head_to_fp32 needs the fused LM head on a plain linear head: "
+                                          r"its head is a Linear, not a torch.nn.Linear$"):
+        module.logprobs.completion_logps(module.policy, rollout)
+
+
 def fsdp2_worker(rank: int, init_file: str, model_dir: str, results: str) -> None:
     """One of two FSDP2 ranks: log-probs and the full gradients of the sharded policy, from the fused
     head in tiles of 3 tokens and from the model's logits, each rank on its own rows."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lit_grpo.distributed import shard_model
+    from lit_grpo.distributed import gathered_for_generation, shard_model
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -225,18 +285,26 @@ def fsdp2_worker(rank: int, init_file: str, model_dir: str, results: str) -> Non
         (logps * rollout.completion_mask[:, : logps.size(1)]).sum().backward()
         return logps.detach(), [p.grad.full_tensor() for p in module.policy.parameters()]
 
+    with gathered_for_generation(module.policy):  # as sampling does before the first training forward
+        pass
     tokens = logits_tokens(module.policy)
     fused = logps_and_gradients()
     fused_tokens = max(tokens)
+    # a root unit set to free its gathered weights after each forward: the head would meet its shards
+    module.policy.set_reshard_after_forward(True, recurse=False)
+    root_resharding_head = module.logprobs.fused_head(module.policy)
+    module.policy.set_reshard_after_forward(False, recurse=False)
     lit_grpo.models.output_head = lambda model: "a head not known to be linear"
     full = logps_and_gradients()
-    torch.save({"fused": fused, "full": full, "most tokens with logits": (fused_tokens, max(tokens))}, f"{results}.{rank}")
+    torch.save({"fused": fused, "full": full, "most tokens with logits": (fused_tokens, max(tokens)),
+                "head with a resharding root": root_resharding_head}, f"{results}.{rank}")
     dist.destroy_process_group()
 
 
 def test_fsdp2_sharded_head_gives_the_full_logits_values(tiny_model_dir, tmp_path):
-    """Two FSDP2 ranks (the head in the root unit, gathered by the model's own forward): the fused
-    head's log-probs and the reduce-scattered gradients equal those from the model's logits."""
+    """Two FSDP2 ranks (the head in the root unit, gathered by the model's own forward, and kept after
+    a generation's gathering too): the fused head's log-probs and the reduce-scattered gradients equal
+    those from the model's logits; a root that frees its weights after each forward gets the logits."""
     torch.multiprocessing.spawn(
         fsdp2_worker, args=(str(tmp_path / "init"), str(tiny_model_dir), str(tmp_path / "results")), nprocs=2
     )
@@ -244,6 +312,7 @@ def test_fsdp2_sharded_head_gives_the_full_logits_values(tiny_model_dir, tmp_pat
         results = torch.load(tmp_path / f"results.{rank}")
         fused_tokens, full_tokens = results["most tokens with logits"]
         assert fused_tokens <= TILE_TOKENS < full_tokens  # the fused head ran
+        assert results["head with a resharding root"] is None
         close(results["fused"][0], results["full"][0])
         for fused, full in zip(results["fused"][1], results["full"][1]):
             close(fused, full, atol=1e-5)
