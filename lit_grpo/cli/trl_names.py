@@ -6,7 +6,10 @@ A key or option lit-grpo does not know whose last part is one of TRL's names is 
 :func:`trl_hint` instead of the closest spelling (which would send ``learning_rate`` to ``lora``).
 
 The table "Coming from TRL" in docs/configuration.md shows :data:`TRL_NAMES` row by row (a test
-checks that each name gets the message the table promises and that the keys it names exist).
+checks that each name gets the message the table promises and that the keys it names exist). The
+table after it, "Every field of TRL 1.16's GRPOConfig", gives each other field of TRL 1.16's
+``GRPOConfig`` (``tests/fixtures/trl_1_16_grpo_config_fields.txt``) and why lit-grpo has no key of
+that name: the two tables together have one row for each field, checked by a test.
 """
 
 from __future__ import annotations
@@ -112,6 +115,40 @@ TRL_NAMES: dict[str, str] = {
     "use_bias_correction_kl": "model.use_bias_correction_kl",
     "sync_ref_model": "model.sync_ref_model",
     "model_init_kwargs": "model.model_init_kwargs",
+    # the rest of TRL 1.16's settings that lit-grpo has under the same name, under model:
+    "ref_model_mixup_alpha": "model.ref_model_mixup_alpha",
+    "ref_model_sync_steps": "model.ref_model_sync_steps",
+    "sapo_temperature_pos": "model.sapo_temperature_pos",
+    "sapo_temperature_neg": "model.sapo_temperature_neg",
+    "vespo_k_pos": "model.vespo_k_pos (with model.loss_type: vespo)",
+    "vespo_lambda_pos": "model.vespo_lambda_pos (with model.loss_type: vespo)",
+    "vespo_k_neg": "model.vespo_k_neg (with model.loss_type: vespo)",
+    "vespo_lambda_neg": "model.vespo_lambda_neg (with model.loss_type: vespo)",
+    "off_policy_mask_threshold": "model.off_policy_mask_threshold",
+    "multi_objective_aggregation": "model.multi_objective_aggregation",
+    "entropy_coef": "model.entropy_coef",
+    "use_adaptive_entropy": "model.use_adaptive_entropy",
+    "entropy_target": "model.entropy_target",
+    "entropy_coef_min": "model.entropy_coef_min",
+    "entropy_coef_max": "model.entropy_coef_max",
+    "entropy_coef_delta": "model.entropy_coef_delta",
+    "disable_dropout": "model.disable_dropout",
+    "cast_lm_head_to_fp32": "model.cast_lm_head_to_fp32",
+    "generation_kwargs": (
+        "model.generation_kwargs (GenerationConfig fields for the lit and transformers backends, SamplingParams "
+        "fields for vLLM)"
+    ),
+    "vllm_enable_sleep_mode": "model.vllm_enable_sleep_mode",
+    "vllm_tensor_parallel_size": "model.vllm_tensor_parallel_size",
+    "vllm_structured_outputs_regex": "model.vllm_structured_outputs_regex",
+    "vllm_importance_sampling_correction": "model.vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode": "model.vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_min": "model.vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max": "model.vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_cap": (
+        "model.vllm_importance_sampling_cap, deprecated as in TRL 1.16: model.vllm_importance_sampling_clip_max"
+    ),
+    "log_unique_prompts": "model.log_unique_prompts",
 }
 
 

@@ -1,8 +1,12 @@
 """Coming from TRL: the table of docs/configuration.md, row by row. Each TRL name, written where a
-TRL user writes it, gets the message its row promises, and each lit-grpo key a row names exists."""
+TRL user writes it, gets the message its row promises, and each lit-grpo key a row names exists.
+With the table after it, "Every field of TRL 1.16's GRPOConfig", every field of TRL 1.16's
+``GRPOConfig`` has one row (``tests/fixtures/trl_1_16_grpo_config_fields.txt``; the installed TRL's
+fields are checked against it where TRL is installed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 import shlex
@@ -29,14 +33,17 @@ mask_truncated_completions log_completions""".split()
 ROOTS = ("model", "data", "trainer", "optimizer", "lr_scheduler", "seed_everything")
 
 
-def table_rows() -> dict[str, str]:
-    """TRL name -> the lit-grpo cell, as the table "Coming from TRL" writes them."""
-    section = (REPO / "docs" / "configuration.md").read_text().split("## Coming from TRL", 1)[1].split("\n## ", 1)[0]
-    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
+def table_rows(heading: str = "## Coming from TRL") -> dict[str, str]:
+    """TRL name -> the lit-grpo cell, as the table under ``heading`` writes them."""
+    section = (REPO / "docs" / "configuration.md").read_text().split(heading, 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ", 1) for line in section.splitlines() if line.startswith("| `")]
     return {name.removeprefix("| `").removesuffix("`"): cell.removesuffix(" |") for name, cell in rows}
 
 
 ROWS = table_rows()
+EVERY_FIELD_ROWS = table_rows("## Every field of TRL 1.16's GRPOConfig")  # the fields ROWS does not answer
+TRL_1_16_FIELDS = [line for line in (REPO / "tests/fixtures/trl_1_16_grpo_config_fields.txt").read_text().splitlines()
+                   if line and not line.startswith("#")]  # dataclasses.fields(trl.GRPOConfig), TRL 1.16.0
 
 
 def model_keys() -> set[str]:
@@ -98,9 +105,30 @@ def test_a_trl_name_inside_the_optimizer_block_is_answered_too(base_config, tmp_
     )
 
 
+def test_the_two_tables_have_one_row_for_each_field_of_trl_1_16s_grpo_config():
+    assert len(TRL_1_16_FIELDS) == len(set(TRL_1_16_FIELDS)) == 191
+    # the second table: exactly the fields the first does not answer, in GRPOConfig's order
+    assert list(EVERY_FIELD_ROWS) == [name for name in TRL_1_16_FIELDS if name not in ROWS]
+    # the first answers TRL names that are no 1.16 field too (earlier releases', GRPOTrainer's argument)
+    assert [name for name in ROWS if name not in TRL_1_16_FIELDS] == ["warmup_ratio", "reward_funcs", "max_prompt_length"]
+    # every model key named as TRL names it is in the first table, so its one-line error answers it
+    assert [name for name in TRL_1_16_FIELDS if name in MODEL_KEYS and name not in ROWS] == []
+    assert all(cell.strip() for cell in EVERY_FIELD_ROWS.values())
+
+
+def test_the_installed_trls_grpo_config_has_no_field_without_a_row():
+    trl = pytest.importorskip("trl")
+    fields = [field.name for field in dataclasses.fields(trl.GRPOConfig)]
+    if trl.__version__.startswith("1.16."):
+        assert fields == TRL_1_16_FIELDS
+    else:  # another release: a field it adds needs a row (and, once it is checked, a fixture of its own)
+        assert [name for name in fields if name not in ROWS and name not in EVERY_FIELD_ROWS] == []
+
+
 def named_keys() -> list[str]:
-    """Every lit-grpo key the table names, as written (``trainer.precision: bf16-mixed`` with its value)."""
-    words = {word for cell in ROWS.values() for word in re.findall(r"`([^`]+)`", cell)}
+    """Every lit-grpo key the two tables name, as written (``trainer.precision: bf16-mixed`` with its value)."""
+    cells = [*ROWS.values(), *EVERY_FIELD_ROWS.values()]
+    words = {word for cell in cells for word in re.findall(r"`([^`]+)`", cell)}
     return sorted(word for word in words if re.match(rf"({'|'.join(ROOTS)})\b(\.\w+)*(: \S+)?$", word))
 
 
