@@ -48,9 +48,6 @@ Aggregation = Callable[[torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 Objective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LossSettings], torch.Tensor]
 
 
-DEFAULT_LOSS_OPTIONS = LossOptions()  # TRL 1.16's defaults, those of LossSettings.options
-
-
 # An objective that reads more than the ratio (``reads_inputs``): (inputs, settings, options) -> per-token
 # loss [n, T]. grpo_loss still multiplies its loss by ``inputs.sampling_weights`` unless the loss type
 # says the objective folds them in itself (``folds_sampling_weights``, as vespo does).
