@@ -207,8 +207,9 @@ def normalize_then_sum(
     sampling's test), also when the rewards differ but cancel (``r1 = [1, 0]``, ``r2 = [0, 1]``). It is
     not TRL's ``frac_reward_zero_std``, which under GDPO is whether the *batch* std of ``s`` is 0.
     ``group_mean`` / ``group_std`` are the batch's mean and std of ``s`` (TRL's ``std_rewards`` of this
-    branch divides by the latter), not the raw rewards' statistics: they are not TRL's logged
-    ``reward_std``, which is the std of the raw weighted sum under both aggregations.
+    branch divides by the latter), not the raw rewards' statistics: they are not the logged ``reward_std``,
+    which is the std of the raw weighted sum under both aggregations (TRL's and lit-grpo's:
+    ``lit_grpo.rollout.records.rollout_statistics``).
     """
     N, K = rewards_per_func.shape
     if N % num_generations != 0:
