@@ -14,6 +14,7 @@ hyperparameters, so what a piece of code depends on is in its signature:
 - :class:`UpdateSettings`: the optimizer steps of one generation batch, step 5 (:mod:`lit_grpo.train.update`);
 - :class:`ToolSettings`: the tools and environments of multi-turn rollouts (:mod:`lit_grpo.rollout.tools.tool_use`);
 - :class:`EvaluationSettings`: validation's sampling and scoring (``GRPOModule.validation_step``);
+- :class:`EntropyControlSettings`: the entropy bonus and its adaptive control (:mod:`lit_grpo.train.update`);
 - :class:`RunSettings`: the groups together.
 
 Each record is made by ``from_hparams(hp)``, where ``hp`` is the module's hyperparameters
@@ -30,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["EvaluationSettings", "GenerationSettings", "LogProbSettings", "LossOptions", "LossSettings", "RunSettings",
+__all__ = ["EntropyControlSettings", "EvaluationSettings", "GenerationSettings", "LogProbSettings", "LossOptions", "LossSettings", "RunSettings",
            "SamplingSettings", "ToolSettings", "UpdateSettings"]
 
 
@@ -213,6 +214,29 @@ class EvaluationSettings:
 
 
 @dataclass(frozen=True)
+class EntropyControlSettings:
+    """The entropy bonus and its adaptive control (``model.*`` keys of the same names, TRL 1.16's
+    names and defaults), read by :class:`lit_grpo.algorithm.EntropyCoefficient` and the update."""
+
+    entropy_coef: float = 0.0  # the bonus's coefficient; with adaptive control its first value
+    use_adaptive_entropy: bool = False
+    entropy_target: float = 0.2  # nats per token
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+
+    @classmethod
+    def from_hparams(cls, hp: Any) -> EntropyControlSettings:
+        return cls(**same_names(cls, hp))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the bonus is in the loss at all (TRL's ``_entropy_bonus_enabled``): a non-zero
+        coefficient, or adaptive control, which may raise a coefficient that starts at 0."""
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """The setting groups of a run, built once at setup (``GRPOModule.apply_settings``)."""
 
@@ -223,6 +247,7 @@ class RunSettings:
     update: UpdateSettings
     tools: ToolSettings
     evaluation: EvaluationSettings
+    entropy: EntropyControlSettings = EntropyControlSettings()  # the entropy bonus (off by default)
 
     @classmethod
     def from_hparams(cls, hp: Any, filter_order: str) -> RunSettings:
@@ -235,4 +260,5 @@ class RunSettings:
             update=UpdateSettings.from_hparams(hp),
             tools=ToolSettings.from_hparams(hp),
             evaluation=EvaluationSettings.from_hparams(hp),
+            entropy=EntropyControlSettings.from_hparams(hp),
         )

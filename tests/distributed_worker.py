@@ -185,11 +185,16 @@ def main() -> None:
     if dist.is_initialized():
         no_grad_rows_per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(no_grad_rows_per_rank, no_grad_rows)
+    entropy_control_per_rank = [module.logprobs.entropy_coefficient.state_dict()]  # the entropy bonus's coefficient
+    if dist.is_initialized():
+        entropy_control_per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(entropy_control_per_rank, module.logprobs.entropy_coefficient.state_dict())
     if cli.trainer.global_rank == 0:
         result = {
             "steps": steps, "state": state, "world_size": cli.trainer.world_size,
             "backward_passes": len(backward_passes), "skipped_rows": skipped_rows,
             "no_grad_rows": no_grad_rows_per_rank, "compute_dtypes": sorted(compute_dtypes),
+            "entropy_control": entropy_control_per_rank,
             "log_dir": str(module.run_log_dir),
         }
         torch.save(result, args.out)

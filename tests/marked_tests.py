@@ -189,6 +189,9 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
         "test_validation_metrics_reduce_over_ranks_like_one_process",
         "test_a_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message",
     ),
+    "tests/train/test_entropy_bonus.py": (
+        "test_two_ranks_agree_on_the_adaptive_coefficient_of_one_process",
+    ),
     "tests/train/test_fused_head_logprobs.py": (
         "test_fsdp2_sharded_head_gives_the_full_logits_values",
     ),
@@ -284,6 +287,9 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_fsdp2_generation_gathers_weights_once_and_ranks_finish_independently",
         "test_validation_metrics_reduce_over_ranks_like_one_process",
         "test_a_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message",
+    ),
+    "tests/train/test_entropy_bonus.py": (
+        "test_two_ranks_agree_on_the_adaptive_coefficient_of_one_process",
     ),
     "tests/train/test_fused_head_logprobs.py": (
         "test_training_steps_are_the_same_with_the_fused_head",

@@ -13,29 +13,12 @@ types' aggregation) and ``_save_checkpoint`` / ``_load_from_checkpoint`` (the co
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
+from lit_grpo.settings import EntropyControlSettings  # the record of the model.* keys, built once with the others
+
 __all__ = ["EntropyCoefficient", "EntropyControlSettings", "entropy_bonus_loss", "entropy_sum_and_count", "token_entropy"]
-
-
-@dataclass(frozen=True)
-class EntropyControlSettings:
-    """The ``model.*`` keys of the entropy bonus, TRL 1.16's names and defaults."""
-
-    entropy_coef: float = 0.0  # the bonus's coefficient; with adaptive control its first value
-    use_adaptive_entropy: bool = False
-    entropy_target: float = 0.2  # nats per token
-    entropy_coef_min: float = 0.0
-    entropy_coef_max: float = 1.0
-    entropy_coef_delta: float = 0.005
-
-    @property
-    def enabled(self) -> bool:
-        """Whether the bonus is in the loss at all (TRL's ``_entropy_bonus_enabled``): a non-zero
-        coefficient, or adaptive control, which may raise a coefficient that starts at 0."""
-        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -234,15 +234,16 @@ MASKED_AGGREGATIONS = (grpo_aggregation, bnpo_aggregation, dr_grpo_aggregation, 
 
 
 def rows_without_gradient(
-    advantages: torch.Tensor, loss_mask: torch.Tensor, loss_type: str, beta: float
+    advantages: torch.Tensor, loss_mask: torch.Tensor, loss_type: str, beta: float, entropy_bonus: bool = False
 ) -> torch.Tensor:
     """``[n]`` bool: rows whose terms of the loss have exactly zero gradient, so their backward pass
     can be skipped without changing the update.
 
-    - With ``beta = 0``, a row whose advantage is exactly 0 (a group with equal rewards, or a row with
-      no reward; see :func:`group_advantages`) under PPO's clipped surrogate, CISPO or SAPO: each
-      token's loss is ``A`` times a finite factor, so its value and gradient are 0. With ``beta > 0``
-      the KL term still pulls such a row towards the reference.
+    - With ``beta = 0`` and no ``entropy_bonus``, a row whose advantage is exactly 0 (a group with
+      equal rewards, or a row with no reward; see :func:`group_advantages`) under PPO's clipped
+      surrogate, CISPO or SAPO: each token's loss is ``A`` times a finite factor, so its value and
+      gradient are 0. With ``beta > 0`` the KL term still pulls such a row towards the reference, and
+      with the entropy bonus (:func:`lit_grpo.algorithm.entropy_bonus_loss`) its entropy still moves.
     - A row with no token that counts (``loss_mask`` all 0, e.g. a truncated completion under
       ``mask_truncated_completions``) under a built-in aggregation: every token's loss, KL included,
       is multiplied by its mask.
@@ -257,7 +258,7 @@ def rows_without_gradient(
         return inert
     if loss.aggregate in MASKED_AGGREGATIONS:
         inert |= ~loss_mask.bool().any(dim=-1)
-    if beta == 0.0 and loss.objective in ADVANTAGE_PROPORTIONAL_OBJECTIVES:
+    if beta == 0.0 and not entropy_bonus and loss.objective in ADVANTAGE_PROPORTIONAL_OBJECTIVES:
         inert |= advantages == 0
     return inert
 

@@ -51,9 +51,16 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_grpo.algorithm.token_logprobs import LOGPROB_CHUNK_ELEMENTS, entropy_from_logits, selective_log_softmax
+from lit_grpo.algorithm.entropy_control import token_entropy
+from lit_grpo.algorithm.token_logprobs import (
+    LOGPROB_CHUNK_ELEMENTS,
+    entropy_from_logits,
+    rows_per_logprob_chunk,
+    selective_log_softmax,
+)
 
-__all__ = ["FILTER_ORDERS", "SamplingFilters", "kept_tokens", "sampling_log_softmax", "seen_before", "token_first_positions"]
+__all__ = ["FILTER_ORDERS", "SamplingFilters", "kept_tokens", "plain_entropy_with_gradient", "sampling_log_softmax", "seen_before",
+           "token_first_positions"]
 
 # a sampler's order of the steps -> whether min-p comes before top-k and top-p (see the module's doc)
 FILTER_ORDERS = {"transformers": False, "vllm": True}
@@ -220,10 +227,14 @@ def sampling_log_softmax(
     prompt_mask: torch.Tensor | None = None,
     with_entropy: bool = False,
     positions_per_chunk: int | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[B, T]`` of ``tokens [B, T]`` under the distribution ``filters`` sample from
     (and its entropy ``[B, T]`` with ``with_entropy``), from ``logits [B, T, V]`` whose position
-    ``t`` predicts ``tokens[:, t]``.
+    ``t`` predicts ``tokens[:, t]``. The entropy is a metric without gradient, unless
+    ``entropy_grad`` (the entropy bonus, ``model.entropy_coef``): then it is
+    :func:`~lit_grpo.algorithm.token_entropy` of the same masked logits, and autograd keeps about
+    two more ``[c, V]`` float32 tensors per chunk (its probabilities and finite logits).
 
     ``logp = z_tok - logsumexp(z over the kept tokens)``, ``z`` the penalised logits over the
     temperature; the kept set is :func:`kept_tokens` of ``z`` plus the token itself (see the module
@@ -234,7 +245,11 @@ def sampling_log_softmax(
     """
     if filters.is_plain_softmax:
         logps = selective_log_softmax(logits, tokens, filters.temperature)
-        return logps, entropy_from_logits(logits, filters.temperature) if with_entropy else None
+        if not with_entropy:
+            return logps, None
+        if not entropy_grad:
+            return logps, entropy_from_logits(logits, filters.temperature)
+        return logps, plain_entropy_with_gradient(logits, filters.temperature)
     B, T, V = logits.shape
     if B * T == 0:
         empty = logits.new_zeros(B, T, dtype=torch.float32)
@@ -261,10 +276,21 @@ def sampling_log_softmax(
         log_normaliser = torch.logsumexp(masked, dim=-1)  # [c]
         # gathered from ``masked`` (the token is in the support: the same value), so that autograd keeps one [c, V] tensor
         logps.append(masked.gather(-1, chunk_tokens).squeeze(-1) - log_normaliser)
-        if with_entropy:
+        if with_entropy and entropy_grad:
+            entropies.append(token_entropy(masked))  # -inf off the support counts 0
+        elif with_entropy:
             with torch.no_grad():
                 probs = torch.exp(masked.detach() - log_normaliser.detach()[:, None])
                 weighted = torch.where(kept, probs * masked.detach(), torch.zeros_like(probs))
                 entropies.append(log_normaliser.detach() - weighted.sum(-1))
     logps = torch.cat(logps).reshape(B, T)
     return logps, torch.cat(entropies).reshape(B, T) if with_entropy else None
+
+
+def plain_entropy_with_gradient(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy ``[B, T]`` of ``softmax(logits / temperature)`` with its gradient (the entropy bonus),
+    from ``logits [B, T, V]`` in the row chunks of :func:`~lit_grpo.algorithm.selective_log_softmax`
+    (each chunk's float32 copy is what autograd keeps, as for the log-probs)."""
+    rows = rows_per_logprob_chunk(logits)
+    return torch.cat([token_entropy(logits[start : start + rows].float() / temperature)
+                      for start in range(0, logits.size(0), rows)])

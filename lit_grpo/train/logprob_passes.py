@@ -17,7 +17,9 @@
   and the KL reference's).
 - :meth:`~LogProbPasses.micro_batch_backward`: forward, GRPO loss (:func:`lit_grpo.algorithm.grpo_loss`)
   and backward of one micro-batch, in chunks of rows within ``forward_token_budget``, skipping the
-  backward of rows whose loss terms have no gradient.
+  backward of rows whose loss terms have no gradient; with the entropy bonus (``model.entropy_coef``),
+  the micro-batch's loss carries ``- coefficient * H`` (:func:`lit_grpo.algorithm.entropy_bonus_loss`),
+  the entropy with its gradient on both the full-logits path and the fused LM head.
 
 The settings are records built once from the module's hyperparameters (``model.*`` in the config;
 :class:`lit_grpo.settings.RunSettings`): the loss's, the sampling distribution's and the passes' own.
@@ -62,7 +64,11 @@ from lit_grpo.train.shared_prompt import (
     shared_prompt_unsupported,
 )
 
-__all__ = ["LogProbPasses"]
+__all__ = ["ENTROPY_WINDOW", "LogProbPasses"]
+
+# the statistic of a micro-batch's [entropy sum, token count] over the tokens of the entropy bonus, for
+# adaptive entropy control: the update takes it out of the statistics (it is no metric)
+ENTROPY_WINDOW = "entropy_window"
 
 
 class LogProbPasses:
@@ -76,6 +82,10 @@ class LogProbPasses:
         backward: ``backward(loss, sync)``, the module's manual backward (``sync=False`` keeps DDP
             from all-reducing).
         grad_scale: the loss scale of a ``16-mixed`` GradScaler (1 without one).
+
+    :attr:`entropy_coefficient` is the run's entropy coefficient (:class:`lit_grpo.algorithm.EntropyCoefficient`):
+    its state lives across steps (the update steps it, the module checkpoints it) and a new
+    :attr:`settings` keeps it unless their entropy settings differ.
     """
 
     def __init__(
@@ -85,6 +95,7 @@ class LogProbPasses:
         backward: Callable[[torch.Tensor, bool], None],
         grad_scale: Callable[[], float],
     ) -> None:
+        self.entropy_coefficient: algorithm.EntropyCoefficient | None = None  # made by the settings' setter
         self.settings = settings
         self.all_gather = all_gather
         self.backward = backward
@@ -102,6 +113,8 @@ class LogProbPasses:
     def settings(self, settings: RunSettings) -> None:
         self._settings = settings
         self.loss_settings = settings.loss
+        if self.entropy_coefficient is None or self.entropy_coefficient.settings != settings.entropy:
+            self.entropy_coefficient = algorithm.EntropyCoefficient(settings.entropy)
         self.passes = settings.logprobs  # how the passes run
         # the distribution that sampled: temperature, repetition penalty, top-k/top-p/min-p (lit_grpo.algorithm.sampling_filters)
         self.sampling_filters = SamplingFilters.of_run(
@@ -123,9 +136,11 @@ class LogProbPasses:
     # ------------------------------------------------------------------------------------------
 
     def completion_logps(
-        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool = False, group_by_length: bool = True
+        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool = False, group_by_length: bool = True,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[n, C]`` of the completion tokens (and their entropy) under the sampling distribution.
+        The entropy is a metric without gradient, unless ``entropy_grad`` (the entropy bonus).
 
         With ``share_prompt_forward`` each distinct prompt goes through the model once and its rows'
         completions attend to its KV cache. With ``group_by_length`` (the setting, unless the
@@ -136,10 +151,10 @@ class LogProbPasses:
         repeated prompts. Under FSDP2 the ranks agree on both choices (the same number of forwards).
         """
         with cpu.half_attention(model):  # bf16/fp16 on the CPU: attention as matrix products
-            return self._completion_logps(model, rollout, with_entropy, group_by_length)
+            return self._completion_logps(model, rollout, with_entropy, group_by_length, entropy_grad)
 
     def _completion_logps(
-        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, group_by_length: bool
+        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, group_by_length: bool, entropy_grad: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         prefix = None
         groups = self.prompt_groups_worth_sharing(model, rollout)
@@ -155,7 +170,7 @@ class LogProbPasses:
         else:
             chunks = [torch.arange(rollout.completion_ids.size(0), device=rollout.completion_ids.device)]
         if len(chunks) == 1:
-            return self.chunk_logps(model, rollout.trimmed(prompts=prefix is None), with_entropy, prefix)
+            return self.chunk_logps(model, rollout.trimmed(prompts=prefix is None), with_entropy, prefix, entropy_grad)
         width = int(rollout.completion_mask.any(dim=0).sum())
         outputs = [
             self.chunk_logps(
@@ -163,6 +178,7 @@ class LogProbPasses:
                 rollout.select(rows).trimmed(prompts=prefix is None),
                 with_entropy,
                 prefix.select(rows) if prefix is not None else None,
+                entropy_grad,
             )
             for rows in chunks
         ]
@@ -217,17 +233,19 @@ class LogProbPasses:
         return head
 
     def chunk_logps(
-        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, prefix: PromptPrefix | None = None
+        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, prefix: PromptPrefix | None = None,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward of a trimmed rollout (after its shared prompt's forward, given ``prefix``):
         the hidden states ``[n, C, H]`` of the ``C`` positions that predict completion tokens, scored
-        by the fused LM head; positions skip left padding exactly as in generation."""
+        by the fused LM head; positions skip left padding exactly as in generation. The entropy has
+        its gradient with ``entropy_grad``."""
         if prefix is None:
             head = self.fused_head(model, rollout.completion_ids.numel())
         else:  # as the prompts were encoded: their last hidden states for the fused head, or their logits
             head = self.fused_head(model) if prefix.last_hidden is not None else None
         if head is None:
-            return self.chunk_logps_from_logits(model, rollout, with_entropy, prefix)
+            return self.chunk_logps_from_logits(model, rollout, with_entropy, prefix, entropy_grad)
         completion_ids = rollout.completion_ids  # [n, C]
         if prefix is not None:
             hidden = completion_hidden_states(model, head, prefix, completion_ids, rollout.completion_mask)
@@ -245,11 +263,12 @@ class LogProbPasses:
         )
         return fused_lm_head.fused_token_logprobs(
             hidden, head.fused(self.passes.cast_lm_head_to_fp32), completion_ids, head.vocab_size, transform, with_entropy,
-            fused_lm_head.tile_bytes_for(hidden.device.type, head.vocab_size),
+            fused_lm_head.tile_bytes_for(hidden.device.type, head.vocab_size), entropy_grad=entropy_grad,
         )
 
     def chunk_logps_from_logits(
-        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, prefix: PromptPrefix | None = None
+        self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, prefix: PromptPrefix | None = None,
+        entropy_grad: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`chunk_logps` from the model's own logits ``[n, C, V]`` (a head not known to be linear).
         Only the ``C`` positions that predict completion tokens get logits (``logits_to_keep``)."""
@@ -267,7 +286,8 @@ class LogProbPasses:
                 use_cache=False,
             ).logits  # [n, C, V]: the last C positions, position P - 1 + t predicts completion token t
         return sampling_log_softmax(
-            logits, rollout.completion_ids, self.sampling_filters, rollout.prompt_ids, rollout.prompt_mask, with_entropy=with_entropy
+            logits, rollout.completion_ids, self.sampling_filters, rollout.prompt_ids, rollout.prompt_mask,
+            with_entropy=with_entropy, entropy_grad=entropy_grad,
         )
 
     def sampling_policy_logps(self, policy: torch.nn.Module, scored: ScoredRollout, later_rows: torch.Tensor) -> torch.Tensor:
@@ -323,18 +343,23 @@ class LogProbPasses:
     # The loss and its backward pass
     # ------------------------------------------------------------------------------------------
 
-    def micro_batch_loss(self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    def micro_batch_loss(
+        self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor, scale: float = 1.0, bonus_weight: float = 0.0
+    ) -> tuple[torch.Tensor, dict, torch.Tensor]:
         """The loss of the micro-batch ``rows`` from one pass (all its chunks' graphs kept), its
-        statistics and its log-probs ``[n, C]``."""
+        statistics and its log-probs ``[n, C]``; ``scale`` and ``bonus_weight`` as :meth:`policy_loss`'s."""
         micro = scored.rollout.select(rows)
-        logps, entropy = self.completion_logps(policy, micro, with_entropy=True)  # [n, C] each
-        return *self.policy_loss(scored, rows, logps, entropy), logps
+        logps, entropy = self.completion_logps(policy, micro, with_entropy=True, entropy_grad=bonus_weight != 0.0)  # [n, C] each
+        return *self.policy_loss(scored, rows, logps, entropy, scale, bonus_weight), logps
 
     def policy_loss(
-        self, scored: ScoredRollout, rows: torch.Tensor, logps: torch.Tensor, entropy: torch.Tensor | None = None
+        self, scored: ScoredRollout, rows: torch.Tensor, logps: torch.Tensor, entropy: torch.Tensor | None = None,
+        scale: float = 1.0, bonus_weight: float = 0.0,
     ) -> tuple[torch.Tensor, dict]:
         """The GRPO loss of the rows ``rows`` given their log-probs ``[n, C]`` (and entropy, for the
-        statistics and ``top_entropy_quantile``; None skips both)."""
+        statistics, ``top_entropy_quantile`` and the entropy bonus; None skips them), times ``scale``
+        (gradient accumulation), plus the entropy bonus ``- bonus_weight * H`` (``bonus_weight``: the
+        optimizer step's coefficient over its micro-batches; ``entropy`` then needs its gradient)."""
         passes = self.passes
         width = logps.size(1)
         loss_mask = scored.loss_mask[rows, :width]
@@ -365,7 +390,7 @@ class LogProbPasses:
         )
         out = algorithm.grpo_loss(inputs, self.loss_settings)  # the options: self.loss_settings.options
         if entropy is None:
-            return out.loss, {}
+            return out.loss * scale, {}
         stats = {
             "entropy": algorithm.masked_mean(entropy, scored.rollout.policy_token_mask[rows, :width]),  # tool tokens left out
             **out.metrics,  # the loss type's own (vespo/phi_seq_mean)
@@ -380,20 +405,41 @@ class LogProbPasses:
             stats["kl"] = out.kl
         if sampling_logps is not None:
             stats.update(sampling_statistics(old_logps, sampling_logps, loss_mask, correction))
-        return out.loss, stats
+        token_mask = loss_mask if policy_mask is None else loss_mask * policy_mask  # the bonus's tokens: TRL's effective_mask
+        return self.with_entropy_bonus(out.loss, stats, entropy, token_mask, scale, bonus_weight)
+
+    def with_entropy_bonus(
+        self, policy_loss: torch.Tensor, stats: dict, entropy: torch.Tensor, token_mask: torch.Tensor, scale: float,
+        bonus_weight: float,
+    ) -> tuple[torch.Tensor, dict]:
+        """``policy_loss * scale``, and with the entropy bonus on (``model.entropy_coef``,
+        ``use_adaptive_entropy``) ``- bonus_weight * H``, ``H`` the mean of ``entropy [n, C]`` over
+        ``token_mask [n, C]`` (:func:`lit_grpo.algorithm.entropy_bonus_loss`), as TRL adds it after the
+        loss's accumulation scaling; ``stats`` then get TRL's ``policy_loss`` (the loss before the
+        bonus and the scaling) and the :data:`ENTROPY_WINDOW` of adaptive control."""
+        loss = policy_loss * scale
+        if not self.settings.entropy.enabled:
+            return loss, stats
+        stats["policy_loss"] = policy_loss.detach()
+        stats[ENTROPY_WINDOW] = algorithm.entropy_sum_and_count(entropy, token_mask)
+        if bonus_weight != 0.0:
+            loss = loss + algorithm.entropy_bonus_loss(entropy, token_mask, bonus_weight)
+        return loss, stats
 
     def micro_batch_backward(
-        self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor, scale: float, sync: bool
+        self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor, scale: float, sync: bool,
+        bonus_weight: float = 0.0,
     ) -> tuple[dict, torch.Tensor]:
         """See :meth:`_micro_batch_backward`; on the CPU in bf16/fp16 with attention as matrix products."""
         with cpu.half_attention(policy):
-            return self._micro_batch_backward(policy, scored, rows, scale, sync)
+            return self._micro_batch_backward(policy, scored, rows, scale, sync, bonus_weight)
 
     def _micro_batch_backward(
-        self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor, scale: float, sync: bool
+        self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor, scale: float, sync: bool,
+        bonus_weight: float,
     ) -> tuple[dict, torch.Tensor]:
-        """Forward, loss and backward of the micro-batch ``rows``, its loss multiplied by ``scale``
-        (gradient accumulation); ``sync=False`` keeps DDP from all-reducing. Returns its statistics
+        """Forward, loss and backward of the micro-batch ``rows``: :meth:`policy_loss` with ``scale``
+        and ``bonus_weight``; ``sync=False`` keeps DDP from all-reducing. Returns its statistics
         and its rows' log-probs ``[n, c]`` (detached; c up to its longest completion).
 
         A micro-batch above ``forward_token_budget`` goes forward and backward in length chunks of
@@ -407,7 +453,7 @@ class LogProbPasses:
         forward without autograd, for the statistics only, and into no chunk.
         """
         micro = scored.rollout.select(rows)
-        frozen = self.rows_without_gradient(policy, scored, rows)  # [f] positions in the micro-batch, or None
+        frozen = self.rows_without_gradient(policy, scored, rows, entropy_bonus=bonus_weight != 0.0)  # [f] positions, or None
         trained = torch.arange(len(rows), device=rows.device)  # [n - f] positions with a backward
         if frozen is not None:
             trained = trained[~torch.isin(trained, frozen)]
@@ -416,9 +462,9 @@ class LogProbPasses:
         groups = self.prompt_groups_worth_sharing(policy, learner) if may_chunk else None
         chunks = self.backward_chunks(policy, learner, groups)  # positions in ``learner``
         if frozen is None and len(chunks) == 1:
-            loss, stats, logps = self.micro_batch_loss(policy, scored, rows)
-            self.backward(loss * scale, sync)
-            stats["loss"] = (loss * scale).detach()
+            loss, stats, logps = self.micro_batch_loss(policy, scored, rows, scale, bonus_weight)
+            self.backward(loss, sync)
+            stats["loss"] = loss.detach()
             return stats, logps.detach()
 
         prefix = leaves = None
@@ -430,25 +476,23 @@ class LogProbPasses:
         logps, entropy = self.logps_before_chunks(policy, scored, rows, frozen)  # [n, C] each
         for index, chunk in enumerate(chunks):
             positions = trained[chunk]  # the chunk's rows in the micro-batch
-            chunk_logps, chunk_entropy = self.chunk_logps(
-                policy,
-                learner.select(chunk).trimmed(prompts=prefix is None),
-                True,
-                leaves.select(chunk) if leaves is not None else None,
-            )
+            chunk_rows = learner.select(chunk).trimmed(prompts=prefix is None)
+            chunk_prefix = leaves.select(chunk) if leaves is not None else None
+            chunk_logps, chunk_entropy = self.chunk_logps(policy, chunk_rows, True, chunk_prefix, bonus_weight != 0.0)
             padding = (0, logps.size(1) - chunk_logps.size(1))  # [k, c] -> [k, C]
-            chunk_logps = torch.nn.functional.pad(chunk_logps, padding)
-            chunk_loss, _ = self.policy_loss(scored, rows, logps.index_put((positions,), chunk_logps))
+            chunk_logps, chunk_entropy = (torch.nn.functional.pad(part, padding) for part in (chunk_logps, chunk_entropy))
+            bonus_entropy = entropy.index_put((positions,), chunk_entropy) if bonus_weight != 0.0 else None  # as logps
+            chunk_loss, _ = self.policy_loss(scored, rows, logps.index_put((positions,), chunk_logps), bonus_entropy,
+                                             scale, bonus_weight)
             last = index == len(chunks) - 1 and prefix is None
-            self.backward(chunk_loss * scale, sync and last)
-            logps[positions] = chunk_logps.detach()
-            entropy[positions] = torch.nn.functional.pad(chunk_entropy, padding).detach()
+            self.backward(chunk_loss, sync and last)
+            logps[positions], entropy[positions] = chunk_logps.detach(), chunk_entropy.detach()
         if prefix is not None:
             # the collected gradient already carries the loss scale (and a GradScaler's, divided out here)
             self.backward(prefix.gradient_surrogate(leaves) / self.grad_scale(), sync)
         with torch.no_grad():  # the loss and statistics of the whole micro-batch, as one pass reports them
-            loss, stats = self.policy_loss(scored, rows, logps, entropy)
-        stats["loss"] = (loss * scale).detach()
+            loss, stats = self.policy_loss(scored, rows, logps, entropy, scale, bonus_weight)
+        stats["loss"] = loss
         return stats, logps
 
     def logps_before_chunks(
@@ -473,13 +517,16 @@ class LogProbPasses:
             entropy[frozen] = torch.nn.functional.pad(frozen_entropy, padding)
         return logps, entropy
 
-    def rows_without_gradient(self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor) -> torch.Tensor | None:
+    def rows_without_gradient(
+        self, policy: torch.nn.Module, scored: ScoredRollout, rows: torch.Tensor, entropy_bonus: bool = False
+    ) -> torch.Tensor | None:
         """Positions in the micro-batch ``rows`` that need no backward pass, or None.
 
         ``skip_zero_gradient_rows``: rows whose loss terms have exactly zero gradient
-        (:func:`lit_grpo.algorithm.rows_without_gradient`: advantage 0 with ``beta = 0``, or no token
-        that counts), where their backward would cost more than the extra forward they then get
-        (``FORWARD_OVERHEAD_TOKENS``; a backward costs about two forwards). Not with
+        (:func:`lit_grpo.algorithm.rows_without_gradient`: advantage 0 with ``beta = 0`` and no
+        ``entropy_bonus`` in this step's loss, or no token that counts), where their backward would
+        cost more than the extra forward they then get (``FORWARD_OVERHEAD_TOKENS``; a backward costs
+        about two forwards). Not with
         ``top_entropy_quantile < 1`` (:meth:`skips_rows_without_gradient`). One row always goes
         backward, so the optimizer steps on a zero gradient where no row has any (AdamW's momentum
         and weight decay still move the weights, as after training every row) and DDP all-reduces
@@ -489,7 +536,8 @@ class LogProbPasses:
         if not self.skips_rows_without_gradient():
             return None
         loss = self.loss_settings
-        inert = algorithm.rows_without_gradient(scored.group.advantages[rows], scored.loss_mask[rows], loss.loss_type, loss.beta)
+        inert = algorithm.rows_without_gradient(scored.group.advantages[rows], scored.loss_mask[rows], loss.loss_type, loss.beta,
+                                                entropy_bonus)
         positions = inert.nonzero().squeeze(1)[: len(rows) - 1]  # [f]
         left_out = rows[positions]
         backward_tokens = 2 * int(scored.rollout.prompt_mask[left_out].sum() + scored.rollout.completion_mask[left_out].sum())

@@ -22,7 +22,9 @@ def update_metrics(step_stats: list[dict[str, torch.Tensor]], num_iterations: in
                    reduce: Reduce) -> dict[str, torch.Tensor]:
     """The micro-batches' statistics of one step (``step_stats``, one dict of scalars each) as one value
     each over all ranks: ``loss`` the mean per optimizer step, ``*/max`` and ``*/min`` their extremes,
-    the others their mean (NaN, a micro-batch with no token to count, left out)."""
+    the others their mean (NaN, a micro-batch with no token to count, left out). With the entropy bonus,
+    ``policy_loss`` (the loss before the bonus) is the micro-batches' mean as TRL logs it, and
+    ``entropy_coef`` the mean of the coefficient after each optimizer step (TRL: one value per step)."""
     metrics = {}
     for key in step_stats[0]:
         values = torch.stack([stats[key] for stats in step_stats])

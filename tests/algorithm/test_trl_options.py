@@ -40,6 +40,7 @@ from lit_grpo.algorithm import (
     vespo_gamma_weights,
 )
 from lit_grpo.algorithm.losses import dapo_aggregation, dapo_normaliser
+from lit_grpo.algorithm.sampling_filters import SamplingFilters, kept_tokens, sampling_log_softmax
 from lit_grpo.config import check_trl_options
 from lit_grpo.errors import ConfigError
 from lit_grpo.settings import LossSettings
@@ -711,6 +712,31 @@ def test_adaptive_entropy_over_micro_batches_is_token_weighted_as_in_trl():
     assert flat == pytest.approx([value for pair in expected for value in pair])
     trl = trl_adaptive_window(steps, 0.1, 0.5, 0.0, 1.0, 0.05)
     assert flat == pytest.approx([value for pair in trl for value in pair])
+
+
+@pytest.mark.parametrize("filters", [
+    SamplingFilters(temperature=0.7),  # a plain softmax: the full vocabulary
+    SamplingFilters(temperature=0.7, top_k=3),
+    SamplingFilters(top_p=0.8, min_p=0.05, min_p_first=True),
+], ids=["plain", "top_k", "top_p-min_p"])
+def test_sampling_entropy_has_its_gradient_only_for_the_bonus(filters):
+    # the trained forward's entropy (the bonus's) over the sampled support, as torch.distributions has it
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3, 11, generator=generator, requires_grad=True)
+    tokens = torch.randint(11, (2, 3), generator=generator)
+    _, metric = sampling_log_softmax(logits, tokens, filters, with_entropy=True)
+    assert not metric.requires_grad  # the entropy metric: no gradient, no graph kept
+    _, entropy = sampling_log_softmax(logits, tokens, filters, with_entropy=True, entropy_grad=True)
+    close(entropy.detach(), metric)
+    z = logits.reshape(6, 11) / filters.temperature
+    kept = kept_tokens(z, filters).scatter(-1, tokens.reshape(6, 1), True)  # the support, with the sampled token
+    expected = torch.distributions.Categorical(logits=z.masked_fill(~kept, torch.finfo(z.dtype).min)).entropy()
+    close(entropy.detach().reshape(6), expected.detach())
+    weights = torch.rand(2, 3, generator=generator)  # a weighted sum, as the bonus's mask makes it
+    gradient, = torch.autograd.grad((entropy * weights).sum(), logits)
+    expected_gradient, = torch.autograd.grad((expected * weights.reshape(6)).sum(), logits)
+    close(gradient, expected_gradient)
+    assert gradient.abs().sum() > 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -219,9 +219,9 @@ def count_completion_logps(monkeypatch):
     calls = []
     original = LogProbPasses.completion_logps
 
-    def counting(self, model, rollout, with_entropy=False):
+    def counting(self, model, rollout, with_entropy=False, **options):  # options: entropy_grad, group_by_length
         calls.append({"rows": rollout.completion_ids.size(0), "with_grad": torch.is_grad_enabled()})
-        return original(self, model, rollout, with_entropy=with_entropy)
+        return original(self, model, rollout, with_entropy=with_entropy, **options)
 
     monkeypatch.setattr(LogProbPasses, "completion_logps", counting)
     return calls
