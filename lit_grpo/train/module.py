@@ -450,6 +450,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         checkpoint["state_dict_keys"] = sorted(checkpoint["state_dict"])
         checkpoint["policy_version"] = self.policy_version
         checkpoint["reward_packages"] = {spec.name: info.package for spec, info in zip(self.scorer.specs, self.scorer.infos)}
+        if self.settings.entropy.use_adaptive_entropy:  # the controller's state (TRL's entropy_ctrl_state.json)
+            checkpoint["entropy_control"] = self.logprobs.entropy_coefficient.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """With LoRA, check that the checkpoint holds this policy's whole adapter and add the frozen
@@ -462,6 +464,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         if self._trainer is not None:  # another number of processes mid-epoch: refused now, not at the first step
             check_resumed_partition(checkpoint, self.trainer.world_size, getattr(self.trainer.datamodule, "batch_size", None))
         self.policy_version = checkpoint.get("policy_version", checkpoint.get("global_step", 0))
+        if self.settings.entropy.use_adaptive_entropy and "entropy_control" in checkpoint:  # older ones: a fresh state
+            self.logprobs.entropy_coefficient.load_state_dict(checkpoint["entropy_control"])
         if self.hparams.lora is not None and "state_dict" in checkpoint:
             state_dict = checkpoint["state_dict"]
             checkpoint["state_dict"] = models.add_frozen_weights(state_dict, self.policy, prefix="policy.")
