@@ -18,6 +18,7 @@ import copy
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,7 +89,9 @@ def shared_colocated_engine(request, tmp_path_factory) -> dict:
         base.save_pretrained(path)  # the engine starts from the perturbed weights
         tokenizer = AutoTokenizer.from_pretrained(path)
         rng_before = (torch.get_rng_state(), __import__("random").getstate())
-        llm = build_engine(path, dtype="float32", seed=0, max_model_len=256, num_threads=torch.get_num_threads())
+        # with its tokenizer: structured outputs build their grammar over its vocabulary (test_structured_outputs_*)
+        llm = build_engine(path, dtype="float32", seed=0, max_model_len=256, num_threads=torch.get_num_threads(),
+                           skip_tokenizer_init=False)
         rng_after = (torch.get_rng_state(), __import__("random").getstate())
         # vLLM's engine freezes vllm.envs for the rest of the process (as a server owns its own); the tests after it
         # here set VLLM_* variables (monkeypatch), as its shutdown would let them: read them afresh again
@@ -370,6 +373,40 @@ def test_module_truncates_prompts_and_flags_them(vllm_module, setup):
     # greedy from the kept (last five) characters equals transformers from those characters
     kept = setup["tokenizer"]("The quick brown fox jumps", add_special_tokens=False)["input_ids"][-5:]
     assert rows(rollout)[0] == hf_greedy(module.policy, [kept], module.eval_generation_config)[0]
+
+
+# issue 54: model.vllm_structured_outputs_regex, model.generation_kwargs on the colocated engine
+STRUCTURED_REGEX = "(yes|no|[ab]{2,5})!"
+
+
+def test_structured_outputs_regex_constrains_every_completion_and_generation_kwargs_reach_vllm(setup, engine,
+                                                                                             monkeypatch):
+    """TRL's vllm_structured_outputs_regex (vLLM's StructuredOutputsParams): every completion matches it; the
+    engine is built with its tokenizer (the grammar's vocabulary). generation_kwargs reach each request
+    (allowed_token_ids: only 'x' and EOS), and an argument vLLM does not take is one line at start."""
+    built = {}
+    monkeypatch.setattr(vllm_colocated, "build_engine", lambda *args, **kwargs: built.update(kwargs) or engine)
+    tokenizer = setup["tokenizer"]
+    module = GRPOModule(str(setup["path"]), ["char_fraction"], generation_backend="vllm", num_generations=4,
+                        max_completion_length=MAX_NEW, vllm_structured_outputs_regex=STRUCTURED_REGEX)
+    module.configure_model()
+    assert built["skip_tokenizer_init"] is False
+    torch.manual_seed(0)
+    texts = [tokenizer.decode(row, skip_special_tokens=True) for row in rows(module.generate(PROMPTS))]
+    assert all(re.fullmatch(STRUCTURED_REGEX, text) for text in texts), texts
+    assert len(set(texts)) > 2  # sampled, not one forced answer
+
+    x, eos = tokenizer.convert_tokens_to_ids("x"), tokenizer.eos_token_id
+    free = GRPOModule(str(setup["path"]), ["char_fraction"], generation_backend="vllm", num_generations=4,
+                      max_completion_length=MAX_NEW, generation_kwargs={"allowed_token_ids": [x, eos]})
+    free.configure_model()
+    assert built["skip_tokenizer_init"] is True  # no structured outputs: token ids only, as before
+    tokens = {token for row in rows(free.generate(PROMPTS)) for token in row}
+    assert x in tokens and tokens <= {x, eos}
+    with pytest.raises(ConfigError) as error:
+        GRPOModule(str(setup["path"]), ["char_fraction"], generation_backend="vllm", generation_kwargs={"suppress_tokens": [x]})
+    assert str(error.value) == ("model.generation_kwargs.suppress_tokens: model.generation_backend vllm takes vLLM's "
+                                "SamplingParams fields, which have no 'suppress_tokens'")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vllm is imported (tests/rollout/test_vllm.py's engine)
 
@@ -50,6 +51,7 @@ from test_vllm import (  # noqa: E402
     LOGPROB_ATOL,
     MAX_NEW,
     PROMPTS,
+    STRUCTURED_REGEX,
     TINY,
     SideBySide,
     assert_engine_had_the_trained_weights,
@@ -285,6 +287,29 @@ def test_generate_draws_its_seed_from_the_checkpointed_generator(engine, perturb
     again = generate()
     assert torch.equal(first.completion_ids, again.completion_ids) and not torch.equal(first.completion_ids, second.completion_ids)
     assert first.weight_versions.tolist() == [4] * 12 and first.sampling_logps is not None
+
+
+def test_structured_outputs_regex_and_generation_kwargs_reach_the_server(engine, perturbed, model_dir, monkeypatch):
+    """issue 54: model.vllm_structured_outputs_regex is the request's structured_outputs (vLLM's server builds the
+    grammar over its tokenizer): every completion matches it; model.generation_kwargs go with every request."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    settings = dict(generation_backend="vllm_server", vllm_server_urls=[engine.servers[0].url], vllm_server_timeout=60,
+                    max_prompt_length=None, max_completion_length=MAX_NEW, vllm_structured_outputs_regex=STRUCTURED_REGEX,
+                    generation_kwargs={"temperature": 0.9, "presence_penalty": 0.5})
+    arguments = VLLMServerEngine.for_run(SimpleNamespace(**settings)).extra_arguments
+    assert arguments == {"presence_penalty": 0.5, "structured_outputs": {"regex": STRUCTURED_REGEX}}  # temperature: the named key's
+    monkeypatch.setattr(engine, "extra_arguments", arguments)
+    engine.sync_weights(perturbed, version=6)
+    encoded = tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    config = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=True, temperature=1.0, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    rollout = engine.generate(encoded.input_ids, encoded.attention_mask, torch.zeros(len(PROMPTS), dtype=torch.bool), 4,
+                              config, tokenizer.pad_token_id)
+    texts = [tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+             for ids, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+    assert all(re.fullmatch(STRUCTURED_REGEX, text) for text in texts), texts
+    assert len(set(texts)) > 2  # sampled, not one forced answer
 
 
 # ----------------------------------------------------------------------------------------------

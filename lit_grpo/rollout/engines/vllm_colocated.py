@@ -28,9 +28,10 @@ import os
 import random
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from lit_grpo.rollout.engines.vllm_sampling import (
     engine_rollout,
     sampling_requests,
     sampling_settings,
+    vllm_generation_kwargs,
 )
 from lit_grpo.rollout.records import Rollout
 
@@ -414,7 +416,8 @@ def sample(
 ) -> EngineOutput:
     """Sample ``num_generations`` completions per prompt of token ids with the engine
     (:func:`~lit_grpo.rollout.engines.vllm_sampling.sampling_requests`: ``temperature``, ``top_p``, ``top_k``,
-    ``min_p``, ``repetition_penalty``, ``max_tokens``, ``stop_token_ids``, ``return_logprobs``).
+    ``min_p``, ``repetition_penalty``, ``max_tokens``, ``stop_token_ids``, ``return_logprobs``, ``extra_arguments``:
+    ``structured_outputs`` given as a mapping becomes vLLM's ``StructuredOutputsParams``).
 
     ``seed``: an int is the base seed of this call: prompt i is one request with seed ``seed + i*G``,
     whose G completions vLLM seeds ``seed + i*G + g``; a sequence gives each prompt its own seed.
@@ -430,10 +433,13 @@ def sample(
     when the engine was built.
     """
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     requests = sampling_requests(prompt_token_ids, num_generations, seed=seed, **settings)
     prompts = [{"prompt_token_ids": prompt} for prompt, _ in requests]
-    params = [SamplingParams(**arguments) for _, arguments in requests]
+    structured = lambda value: StructuredOutputsParams(**value) if isinstance(value, dict) else value  # noqa: E731
+    params = [SamplingParams(**{**arguments, "structured_outputs": structured(arguments.get("structured_outputs"))})
+              for _, arguments in requests]
     with preserved_random_state():
         if engine_seed is not None:  # the unseeded requests draw from the global generators
             torch.manual_seed(engine_seed)
@@ -522,11 +528,14 @@ class ColocatedVLLMEngine(GenerationEngine):
 
     holds_weights = True
     sampling_filter_order = "vllm"  # min-p before top-k and top-p (lit_grpo.algorithm.sampling_filters)
+    # further SamplingParams arguments of every request (vllm_generation_kwargs); none unless given
+    extra_arguments: Mapping[str, Any] = MappingProxyType({})
 
     @classmethod
     def check_run(cls, hp) -> None:
-        """The vllm extra is installed."""
+        """The vllm extra is installed; ``model.generation_kwargs`` are ``SamplingParams`` arguments."""
         require_vllm()
+        vllm_generation_kwargs(hp)
 
     @classmethod
     def for_run(cls, hp, model_source: Any, precision: str, grows_with_tools: bool) -> "ColocatedVLLMEngine":
@@ -540,15 +549,16 @@ class ColocatedVLLMEngine(GenerationEngine):
         settings = VLLMSettings(hp.vllm_gpu_memory_utilization, hp.vllm_enable_sleep_mode, hp.vllm_tensor_parallel_size,
                                 hp.vllm_max_model_length)
         return cls(hp.model_name_or_path, compute_dtype(precision) or torch.float32, settings, hp.max_prompt_length,
-                   hp.max_completion_length, grows_with_tools=grows_with_tools)
+                   hp.max_completion_length, grows_with_tools=grows_with_tools, extra_arguments=vllm_generation_kwargs(hp))
 
     def __init__(self, model_name_or_path: str, dtype: torch.dtype, settings: VLLMSettings, max_prompt_length: int | None,
-                 max_completion_length: int, grows_with_tools: bool = False) -> None:
+                 max_completion_length: int, grows_with_tools: bool = False, extra_arguments: dict | None = None) -> None:
         require_vllm()  # fail at construction, naming the extra, not at the first step
         check_platform()
         self.model_name_or_path = model_name_or_path
         self.dtype = dtype
         self.settings = settings
+        self.extra_arguments = dict(extra_arguments or {})
         # The engine's longest sequence. Tool results lengthen a multi-turn rollout beyond prompt +
         # completion: then the model's own maximum (None: vLLM reads it from the model's config).
         self.max_model_length = settings.max_model_length or (
@@ -575,6 +585,8 @@ class ColocatedVLLMEngine(GenerationEngine):
                     enable_sleep_mode=self.settings.enable_sleep_mode,
                     num_threads=torch.get_num_threads(),
                     max_num_batched_tokens=self.settings.max_num_batched_tokens,
+                    # structured outputs build their grammar over the tokenizer's vocabulary
+                    skip_tokenizer_init=self.extra_arguments.get("structured_outputs") is None,
                 )
         return self.llm
 
@@ -609,7 +621,7 @@ class ColocatedVLLMEngine(GenerationEngine):
                 wake_up(llm, ["kv_cache"])
                 self.asleep = False
             output = sample(llm, [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)], num_generations,
-                            engine_seed=seed, **sampling_settings(config))
+                            engine_seed=seed, extra_arguments=self.extra_arguments, **sampling_settings(config))
         if not self.phases:  # a call outside a generation phase is a phase of its own
             self._sleep()
         return engine_rollout(output, prompt_ids, prompt_mask, prompt_truncated, num_generations, pad_token_id, version or 0)

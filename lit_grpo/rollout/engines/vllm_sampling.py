@@ -14,21 +14,29 @@ Both vLLM engines sample with the same semantics, so that a run gives the same c
   and the weight version each completion was sampled with;
 * :func:`engine_rollout`: that output as a :class:`~lit_grpo.rollout.records.Rollout`;
 * :func:`draw_engine_seed`: the seed of one call, drawn from the rank's checkpointed torch generator
-  and made distinct per rank (:func:`engine_seed`).
+  and made distinct per rank (:func:`engine_seed`);
+* :func:`vllm_generation_kwargs`: ``model.generation_kwargs`` and ``model.vllm_structured_outputs_regex``
+  as further ``SamplingParams`` arguments of every request (TRL's), checked at start.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
+from lit_grpo.config import backend_generation_kwargs, optional_setting
+from lit_grpo.errors import ConfigError
+from lit_grpo.rollout.engines.requests import check_generation_kwargs
 from lit_grpo.rollout.records import Rollout
 
 __all__ = ["EngineOutput", "completion_tensors", "draw_engine_seed", "engine_rollout", "engine_seed", "process_rank",
-           "sampling_requests", "sampling_settings"]
+           "sampling_requests", "sampling_settings", "vllm_generation_kwargs"]
 
 
 def engine_seed(drawn: int, rank: int) -> int:
@@ -66,6 +74,33 @@ def sampling_settings(config: GenerationConfig) -> dict:
     )
 
 
+def vllm_generation_kwargs(hp) -> dict:
+    """The further ``SamplingParams`` arguments of every request of a run with settings ``hp`` (the vllm extra
+    installed): ``model.generation_kwargs`` less its sampling-distribution arguments (the named keys' values,
+    :func:`lit_grpo.config.named_settings_given_elsewhere`), with ``structured_outputs`` (a mapping, as the
+    server's JSON takes it) ``{"regex": model.vllm_structured_outputs_regex}`` where that is set (TRL: it
+    takes precedence, with TRL's warning); one line naming an argument vLLM does not take."""
+    from vllm import SamplingParams
+
+    arguments = backend_generation_kwargs(hp)
+    fields = {name for name in SamplingParams.__struct_fields__ if not name.startswith("_")}  # msgspec's field names
+    check_generation_kwargs(arguments, fields.__contains__, hp.generation_backend, "vLLM's SamplingParams fields")
+    regex = optional_setting(hp, "vllm_structured_outputs_regex")
+    if regex is not None:
+        try:
+            re.compile(regex)
+        except (re.error, TypeError) as error:
+            raise ConfigError(f"model.vllm_structured_outputs_regex is not a regular expression: {error} (got {regex!r})") from None
+        if arguments.get("structured_outputs") is not None:
+            warnings.warn("Both `structured_outputs_regex` and `generation_kwargs['structured_outputs']` are set; "
+                          "`structured_outputs_regex` takes precedence.", stacklevel=2)  # TRL 1.16's
+        arguments["structured_outputs"] = {"regex": regex}
+    structured = arguments.get("structured_outputs")
+    if structured is not None and not isinstance(structured, dict):
+        raise ConfigError(f"model.generation_kwargs.structured_outputs must be a mapping (e.g. {{regex: ...}}), got {structured!r}")
+    return arguments
+
+
 def sampling_requests(
     prompt_token_ids: Sequence[Sequence[int]],
     num_generations: int,
@@ -79,6 +114,7 @@ def sampling_requests(
     stop_token_ids: Sequence[int] = (),
     seed: int | Sequence[int] | None = None,
     return_logprobs: bool = True,
+    extra_arguments: Mapping[str, Any] | None = None,
 ) -> list[tuple[list[int], dict]]:
     """``(prompt token ids, vLLM SamplingParams arguments)`` of every request that samples
     ``num_generations`` completions per prompt, in prompt order; their completions, in order, are
@@ -86,7 +122,8 @@ def sampling_requests(
 
     ``seed``: an int is the base seed of the call (prompt i gets ``seed + i*G``), a sequence one per
     prompt (its completions get ``seed_i + g``), None none (vLLM's global generator then samples).
-    ``temperature`` 0 is greedy.
+    ``temperature`` 0 is greedy. ``extra_arguments``: further ``SamplingParams`` arguments of every request
+    (:func:`vllm_generation_kwargs`).
     """
     G = num_generations
     params = dict(
@@ -103,6 +140,7 @@ def sampling_requests(
         detokenize=False,
         skip_special_tokens=False,
     )
+    params.update(extra_arguments or {})
     if seed is None or isinstance(seed, int):
         seeds = [None if seed is None else seed + index * G for index in range(len(prompt_token_ids))]
     else:

@@ -64,6 +64,7 @@ from lit_grpo.rollout.engines.vllm_sampling import (
     process_rank,
     sampling_requests,
     sampling_settings,
+    vllm_generation_kwargs,
 )
 from lit_grpo.rollout.engines.vllm_server_api import (
     HEALTH_TIMEOUT,
@@ -180,19 +181,22 @@ class VLLMServerEngine(GenerationEngine):
 
         require_vllm()
         cls.check_settings(hp)
+        vllm_generation_kwargs(hp)  # model.generation_kwargs are SamplingParams arguments
 
     @classmethod
     def for_run(cls, hp, model_source: Any = None, precision: str | None = None,
                 grows_with_tools: bool = False) -> VLLMServerEngine:
         """The engine of a run with settings ``hp`` (the policy's source and precision are the servers')."""
         longest = None if grows_with_tools else (hp.max_prompt_length, hp.max_completion_length)
-        return cls(cls.check_settings(hp), float(hp.vllm_server_timeout), longest)
+        return cls(cls.check_settings(hp), float(hp.vllm_server_timeout), longest, vllm_generation_kwargs(hp))
 
-    def __init__(self, urls: list[str], timeout: float, longest_request: tuple[int | None, int] | None = None) -> None:
+    def __init__(self, urls: list[str], timeout: float, longest_request: tuple[int | None, int] | None = None,
+                 extra_arguments: dict | None = None) -> None:
         from lit_grpo.rollout.engines.vllm_colocated import require_vllm
 
         require_vllm()  # vLLM's trainer-side weight transfer
         self.timeout = timeout
+        self.extra_arguments = dict(extra_arguments or {})  # of every request, as JSON (vllm_generation_kwargs)
         self.longest_request = longest_request
         self.servers = [VLLMServer(url, timeout) for url in urls]
         # requests in flight from this process, all calls together (the async pipeline's and validation's)
@@ -363,7 +367,8 @@ class VLLMServerEngine(GenerationEngine):
             return lambda stop=None: (None, None)
         seed = draw_engine_seed()
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-        requests = sampling_requests(prompts, num_generations, seed=seed, **sampling_settings(config))
+        requests = sampling_requests(prompts, num_generations, seed=seed, extra_arguments=self.extra_arguments,
+                                     **sampling_settings(config))
         pushed_version = self.pushed_version
 
         def sample(stop: threading.Event | None = None) -> tuple[Rollout | None, Exception | None]:
