@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -66,14 +67,14 @@ def test_a_user_error_is_one_line_and_status_2_and_a_traceback_on_request(config
     run = lambda **env: subprocess.run(  # noqa: E731
         [LIT_GRPO, "fit", "--config", str(path)], capture_output=True, text=True, env={**os.environ, **env}, timeout=300
     )
-    plain = run()
+    with ThreadPoolExecutor(2) as side_by_side:  # two processes at once: their imports take the time of one
+        plain, shown = side_by_side.map(lambda env: run(**env), [{}, {"LIT_GRPO_TRACEBACK": "1"}])
     assert plain.returncode == 2
     assert plain.stderr.splitlines()[-1] == (
         "error: model.num_generations must be at least 2 (got 1): GRPO's advantage is a completion's reward "
         "relative to the other completions of its group"
     )
     assert "Traceback" not in plain.stderr and "usage:" not in plain.stderr
-    shown = run(LIT_GRPO_TRACEBACK="1")
     assert shown.returncode != 0 and "Traceback (most recent call last)" in shown.stderr
     assert "lit_grpo.errors.ConfigError: model.num_generations must be at least 2" in shown.stderr
 

@@ -17,6 +17,7 @@ import string
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -167,30 +168,18 @@ def test_sigkilled_multi_turn_tool_run_resumes_exactly(warm_tool_model, tmp_path
 
 def check_resumes_exactly(config: dict, tmp_path: Path, threads: int | None = None) -> dict[str, dict[int, float]]:
     """Run ``config`` uninterrupted, and killed twice and resumed; everything logged after each
-    resume, the final weights and the optimizer state must equal the uninterrupted run's."""
+    resume, the final weights and the optimizer state must equal the uninterrupted run's (which runs
+    at the same time, in a process of its own)."""
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
-    finished = lit_grpo_fit(reference_dir, config, threads=threads)
+    with ThreadPoolExecutor(1) as beside:  # the uninterrupted run beside the interrupted ones: their imports overlap
+        uninterrupted = beside.submit(lit_grpo_fit, reference_dir, config, threads=threads)
+        run_dir = interrupted_twice_and_resumed(config, tmp_path, threads)
+        finished = uninterrupted.result()
     assert finished.returncode == 0, finished.stderr[-5000:]
     reference = logged_scalars(reference_dir / "runs/resume/version_0")
     assert sorted(reference["reward"]) == [0, 1, 2, 3, 4]  # one point per training step
     assert len(set(reference["reward"].values())) > 1
-
-    run_dir = tmp_path / "interrupted"
-    run_dir.mkdir()
-    # Killed in training step 2 (optimizer steps 5-6), after the checkpoint of step 4: mid-epoch,
-    # 2 of the epoch's 3 batches consumed.
-    killed = lit_grpo_fit(run_dir, killed_during_step_after(config, 4), threads=threads)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-5000:]
-    assert checkpoint_at(run_dir)["global_step"] == 4
-
-    # Resumed, then killed in training step 3 after the checkpoint of step 6: at the epoch boundary.
-    resumed_then_killed = lit_grpo_fit(run_dir, killed_during_step_after(config, 6), "--ckpt_path", "last", threads=threads)
-    assert resumed_then_killed.returncode == -signal.SIGKILL, resumed_then_killed.stderr[-5000:]
-    assert checkpoint_at(run_dir)["global_step"] == 6
-
-    resumed = lit_grpo_fit(run_dir, config, "--ckpt_path", "last", threads=threads)
-    assert resumed.returncode == 0, resumed.stderr[-5000:]
 
     # Each resumed run went on in the killed run's directory and logged exactly the steps after its
     # checkpoint: every step once, with the reference's values (every metric: rewards, loss, entropy,
@@ -213,6 +202,26 @@ def check_resumes_exactly(config: dict, tmp_path: Path, threads: int | None = No
     for index, state in expected_adam.items():
         assert torch.equal(final_adam[index]["exp_avg_sq"], state["exp_avg_sq"]), index
     return reference
+
+
+def interrupted_twice_and_resumed(config: dict, tmp_path: Path, threads: int | None) -> Path:
+    """``config`` killed mid-epoch, then resumed and killed at the epoch's end, then resumed to its end: its directory."""
+    run_dir = tmp_path / "interrupted"
+    run_dir.mkdir()
+    # Killed in training step 2 (optimizer steps 5-6), after the checkpoint of step 4: mid-epoch,
+    # 2 of the epoch's 3 batches consumed.
+    killed = lit_grpo_fit(run_dir, killed_during_step_after(config, 4), threads=threads)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-5000:]
+    assert checkpoint_at(run_dir)["global_step"] == 4
+
+    # Resumed, then killed in training step 3 after the checkpoint of step 6: at the epoch boundary.
+    resumed_then_killed = lit_grpo_fit(run_dir, killed_during_step_after(config, 6), "--ckpt_path", "last", threads=threads)
+    assert resumed_then_killed.returncode == -signal.SIGKILL, resumed_then_killed.stderr[-5000:]
+    assert checkpoint_at(run_dir)["global_step"] == 6
+
+    resumed = lit_grpo_fit(run_dir, config, "--ckpt_path", "last", threads=threads)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    return run_dir
 
 
 # --------------------------------------------------------------------------------------------------

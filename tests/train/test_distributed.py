@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -120,16 +121,18 @@ def variant_flags(variant: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def single_process_runs(run_dir):
-    """One-process reference runs, by variant (computed on first use)."""
+    """One-process reference runs, by variant: started on first use, beside the test's own runs (their
+    imports overlap on CI's 2 cores); ``.result()`` waits for one."""
     runs = {}
 
-    def get(variant: str) -> dict:
+    def get(variant: str) -> Future:
         if variant not in runs:
             overrides = {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}, "model": VARIANTS[variant]}
-            runs[variant] = run_worker(run_dir, f"single_{variant}", 1, overrides, *variant_flags(variant))
+            runs[variant] = beside.submit(run_worker, run_dir, f"single_{variant}", 1, overrides, *variant_flags(variant))
         return runs[variant]
 
-    return get
+    with ThreadPoolExecutor(1) as beside:
+        yield get
 
 
 @pytest.mark.parametrize(
@@ -146,8 +149,9 @@ def test_two_processes_match_one_process(run_dir, single_process_runs, tiny_mode
         "data": {"batch_size": GLOBAL_BATCH // 2},
         "model": VARIANTS[variant],
     }
+    one_run = single_process_runs("full" if variant in CHUNKED_VARIANTS | {"sharing_disagrees"} else variant)
     two = run_worker(run_dir, f"{strategy}_{variant}", 2, overrides, *variant_flags(variant))
-    one = single_process_runs("full" if variant in CHUNKED_VARIANTS | {"sharing_disagrees"} else variant)
+    one = one_run.result()
     assert two["world_size"] == 2 and one["world_size"] == 1
     # 4 optimizer steps (2 generation batches x 2 iterations) over 16 rows: micro-batches of 4 rows
     # are 4 backward passes per step in one process, 2 per rank in two
@@ -229,9 +233,11 @@ def test_old_logps_pass_leaves_out_zero_advantage_rows_on_two_processes(run_dir)
         trainer = {"devices": 2, "strategy": STRATEGIES[strategy], "max_steps": 12}  # 3 generation batches
         return {"trainer": trainer, "data": data, "model": {**model, "skip_zero_gradient_rows": skip}}
 
-    every_row = run_worker(run_dir, "old_logps_every_row", 2, overrides("ddp", False), *flags)
-    ddp = run_worker(run_dir, "old_logps_ddp", 2, overrides("ddp", True), *flags)
-    fsdp2 = run_worker(run_dir, "old_logps_fsdp2", 2, overrides("fsdp2", True), *flags)
+    with ThreadPoolExecutor(1) as beside:  # the reference beside the two others: their imports overlap
+        every_row_run = beside.submit(run_worker, run_dir, "old_logps_every_row", 2, overrides("ddp", False), *flags)
+        ddp = run_worker(run_dir, "old_logps_ddp", 2, overrides("ddp", True), *flags)
+        fsdp2 = run_worker(run_dir, "old_logps_fsdp2", 2, overrides("fsdp2", True), *flags)
+        every_row = every_row_run.result()
 
     assert every_row["no_grad_rows"] == [[4, 4, 4], [4, 4, 4]]
     assert sum(map(sum, ddp["no_grad_rows"])) < 24 and ddp["no_grad_rows"][0] != ddp["no_grad_rows"][1]
@@ -276,10 +282,12 @@ def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir, variant
             "data": {"batch_size": 2},
         }
 
-    straight = run_worker(run_dir, f"straight_{variant}", 2, overrides(f"straight_{variant}", 6))
-    run_worker(run_dir, f"first_half_{variant}", 2, overrides(f"resumed_{variant}", 4))
-    checkpoint = run_dir / f"resumed_{variant}" / "lit-grpo" / "version_0" / "checkpoints" / "last.ckpt"
-    assert checkpoint.is_dir() and sorted(p.name for p in checkpoint.parent.iterdir()) == ["last.ckpt"]
+    with ThreadPoolExecutor(1) as beside:  # the straight run beside the stopped and resumed ones: their imports overlap
+        straight_run = beside.submit(run_worker, run_dir, f"straight_{variant}", 2, overrides(f"straight_{variant}", 6))
+        run_worker(run_dir, f"first_half_{variant}", 2, overrides(f"resumed_{variant}", 4))
+        checkpoint = run_dir / f"resumed_{variant}" / "lit-grpo" / "version_0" / "checkpoints" / "last.ckpt"
+        resumed = resumed_from_sharded_checkpoint(run_dir, variant, checkpoint, overrides)
+        straight = straight_run.result()
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     weights = {key.removeprefix("state_dict.") for key in saved if key.startswith("state_dict.")}
     policy = {f"policy.{name}" for name in straight["state"]}
@@ -288,23 +296,6 @@ def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir, variant
         assert not adapter and policy <= weights
     else:
         assert adapter and weights == adapter  # no frozen base weight
-        # resumed with fewer target modules: the saved adapters of the others have no place
-        other_targets = overrides(f"resumed_{variant}", 6)
-        other_targets["model"]["lora"] = {**VARIANTS["lora"]["lora"], "target_modules": ["q_proj", "v_proj"]}
-        failed = start_worker(run_dir, "resumed_other_targets", 2, other_targets, "--ckpt-path", str(checkpoint))
-        output = failed.stdout + failed.stderr
-        assert failed.returncode != 0
-        assert "The sharded checkpoint holds 20 weights this module does not have" in output  # 5 modules x 2 layers x A, B
-        assert "mlp.down_proj.lora_A.default.weight" in output and "model.lora settings" in output
-        # resumed with another rank: the load itself names the weight and both shapes
-        other_rank = overrides(f"resumed_{variant}", 6)
-        other_rank["model"]["lora"] = {**VARIANTS["lora"]["lora"], "r": 8}
-        failed = start_worker(run_dir, "resumed_other_rank", 2, other_rank, "--ckpt-path", str(checkpoint))
-        assert failed.returncode != 0
-        assert "Size mismatch between saved torch.Size([4, 64]) and current: torch.Size([8, 64])" in failed.stdout + failed.stderr
-    resumed = run_worker(
-        run_dir, f"second_half_{variant}", 2, overrides(f"resumed_{variant}", 6), "--ckpt-path", str(checkpoint)
-    )
 
     assert len(straight["steps"]) == 3 and len(resumed["steps"]) == 1
     for name in ["loss", "reward", "entropy", "completions/mean_length", "grad_norm"]:
@@ -325,6 +316,30 @@ def test_fsdp2_resume_from_sharded_checkpoint_continues_exactly(run_dir, variant
         merged = state[prefix + "base_layer.weight"] + 2.0 * state[prefix + "lora_B.default.weight"] @ state[prefix + "lora_A.default.weight"]
         assert state[prefix + "lora_B.default.weight"].abs().max() > 1e-3  # the adapter moved (B starts at 0)
         torch.testing.assert_close(exported["model.layers.0.self_attn.q_proj.weight"], merged, rtol=1e-6, atol=1e-7)
+
+
+def resumed_from_sharded_checkpoint(run_dir: Path, variant: str, checkpoint: Path, overrides) -> dict:
+    """The run resumed from the sharded ``checkpoint`` to step 6; with LoRA, first the resumes its adapter
+    cannot take (other target modules, another rank), each refused naming why."""
+    assert checkpoint.is_dir() and sorted(p.name for p in checkpoint.parent.iterdir()) == ["last.ckpt"]
+    if variant == "lora":
+        # resumed with fewer target modules: the saved adapters of the others have no place
+        other_targets = overrides(f"resumed_{variant}", 6)
+        other_targets["model"]["lora"] = {**VARIANTS["lora"]["lora"], "target_modules": ["q_proj", "v_proj"]}
+        failed = start_worker(run_dir, "resumed_other_targets", 2, other_targets, "--ckpt-path", str(checkpoint))
+        output = failed.stdout + failed.stderr
+        assert failed.returncode != 0
+        assert "The sharded checkpoint holds 20 weights this module does not have" in output  # 5 modules x 2 layers x A, B
+        assert "mlp.down_proj.lora_A.default.weight" in output and "model.lora settings" in output
+        # resumed with another rank: the load itself names the weight and both shapes
+        other_rank = overrides(f"resumed_{variant}", 6)
+        other_rank["model"]["lora"] = {**VARIANTS["lora"]["lora"], "r": 8}
+        failed = start_worker(run_dir, "resumed_other_rank", 2, other_rank, "--ckpt-path", str(checkpoint))
+        assert failed.returncode != 0
+        assert "Size mismatch between saved torch.Size([4, 64]) and current: torch.Size([8, 64])" in failed.stdout + failed.stderr
+    return run_worker(
+        run_dir, f"second_half_{variant}", 2, overrides(f"resumed_{variant}", 6), "--ckpt-path", str(checkpoint)
+    )
 
 
 def test_fsdp2_generation_gathers_weights_once_and_ranks_finish_independently(run_dir):
@@ -467,15 +482,17 @@ def test_validation_metrics_reduce_over_ranks_like_one_process(run_dir):
     """val/* on 2 processes, each validating half of the prompts, equal one process validating all."""
     validation = {"num_generations_eval": 4, "eval_pass_k": [1, 2, 4], "eval_success_threshold": 0.3}
     data = {"val_split": "train[:8]"}
-    one = run_worker(
-        run_dir, "validate_single", 1, {"trainer": {"devices": 1}, "data": {"batch_size": 2, **data}, "model": validation},
-        "--fixed-completions", "--validate",
-    )["results"]
-    two = run_worker(
-        run_dir, "validate_ddp", 2,
-        {"trainer": {"devices": 2, "strategy": "ddp"}, "data": {"batch_size": 2, **data}, "model": validation},
-        "--fixed-completions", "--validate",
-    )["results"]
+    with ThreadPoolExecutor(1) as beside:  # the one-process run beside the two-process one: their imports overlap
+        one_run = beside.submit(
+            run_worker, run_dir, "validate_single", 1, {"trainer": {"devices": 1}, "data": {"batch_size": 2, **data}, "model": validation},
+            "--fixed-completions", "--validate",
+        )
+        two = run_worker(
+            run_dir, "validate_ddp", 2,
+            {"trainer": {"devices": 2, "strategy": "ddp"}, "data": {"batch_size": 2, **data}, "model": validation},
+            "--fixed-completions", "--validate",
+        )["results"]
+        one = one_run.result()["results"]
     assert set(one) == set(two) == {"val/reward", "val/mean@4", "val/pass@1", "val/pass@2", "val/pass@4"}
     for name, value in one.items():
         assert two[name] == pytest.approx(value, rel=1e-6), name
