@@ -30,12 +30,35 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     logits by the temperature (and apply the filters) first, as for the log-probs. Computed in float32
     (as :func:`lit_grpo.algorithm.entropy_from_logits`): over a vocabulary of 150k, bfloat16 sums are
     off by most of a nat; the result is float32, its gradient flows back in the logits' dtype.
+    Autograd keeps the float32 logits (the same tensor the log-probs' backward keeps, when they are
+    float32 already) and two values per position: :class:`EntropyOfLogits`.
     """
-    logits = logits.float()
-    log_normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)  # [..., 1]
-    probs = torch.exp(logits - log_normaliser)  # [..., V], 0 off the support
-    finite_logits = torch.where(torch.isfinite(logits), logits, torch.zeros_like(logits))
-    return log_normaliser.squeeze(-1) - (probs * finite_logits).sum(-1)
+    return EntropyOfLogits.apply(logits.float())
+
+
+class EntropyOfLogits(torch.autograd.Function):
+    """``H(z) [...]`` of float32 logits ``z [..., V]``, whose backward recomputes the probabilities from
+    ``z`` instead of keeping them (autograd's own graph of the formula keeps three more ``[..., V]``
+    tensors: the probabilities, the finite logits and their mask). ``dH/dz_v = -p_v (log p_v + H)``."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor) -> torch.Tensor:
+        log_normaliser = torch.logsumexp(z, dim=-1, keepdim=True)  # [..., 1]
+        log_probs = z - log_normaliser  # [..., V], -inf off the support
+        probs = torch.exp(log_probs)
+        # -sum p log p (0 where p = 0, not 0 * -inf), not logsumexp(z) - sum p z: no difference of large numbers
+        entropy = -torch.where(probs > 0, probs * log_probs, torch.zeros_like(z)).sum(-1)  # [...]
+        ctx.save_for_backward(z, log_normaliser, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_entropy: torch.Tensor) -> torch.Tensor:
+        z, log_normaliser, entropy = ctx.saved_tensors
+        log_probs = z - log_normaliser  # [..., V], -inf off the support
+        probs = torch.exp(log_probs)
+        # -p (log p + H), 0 where p = 0 (log p = -inf)
+        grad_z = torch.where(probs > 0, -probs * (log_probs + entropy.unsqueeze(-1)), torch.zeros_like(z))
+        return grad_z * grad_entropy.unsqueeze(-1)
 
 
 def entropy_bonus_loss(

@@ -59,7 +59,7 @@ from lit_grpo.algorithm.token_logprobs import (
     selective_log_softmax,
 )
 
-__all__ = ["FILTER_ORDERS", "SamplingFilters", "kept_tokens", "plain_entropy_with_gradient", "sampling_log_softmax", "seen_before",
+__all__ = ["FILTER_ORDERS", "SamplingFilters", "kept_tokens", "plain_logps_and_entropy", "sampling_log_softmax", "seen_before",
            "token_first_positions"]
 
 # a sampler's order of the steps -> whether min-p comes before top-k and top-p (see the module's doc)
@@ -233,8 +233,8 @@ def sampling_log_softmax(
     (and its entropy ``[B, T]`` with ``with_entropy``), from ``logits [B, T, V]`` whose position
     ``t`` predicts ``tokens[:, t]``. The entropy is a metric without gradient, unless
     ``entropy_grad`` (the entropy bonus, ``model.entropy_coef``): then it is
-    :func:`~lit_grpo.algorithm.token_entropy` of the same masked logits, and autograd keeps about
-    two more ``[c, V]`` float32 tensors per chunk (its probabilities and finite logits).
+    :func:`~lit_grpo.algorithm.token_entropy` of the same masked logits, whose backward keeps only
+    those logits (kept for the log-probs already) and two values per position.
 
     ``logp = z_tok - logsumexp(z over the kept tokens)``, ``z`` the penalised logits over the
     temperature; the kept set is :func:`kept_tokens` of ``z`` plus the token itself (see the module
@@ -243,13 +243,13 @@ def sampling_log_softmax(
     :func:`lit_grpo.algorithm.selective_log_softmax` (and :func:`~lit_grpo.algorithm.entropy_from_logits`).
     Positions go ``positions_per_chunk`` at a time (default: ``LOGPROB_CHUNK_ELEMENTS // V``).
     """
+    if filters.is_plain_softmax and with_entropy and entropy_grad:
+        return plain_logps_and_entropy(logits, tokens, filters.temperature)
     if filters.is_plain_softmax:
         logps = selective_log_softmax(logits, tokens, filters.temperature)
         if not with_entropy:
             return logps, None
-        if not entropy_grad:
-            return logps, entropy_from_logits(logits, filters.temperature)
-        return logps, plain_entropy_with_gradient(logits, filters.temperature)
+        return logps, entropy_from_logits(logits, filters.temperature)
     B, T, V = logits.shape
     if B * T == 0:
         empty = logits.new_zeros(B, T, dtype=torch.float32)
@@ -287,10 +287,18 @@ def sampling_log_softmax(
     return logps, torch.cat(entropies).reshape(B, T) if with_entropy else None
 
 
-def plain_entropy_with_gradient(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy ``[B, T]`` of ``softmax(logits / temperature)`` with its gradient (the entropy bonus),
-    from ``logits [B, T, V]`` in the row chunks of :func:`~lit_grpo.algorithm.selective_log_softmax`
-    (each chunk's float32 copy is what autograd keeps, as for the log-probs)."""
+def plain_logps_and_entropy(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy ``[B, T]``, both with their gradient (the entropy bonus), of
+    ``softmax(logits / temperature)`` from ``logits [B, T, V]``, in the row chunks of
+    :func:`~lit_grpo.algorithm.selective_log_softmax`: both from one float32 copy of each chunk, the one
+    tensor of its size that autograd keeps (:func:`~lit_grpo.algorithm.token_entropy` keeps it too)."""
     rows = rows_per_logprob_chunk(logits)
-    return torch.cat([token_entropy(logits[start : start + rows].float() / temperature)
-                      for start in range(0, logits.size(0), rows)])
+    logps, entropies = [], []
+    for start in range(0, logits.size(0), rows):
+        z = logits[start : start + rows].float() / temperature  # [b, T, V]
+        token_logits = z.gather(-1, tokens[start : start + rows].unsqueeze(-1)).squeeze(-1)  # [b, T]
+        logps.append(token_logits - torch.logsumexp(z, dim=-1))
+        entropies.append(token_entropy(z))
+    return torch.cat(logps), torch.cat(entropies)
