@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -56,16 +57,22 @@ def run(directory: Path, config: dict, *args: str):
 
 
 @pytest.fixture(scope="module")
-def one_step_off_run(tmp_path_factory, tiny_model_dir) -> tuple[Path, dict]:
-    """An uninterrupted run with k = 1 (its directory and logged scalars), which two tests read."""
+def one_step_off_run(tmp_path_factory, tiny_model_dir):
+    """An uninterrupted run with k = 1, which two tests read: started when first asked for and run beside
+    that test's own run (their imports overlap on CI's 2 cores); ``.result()`` is its directory and logged scalars."""
     directory = tmp_path_factory.mktemp("one-step-off")
-    return directory / "run", run(directory / "run", async_config(tiny_model_dir, directory, max_staleness=1))
+
+    def uninterrupted() -> tuple[Path, dict]:
+        return directory / "run", run(directory / "run", async_config(tiny_model_dir, directory, max_staleness=1))
+
+    with ThreadPoolExecutor(1) as beside:
+        yield beside.submit(uninterrupted)
 
 
 def test_one_step_off_trains_each_batch_one_optimizer_step_after_it_was_sampled(one_step_off_run, tiny_model_dir,
                                                                                   tmp_path):
-    run_directory, logged = one_step_off_run
     synchronous = run(tmp_path / "synchronous", async_config(tiny_model_dir, tmp_path, max_staleness=0))
+    run_directory, logged = one_step_off_run.result()
     assert not [tag for tag in synchronous if tag.startswith("async/")]  # k = 0: the synchronous step
     # The first batch is sampled from the same random state by the same weights, and trained before
     # any optimizer step: the same completions, rewards and loss as the synchronous run's first step.
@@ -94,7 +101,6 @@ def test_one_step_off_trains_each_batch_one_optimizer_step_after_it_was_sampled(
 
 def test_killed_one_step_off_run_resumes_with_no_prompt_lost_or_trained_twice(one_step_off_run, tiny_model_dir, tmp_path):
     config = async_config(tiny_model_dir, tmp_path, max_staleness=1)
-    reference_directory, reference = one_step_off_run
 
     directory = tmp_path / "interrupted"
     directory.mkdir()
@@ -106,6 +112,7 @@ def test_killed_one_step_off_run_resumes_with_no_prompt_lost_or_trained_twice(on
         assert checkpoint_at(directory)["global_step"] == step
     resumed = lit_grpo_fit(directory, config, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-5000:]
+    reference_directory, reference = one_step_off_run.result()
 
     # every step was logged once (each kill came before its step's optimizer step and logging), with
     # the reference's values, and trained the reference's prompts
@@ -151,18 +158,20 @@ def test_two_processes_keep_every_ranks_batches_in_flight_across_a_resume(run_di
             "data": {"batch_size": 2},
         }
 
-    straight = run_worker(run_dir, f"async_straight_{strategy}", 2, overrides(f"async_straight_{strategy}", 4))
+    with ThreadPoolExecutor(1) as beside:  # the straight run beside the stopped and resumed ones: their imports overlap
+        straight_run = beside.submit(run_worker, run_dir, f"async_straight_{strategy}", 2, overrides(f"async_straight_{strategy}", 4))
+        run_worker(run_dir, f"async_first_half_{strategy}", 2, overrides(f"async_resumed_{strategy}", 2))
+        checkpoint = run_dir / f"async_resumed_{strategy}" / "lit-grpo" / "version_0" / "checkpoints" / "last.ckpt"
+        if strategy == "ddp":  # (FSDP2's is a directory of shards and metadata)
+            saved = torch.load(checkpoint, weights_only=True)["callbacks"]["RolloutPipeline"]
+            assert [len(batches) for batches in saved["per_rank"]] == [1, 1]  # each rank's own prompts
+            assert saved["per_rank"][0][0]["prompts"] != saved["per_rank"][1][0]["prompts"]
+        resumed = run_worker(run_dir, f"async_second_half_{strategy}", 2, overrides(f"async_resumed_{strategy}", 4),
+                             "--ckpt-path", str(checkpoint))
+        straight = straight_run.result()
     trained = [step for step in straight["steps"] if "loss" in step]
     assert len(trained) == 4
     assert [step["async/staleness_max"] for step in trained] == [0.0, 1.0, 1.0, 1.0]
-    run_worker(run_dir, f"async_first_half_{strategy}", 2, overrides(f"async_resumed_{strategy}", 2))
-    checkpoint = run_dir / f"async_resumed_{strategy}" / "lit-grpo" / "version_0" / "checkpoints" / "last.ckpt"
-    if strategy == "ddp":  # (FSDP2's is a directory of shards and metadata)
-        saved = torch.load(checkpoint, weights_only=True)["callbacks"]["RolloutPipeline"]
-        assert [len(batches) for batches in saved["per_rank"]] == [1, 1]  # each rank's own prompts
-        assert saved["per_rank"][0][0]["prompts"] != saved["per_rank"][1][0]["prompts"]
-    resumed = run_worker(run_dir, f"async_second_half_{strategy}", 2, overrides(f"async_resumed_{strategy}", 4),
-                         "--ckpt-path", str(checkpoint))
     resumed_trained = [step for step in resumed["steps"] if "loss" in step]
     assert len(resumed_trained) == 2
     for name in ["loss", "reward", "reward_std", "async/staleness_max", "grad_norm"]:

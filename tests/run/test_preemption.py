@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -70,8 +71,11 @@ def uninterrupted(tmp_path_factory, tiny_model_dir, data_file, devices: int) -> 
 
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, tiny_model_dir, data_file) -> Path:
-    return uninterrupted(tmp_path_factory, tiny_model_dir, data_file, devices=1)
+def reference_run(tmp_path_factory, tiny_model_dir, data_file):
+    """The uninterrupted one-process run, started when first asked for and run beside the first test's own
+    runs (their imports overlap on CI's 2 cores): ``.result()`` is its directory."""
+    with ThreadPoolExecutor(1) as beside:
+        yield beside.submit(uninterrupted, tmp_path_factory, tiny_model_dir, data_file, devices=1)
 
 
 def last_line(stderr: str) -> str:
@@ -118,22 +122,23 @@ def test_signal_mid_step_checkpoints_the_step_reached_and_the_resume_is_exact(
 
     resumed = lit_grpo_fit(tmp_path, config, "--ckpt_path", "last", threads=1)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
-    assert_resumed_exactly(tmp_path, reference_run)
+    assert_resumed_exactly(tmp_path, reference_run.result())
 
 
 def test_two_processes_stop_after_the_same_step_when_only_rank_0_gets_sigterm(
     tmp_path_factory, tiny_model_dir, data_file, tmp_path
 ):
-    reference_dir = uninterrupted(tmp_path_factory, tiny_model_dir, data_file, devices=2)
     config = interval_config(tiny_model_dir, data_file, devices=2)
-    stopped = lit_grpo_fit(tmp_path, with_signal(config, "SIGTERM", rank=0), threads=1)
-    check_stopped_after_step_6(stopped, tmp_path, "SIGTERM")
-    # rank 1 agreed: its random states are in the checkpoint of step 6 (gathered from both ranks)
-    assert len(checkpoint_at(tmp_path)["callbacks"]["RNGStateCheckpoint"]["per_rank"]) == 2
+    with ThreadPoolExecutor(1) as beside:  # the uninterrupted run beside the stopped one: their imports overlap
+        reference_dir = beside.submit(uninterrupted, tmp_path_factory, tiny_model_dir, data_file, devices=2)
+        stopped = lit_grpo_fit(tmp_path, with_signal(config, "SIGTERM", rank=0), threads=1)
+        check_stopped_after_step_6(stopped, tmp_path, "SIGTERM")
+        # rank 1 agreed: its random states are in the checkpoint of step 6 (gathered from both ranks)
+        assert len(checkpoint_at(tmp_path)["callbacks"]["RNGStateCheckpoint"]["per_rank"]) == 2
 
-    resumed = lit_grpo_fit(tmp_path, config, "--ckpt_path", "last", threads=1)
-    assert resumed.returncode == 0, resumed.stderr[-5000:]
-    assert_resumed_exactly(tmp_path, reference_dir)
+        resumed = lit_grpo_fit(tmp_path, config, "--ckpt_path", "last", threads=1)
+        assert resumed.returncode == 0, resumed.stderr[-5000:]
+        assert_resumed_exactly(tmp_path, reference_dir.result())
 
 
 def test_under_slurm_lightnings_requeue_runs_after_the_checkpoint(tiny_model_dir, data_file, tmp_path):
