@@ -646,7 +646,9 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         """Sample k completions per validation prompt, score them with the evaluation rewards, and
-        accumulate ``val/reward``, ``val/mean@k``, ``val/pass@k`` and (binary rewards) ``val/maj@k``."""
+        accumulate ``val/reward``, ``val/mean@k``, ``val/pass@k`` and (binary rewards) ``val/maj@k``. Every
+        rank runs as many validation steps (their collectives pair up): Lightning's ``DistributedSampler``
+        pads an uneven validation split with its first prompts, so each rank gets as many prompts."""
         evaluation = self.settings.evaluation
         k = evaluation.num_generations_eval
         num_prompts = len(batch.prompts)
