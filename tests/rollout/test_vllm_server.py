@@ -401,17 +401,11 @@ def test_two_processes_on_one_and_two_servers_and_a_server_killed_mid_run_resume
     """Two training processes (DDP), each sampling its own prompts: (1) on one server; (2) on two, the
     second killed at step 2 while they sample: both wait up to the timeout, saying so, then the run
     stops with a checkpoint and one line; (3) that server restarted and ``--ckpt_path last``: the run
-    of (1), completion for completion, with the requests spread over both servers."""
+    of (1), completion for completion, with the requests spread over both servers. (2) runs first, so
+    that the second server restarts while (1) trains on the first (each run pushes its weights first)."""
     ddp = {"trainer": {"devices": 2, "strategy": "ddp"}, "data": {"batch_size": 4}}
     five_steps = ("--trainer.max_steps", "5", "--model.vllm_server_timeout", "5")
     generated = "/inference/v1/generate"
-
-    # (1) one server
-    before = server.requests_served(generated)
-    fit(tmp_path / "one", model_dir, [server.url], *five_steps, config=ddp)
-    one = tmp_path / "one" / "runs" / "quickstart" / "version_0"
-    assert_engine_had_the_trained_weights(scalars(one), 5)  # both ranks' samples: the gathered statistics
-    assert server.requests_served(generated) - before == 2 * 4 * 5  # a request per prompt: 2 ranks x 4 prompts x 5 steps
 
     # (2) two servers, the second killed at step 2 after the push, before the sampling
     killer = {**ddp, "trainer": {**ddp["trainer"], "callbacks": [{"class_path": "server_killer.KillServerWhileSampling"}]}}
@@ -427,9 +421,17 @@ def test_two_processes_on_one_and_two_servers_and_a_server_killed_mid_run_resume
     assert " checkpoint: " in error and error.endswith("--ckpt_path last"), error
     two = tmp_path / "two" / "runs" / "quickstart" / "version_0"
     assert sorted(completions_by_step(two)) == [0, 1]  # steps 0 and 1 trained; step 2 stopped before its update
+    second_server.launch()  # restarting (the model's weights again, not the run's) while (1) trains
 
-    # (3) the server restarted (the model's weights again, not the run's), the run resumed
-    second_server.start()
+    # (1) one server
+    before = server.requests_served(generated)
+    fit(tmp_path / "one", model_dir, [server.url], *five_steps, config=ddp)
+    one = tmp_path / "one" / "runs" / "quickstart" / "version_0"
+    assert_engine_had_the_trained_weights(scalars(one), 5)  # both ranks' samples: the gathered statistics
+    assert server.requests_served(generated) - before == 2 * 4 * 5  # a request per prompt: 2 ranks x 4 prompts x 5 steps
+
+    # (3) the server restarted, the run resumed
+    second_server.wait_until_up()
     before = [each.requests_served(generated) for each in (server, second_server)]
     fit(tmp_path / "two", model_dir, urls, *five_steps, "--ckpt_path", "last", config=killer, env=tests)
     assert completions_by_step(two) == completions_by_step(one)
@@ -464,7 +466,6 @@ def test_one_step_off_run_whose_server_dies_while_sampling_in_the_background_res
     sampled again and trained, and the run trains the prompts an uninterrupted run trains, each once."""
     settings = ("--trainer.max_steps", "6", "--model.vllm_server_timeout", "5", "--model.max_staleness", "1",
                 "--model.log_completions_every_n_steps", "1", "--model.num_completions_to_log", "64")
-    fit(tmp_path / "straight", model_dir, [server.url], *settings)
     killer = {"trainer": {"callbacks": [{"class_path": "server_killer.KillServerWhileSamplingInTheBackground"}]}}
     tests = {"PYTHONPATH": str(REPO / "tests")}
     kill = {**tests, "KILL_VLLM_SERVER_PID": str(second_server.process.pid), "KILL_VLLM_SERVER_AT_STEP": "2"}
@@ -474,7 +475,9 @@ def test_one_step_off_run_whose_server_dies_while_sampling_in_the_background_res
     killed = tmp_path / "killed" / "runs" / "quickstart" / "version_0"
     assert sorted(completions_by_step(killed)) == [1, 2, 3]  # batches 0-2 trained (batch 0 at logged step 1)
 
-    second_server.start()
+    second_server.launch()  # restarting while the uninterrupted run trains on the first server
+    fit(tmp_path / "straight", model_dir, [server.url], *settings)
+    second_server.wait_until_up()
     fit(tmp_path / "killed", model_dir, [second_server.url], *settings, "--ckpt_path", "last", config=killer, env=tests)
     straight = completions_by_step(tmp_path / "straight" / "runs" / "quickstart" / "version_0")
     resumed = completions_by_step(killed)
