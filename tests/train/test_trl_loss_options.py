@@ -5,6 +5,8 @@ TRL's ``_compute_loss`` (its lines copied in tests/algorithm/test_trl_options.py
 
 from __future__ import annotations
 
+import copy
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -17,11 +19,13 @@ from test_module import (
     make_data,
     make_module,
 )
-from test_trl_options import trl_compute_loss, trl_get_gamma_weights, trl_get_off_policy_mask
+from test_entropy_bonus import plain_passes
+from test_trl_options import trl_compute_loss, trl_get_gamma_weights, trl_get_off_policy_mask, trl_layout
 
 import lit_grpo.train.logprob_passes
 import lit_grpo.train.module
 from lit_grpo.data import PromptBatch
+from lit_grpo.train.update import update_policy
 
 
 def scored_batch(module):
@@ -255,3 +259,76 @@ def test_vespo_with_the_off_policy_mask_on_two_processes_matches_one_process(tin
     assert not any(name.startswith("clip_ratio/") for name in expected)
     for name, weights in one["state"].items():
         torch.testing.assert_close(two["state"][name], weights, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# update.py's own loop against TRL's layout: micro_batch_size 2, steps_per_generation 2 on 8 rows (two optimizer
+# steps of two micro-batches); "sampling": another engine's log-probs, 0.3 nats per token above the policy's on rows 0-3
+UPDATE_CASES = {
+    "luspo": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+    "vespo": {"loss_type": "vespo", "vespo": (4.0, 0.5, 0.5, 4.0)},
+    "dapo-off-policy-mask": {"loss_type": "dapo", "threshold": 0.1, "sampling": True},
+}
+
+
+def padded(values, width):
+    """``values`` ``[n, c]`` padded with zeros to ``[n, width]``."""
+    return torch.nn.functional.pad(values, (0, width - values.size(1)))
+
+
+@pytest.mark.parametrize("name", sorted(UPDATE_CASES))
+def test_update_policys_first_optimizer_step_accumulates_trls_gradient(tiny_model_dir, fast_trainer, name):
+    # the real update_policy, with update.py's accumulation scale (1/micro_batches for luspo, 1 for vespo and dapo):
+    # the gradient in the weights at its first optimizer step is TRL's over the same micro-batches (trl_layout:
+    # current_gradient_accumulation_steps 2, steps_per_generation 4), pulled back through the policy's log-probs
+    case = UPDATE_CASES[name]
+    vespo = dict(zip(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"), case.get("vespo", (2.0, 3.0, 3.0, 2.0))))
+    torch.manual_seed(0)
+    module = attach_trainer(make_module(
+        tiny_model_dir, loss_type=case["loss_type"], importance_sampling_level=case.get("importance_sampling_level", "token"),
+        off_policy_mask_threshold=case.get("threshold"), vllm_importance_sampling_correction=False, micro_batch_size=2,
+        steps_per_generation=2, max_grad_norm=None, max_completion_length=10, skip_zero_gradient_rows=False,
+        forward_token_budget=None, share_prompt_forward=False, **vespo,
+    ), fast_trainer)
+    scored = scored_batch(module)
+    passes = plain_passes(module)
+    initial = copy.deepcopy(module.policy)
+    width = scored.loss_mask.size(1)
+    with torch.no_grad():
+        logps = padded(passes.completion_logps(initial, scored.rollout)[0], width)  # [8, width]: on-policy, the old ones too
+    if case.get("sampling"):
+        scored.rollout.sampling_logps = logps + torch.tensor([0.3] * 4 + [0.0] * 4).unsqueeze(1)
+
+    optimizer = torch.optim.SGD(module.policy.parameters(), lr=0.1)
+    first_step_grads = []
+    optimizer_step = optimizer.step
+
+    def recording_step():
+        if not first_step_grads:
+            first_step_grads.extend(torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in module.policy.parameters())
+        optimizer_step()
+
+    optimizer.step = recording_step
+    torch.manual_seed(7)  # the update's order of the rows (steps_per_generation > 1: one permutation)
+    step_stats, _ = update_policy(scored, passes, module.policy, module.policy.parameters, optimizer, None,
+                                  module.settings.update, lambda: None)
+    torch.manual_seed(7)
+    order = torch.randperm(8)
+    assert len(step_stats) == 4 and first_step_grads
+
+    # TRL on the rows in the update's order: trl_layout's micro-batches [0, 1], [2, 3] are the first optimizer step's
+    batch = {"logps": logps[order], "old_logps": logps[order], "ref_logps": logps[order], "advantages": scored.group.advantages[order],
+             "mask": scored.loss_mask[order].float()}
+    if case.get("sampling"):
+        batch["sampling_logps"] = scored.rollout.sampling_logps[order]
+        keep = trl_get_off_policy_mask(batch["advantages"][:4].unsqueeze(1), batch["logps"][:4], batch["sampling_logps"][:4],
+                                       batch["mask"][:4], case["threshold"])
+        assert keep.squeeze(1).tolist() == [1.0, 0.0, 1.0, 1.0]  # row 0 (A = -1.5, KL 0.3) dropped, row 4 (A = -1, KL 0) kept
+    _, trl_grad = trl_layout(batch, case, world_size=1, steps=2, micro_batches=2)  # [8, width]
+    for micro_batch in (0, 1):
+        rows = torch.arange(2 * micro_batch, 2 * micro_batch + 2)
+        micro_logps, _ = passes.completion_logps(initial, scored.rollout.select(order[rows]))  # [2, c] with grad
+        (micro_logps * trl_grad[rows, : micro_logps.size(1)]).sum().backward()
+    expected = torch.cat([p.grad.flatten() for p in initial.parameters()])
+    actual = torch.cat([grad.flatten() for grad in first_step_grads])
+    assert expected.norm() > 1e-3
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-6)
