@@ -10,6 +10,7 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
+from test_entropy_bonus import plain_passes
 from test_module import (
     LOWERCASE,
     MetricRecorder,
@@ -19,12 +20,20 @@ from test_module import (
     make_data,
     make_module,
 )
-from test_entropy_bonus import plain_passes
-from test_trl_options import trl_compute_loss, trl_get_gamma_weights, trl_get_off_policy_mask, trl_layout
+from test_trl_layouts import (
+    LAYOUT_CASES,
+    ROWS_PER_MICRO_BATCH,
+    layout_batch,
+    layout_micro_batches,
+    lit_layout,
+    trl_layout,
+)
+from test_trl_options import close, trl_compute_loss, trl_get_gamma_weights, trl_get_off_policy_mask
 
 import lit_grpo.train.logprob_passes
 import lit_grpo.train.module
 from lit_grpo.data import PromptBatch
+from lit_grpo.train.step_metrics import update_metrics
 from lit_grpo.train.update import update_policy
 
 
@@ -182,6 +191,40 @@ def test_vespo_phi_seq_mean_is_logged_with_trls_value(tiny_model_dir, say_a_or_b
     with_defaults = (phi_mean(calls[0][0], (2.0, 3.0, 3.0, 2.0)) + phi_mean(calls[1][0], (2.0, 3.0, 3.0, 2.0))) / 2
     assert abs(expected - with_defaults) > 1e-3
     assert not any(name.startswith("clip_ratio/") for name in logged)
+
+
+def trl_phi_seq_mean(batch, case, rows_by_rank):
+    """TRL's ``vespo/phi_seq_mean`` of one micro-batch index: ``global_masked_mean(phi_seq)``, a ``(B, 1)``
+    tensor's sum over every rank's rows / their count."""
+    phis = [trl_get_gamma_weights(batch["advantages"][rows].unsqueeze(1), batch["logps"][rows] - batch["old_logps"][rows],
+                                  batch["mask"][rows], batch["sampling_weights"][rows] if case.get("engine") else None,
+                                  *case.get("vespo", (2.0, 3.0, 3.0, 2.0))) for rows in rows_by_rank]
+    totals = torch.stack([torch.stack([phi.sum(), torch.tensor(float(phi.shape[0]))]) for phi in phis]).sum(0)
+    return totals[0] / totals[1].clamp(min=1.0)
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 3), (2, 2, 2)], ids=["world1-steps1-micro3", "world2-steps2-micro2"])
+@pytest.mark.parametrize("name", ["vespo-default", "vespo-asymmetric", "mask-vespo"])
+def test_vespo_phi_seq_mean_is_trls_logged_value(name, layout):
+    # TRL appends one value per micro-batch (its global mean over ranks) and logs their mean; lit-grpo's
+    # update_metrics takes each rank's mean over its micro-batches, then the mean over ranks
+    case = LAYOUT_CASES[name]
+    world_size, steps, micro_batches = layout
+    batch = layout_batch(seed=23, rows=world_size * steps * micro_batches * ROWS_PER_MICRO_BATCH)
+    batch["old_logps"][2] = batch["logps"][2] + 0.8  # a row of a weight far from 1: phi far from 1
+    _, metrics, _ = lit_layout(batch, case, *layout)
+    assert all(set(step) == {"vespo/phi_seq_mean"} for step in metrics)
+    per_rank = len(metrics) // world_size
+    rank_values = [update_metrics(metrics[rank * per_rank:(rank + 1) * per_rank], 1, steps, lambda value, op: value)
+                   for rank in range(world_size)]
+    logged = torch.stack([values["vespo/phi_seq_mean"] for values in rank_values]).mean()
+
+    slots = list(layout_micro_batches(world_size, steps, micro_batches))
+    by_index = [[rows for rank, rows in slots if rank == r][index] for r in range(world_size) for index in range(per_rank)]
+    trl_values = [trl_phi_seq_mean(batch, case, [by_index[r * per_rank + index] for r in range(world_size)])
+                  for index in range(per_rank)]
+    close(logged, torch.stack(trl_values).mean())
+    assert abs(float(logged) - 1.0) > 1e-3  # the weights are not all 1
 
 
 def test_vespo_computes_the_old_log_probs_of_zero_advantage_rows_that_phi_counts(
