@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_trl_options import close, trl_adaptive_window, trl_compute_loss, trl_entropy_bonus
+from test_trl_options import (
+    NAN,
+    close,
+    trl_adaptive_window,
+    trl_compute_loss,
+    trl_entropy_bonus,
+    trl_get_gamma_weights,
+    trl_get_off_policy_mask,
+)
 
 from lit_grpo.algorithm import LOSS_TYPES, EntropyControlSettings, LossInputs, LossOptions, grpo_loss
 from lit_grpo.algorithm.losses import dapo_normaliser
@@ -259,3 +267,129 @@ def test_entropy_bonus_matches_trl_on_every_layout(control, loss_type, policy_ma
     assert entropy_grad.abs().sum() > 0 or control == "adaptive" and steps == 1  # one adaptive step applies no bonus
     if control == "adaptive":
         assert history[-1][1] == pytest.approx(0.05 + 0.02 * steps)
+
+
+# ----------------------------------------------------------------------------------------------
+# The copies in test_trl_options.py against TRL's own code, where trl is installed (not in CI)
+# ----------------------------------------------------------------------------------------------
+
+
+class OneProcessAccelerator:
+    """The part of ``accelerate.Accelerator`` that ``_compute_loss`` reads: every rank's values are this one's."""
+
+    sync_gradients = True
+
+    def __init__(self, num_processes):
+        self.num_processes = num_processes
+
+    def reduce(self, tensor, reduction="sum"):
+        return tensor
+
+    def gather(self, tensor):
+        return tensor
+
+    def gather_for_metrics(self, tensor):
+        return tensor
+
+
+def trl_trainer_stub(trl, case, logps, policy_mask, num_processes, accumulation_steps, steps_per_generation):
+    """A ``self`` for ``trl.GRPOTrainer._compute_loss``: the attributes it reads in training, the forward's
+    log-probs ``logps`` and ``get_high_entropy_mask`` answering ``policy_mask`` (None: no entropy mask)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    vespo = case.get("vespo", (2.0, 3.0, 3.0, 2.0))
+    return SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *args, **kwargs: (logps, torch.zeros_like(logps), None),
+        top_entropy_quantile=1.0 if policy_mask is None else 0.5,
+        get_high_entropy_mask=lambda entropies, mask, threshold: policy_mask,
+        off_policy_mask_threshold=case.get("threshold"),
+        importance_sampling_level=case.get("importance_sampling_level", "token"),
+        beta=case.get("beta", 0.0), loss_type=case["loss_type"], epsilon_low=0.2, epsilon_high=0.2,
+        use_vllm=bool(case.get("engine")), vllm_importance_sampling_correction=bool(case.get("engine")),
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=accumulation_steps,
+        accelerator=OneProcessAccelerator(num_processes), _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, max_completion_length=logps.size(1),
+        args=SimpleNamespace(use_bias_correction_kl=True, delta=case.get("delta"), vespo_k_pos=vespo[0],
+                             vespo_lambda_pos=vespo[1], vespo_k_neg=vespo[2], vespo_lambda_neg=vespo[3],
+                             steps_per_generation=steps_per_generation),
+        get_off_policy_mask=trl.GRPOTrainer.get_off_policy_mask, get_gamma_weights=trl.GRPOTrainer.get_gamma_weights,
+    )
+
+
+# LAYOUT_CASES and what trl_compute_loss has beyond them: delta (the two-sided clip), dapo at sequence level
+REAL_TRL_CASES = {**LAYOUT_CASES, "grpo-delta": {"loss_type": "grpo", "delta": 1.02, "beta": 0.04},
+                  "dapo-sequence-engine": {"loss_type": "dapo", "importance_sampling_level": "sequence", "engine": True}}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "world{}-steps{}-micro{}".format(*layout))
+@pytest.mark.parametrize("name", sorted(REAL_TRL_CASES))
+def test_the_copy_of_compute_loss_is_trls(name, layout):
+    trl = pytest.importorskip("trl")
+    case = REAL_TRL_CASES[name]
+    world_size, steps, micro_batches = layout
+    batch = layout_batch(seed=31, rows=4)
+    batch["old_logps"][2] = batch["logps"][2] + 0.8  # a row far off-policy: clipped, masked if A < 0, phi far from 1
+    policy_mask = batch["policy_mask"] if case.get("policy_mask") else None
+    num_items = batch["mask"].sum() * world_size * steps * micro_batches  # the generation batch's tokens
+    inputs = {"prompt_ids": torch.zeros(4, 1, dtype=torch.long), "prompt_mask": torch.ones(4, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(4, 6, dtype=torch.long), "completion_mask": batch["mask"],
+              "advantages": batch["advantages"], "num_items_in_batch": num_items, "old_per_token_logps": batch["old_logps"],
+              "ref_per_token_logps": batch["ref_logps"]}
+    if case.get("sampling"):
+        inputs["sampling_per_token_logps"] = batch["sampling_logps"]
+    if case.get("engine"):
+        inputs["importance_sampling_ratio"] = batch["sampling_weights"]
+    results = []
+    for run in ("trl", "copy"):
+        logps = batch["logps"].clone().requires_grad_(True)
+        if run == "trl":
+            stub = trl_trainer_stub(trl, case, logps, policy_mask, world_size, micro_batches, steps * micro_batches)
+            loss = trl.GRPOTrainer._compute_loss(stub, None, inputs)
+        else:
+            loss = trl_compute_loss(
+                logps, batch["old_logps"], batch["advantages"], batch["mask"], loss_type=case["loss_type"],
+                importance_sampling_level=case.get("importance_sampling_level", "token"), delta=case.get("delta"),
+                beta=case.get("beta", 0.0), ref_per_token_logps=batch["ref_logps"], off_policy_mask_threshold=case.get("threshold"),
+                sampling_per_token_logps=inputs.get("sampling_per_token_logps"),
+                importance_sampling_ratio=inputs.get("importance_sampling_ratio"), num_items_in_batch=num_items,
+                vespo=case.get("vespo", (2.0, 3.0, 3.0, 2.0)), entropy_mask=policy_mask, num_processes=world_size,
+                current_gradient_accumulation_steps=micro_batches, steps_per_generation=steps * micro_batches,
+            )
+        (grad,) = torch.autograd.grad(loss, logps)
+        results.append((loss.detach(), grad))
+    (loss, grad), (expected_loss, expected_grad) = results
+    close(loss, expected_loss)
+    close(grad, expected_grad)
+    assert grad.abs().sum() > 0
+    if case["loss_type"] == "vespo":  # TRL's logged value: the mean phi over the micro-batch's sequences
+        phi = trl_get_gamma_weights(batch["advantages"].unsqueeze(1), batch["logps"] - batch["old_logps"], batch["mask"],
+                                    inputs.get("importance_sampling_ratio"), *case.get("vespo", (2.0, 3.0, 3.0, 2.0)))
+        assert stub._metrics["train"]["vespo/phi_seq_mean"] == pytest.approx([float(phi.mean())], rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_copies_of_the_gamma_weights_and_the_off_policy_mask_are_trls(seed):
+    trl = pytest.importorskip("trl")
+    generator = torch.Generator().manual_seed(seed)
+    rows, T = 8, 7
+    logps = -torch.rand(rows, T, generator=generator) * 3
+    # log-ratios from small to beyond the clamps (+-20 per token, [log 1e-8, 20] per sequence), NaN where masked
+    log_ratio = torch.randn(rows, T, generator=generator) * torch.tensor([0.01, 0.1, 0.5, 1.0, 3.0, 10.0, 30.0, 0.2]).unsqueeze(1)
+    mask = (torch.arange(T) < torch.randint(0, T + 1, (rows, 1), generator=generator)).float()
+    log_ratio = log_ratio.masked_fill(mask == 0, NAN)
+    advantages = torch.randn(rows, 1, generator=generator)
+    ratio = torch.exp(0.3 * torch.randn(rows, T, generator=generator))
+    for parameters in [(2.0, 3.0, 3.0, 2.0), (4.0, 0.5, 0.5, 4.0), (0.0, 0.0, 2.0, 6.0)]:
+        for importance_sampling_ratio in (None, ratio):
+            close(trl_get_gamma_weights(advantages, log_ratio.nan_to_num(), mask, importance_sampling_ratio, *parameters),
+                  trl.GRPOTrainer.get_gamma_weights(advantages, log_ratio.nan_to_num(), mask, importance_sampling_ratio,
+                                                    *parameters))
+    sampling_logps = logps + log_ratio.nan_to_num().abs() * 0.05  # KL >= 0: the rows with A < 0 above a threshold go
+    sampling_logps[0, 0] = NAN  # TRL's nan_to_num of the KL
+    kept = []
+    for threshold in (0.0, 0.01, 0.1, 1.0):
+        expected = trl.GRPOTrainer.get_off_policy_mask(advantages, logps, sampling_logps, mask, threshold)
+        close(trl_get_off_policy_mask(advantages, logps, sampling_logps, mask, threshold), expected)
+        kept.append(int(expected.sum()))
+    assert kept[0] < rows and kept != [kept[0]] * 4  # the mask drops rows, and fewer as the threshold grows
