@@ -33,7 +33,7 @@ from lit_grpo.settings import (
     ToolSettings,
     UpdateSettings,
 )
-from lit_grpo.train.logprob_passes import ENTROPY_WINDOW, LogProbPasses
+from lit_grpo.train.logprob_passes import LogProbPasses
 from lit_grpo.train.update import step_entropy_coefficient
 
 ROWS_PER_MICRO_BATCH = 2
@@ -159,6 +159,10 @@ ENTROPY_CONTROLS = {
     # the batch's entropies (about 1.2) below the target: up after each step, the bonus from the second step on
     "adaptive": EntropyControlSettings(entropy_coef=0.05, use_adaptive_entropy=True, entropy_target=1.5,
                                        entropy_coef_delta=0.02),
+    # a target between the micro-batches' mean entropies (0.96-1.85): a step's mean over its window of micro-batches
+    # (token-weighted, all ranks) decides, up or down (the last micro-batch's alone would differ)
+    "adaptive-both-ways": EntropyControlSettings(entropy_coef=0.05, use_adaptive_entropy=True, entropy_target=1.2,
+                                                 entropy_coef_delta=0.02),
 }
 
 
@@ -169,11 +173,34 @@ def layout_steps(world_size, steps, micro_batches):
     return [[by_rank[r][step * micro_batches:(step + 1) * micro_batches] for r in range(world_size)] for step in range(steps)]
 
 
+class Gathered(Exception):
+    """Raised by :func:`handed_windows`' ``all_gather``: the probe ends there."""
+
+
+def handed_windows(ranks_passes, ranks_stats):
+    """``[W, 2]``: the window each rank's :func:`step_entropy_coefficient` hands to its ``all_gather`` (run on
+    copies of the step's statistics, stopped there, before the controller moves); None if it gathers nothing."""
+    windows = []
+
+    def record(window):
+        windows.append(window)
+        raise Gathered
+
+    for passes, rank_stats in zip(ranks_passes, ranks_stats):
+        passes.all_gather = record
+        try:
+            step_entropy_coefficient(passes, [dict(stats) for stats in rank_stats])
+        except Gathered:
+            pass
+    return torch.stack(windows) if windows else None
+
+
 def lit_entropy_layout(batch, entropies, loss_type, control, policy_mask, world_size, steps, micro_batches):
     """lit-grpo's update on the layout with the bonus, one :class:`LogProbPasses` per rank: each micro-batch's
     ``grpo_loss`` through :meth:`LogProbPasses.with_entropy_bonus` (its accumulation scale, the step's applied
     coefficient over the micro-batches), then each rank's :func:`step_entropy_coefficient` after the step, its
-    ``all_gather`` handing it every rank's window. (losses, (applied, value) per step, total, entropy_coef logged)."""
+    ``all_gather`` handing it every rank's window. (losses, (applied, value, last_entropy) per step, total,
+    entropy_coef logged)."""
     loss_settings = LossSettings(loss_type=loss_type, max_completion_length=batch["mask"].size(1))
     run_settings = RunSettings(loss=loss_settings, sampling=SamplingSettings(), logprobs=LogProbSettings(),
                                generation=GenerationSettings(), update=UpdateSettings(), tools=ToolSettings(),
@@ -196,13 +223,14 @@ def lit_entropy_layout(batch, entropies, loss_type, control, policy_mask, world_
                 losses.append(loss.detach())
                 ranks_stats[-1].append(stats)
                 total = total + loss / world_size  # DDP's mean of the ranks' gradients
-        windows = torch.stack([sum(stats[ENTROPY_WINDOW] for stats in rank_stats) for rank_stats in ranks_stats])  # [W, 2]
+        windows = handed_windows(ranks_passes, ranks_stats)  # [W, 2]: what all_gather returns on every rank
         for passes, rank_stats in zip(ranks_passes, ranks_stats):
             passes.all_gather = lambda window, windows=windows: windows
             step_entropy_coefficient(passes, rank_stats)
         assert len({passes.entropy_coefficient.value for passes in ranks_passes}) == 1  # the ranks agree
         logged.append([float(stats["entropy_coef"]) for rank_stats in ranks_stats for stats in rank_stats])
-        history.append((applied, ranks_passes[0].entropy_coefficient.value))
+        coefficient = ranks_passes[0].entropy_coefficient
+        history.append((applied, coefficient.value, coefficient.last_entropy))
     return losses, history, total, logged
 
 
@@ -231,7 +259,7 @@ def trl_entropy_layout(batch, entropies, loss_type, control, policy_mask, world_
                 loss = trl_entropy_bonus(loss, entropies[rows], effective_mask, apply_coef, micro_batches)
                 losses.append(loss.detach())
                 total = total + loss / world_size
-    history = [(control.entropy_coef, control.entropy_coef)] * steps
+    history = [(control.entropy_coef, control.entropy_coef, float("inf"))] * steps  # fixed: no entropy measured
     if control.use_adaptive_entropy:
         history = trl_adaptive_window(windows, control.entropy_coef, control.entropy_target, control.entropy_coef_min,
                                       control.entropy_coef_max, control.entropy_coef_delta)
@@ -259,14 +287,19 @@ def test_entropy_bonus_matches_trl_on_every_layout(control, loss_type, policy_ma
     (losses, history, logps_grad, entropy_grad, logged), (expected_losses, expected_history, expected_logps_grad,
                                                           expected_entropy_grad, _) = results
     # entropy_coef: every micro-batch of a step carries the value after it (TRL logs it once per optimizer step)
-    assert logged == [pytest.approx([value] * world_size * micro_batches) for _, value in expected_history]
+    assert logged == [pytest.approx([value] * world_size * micro_batches) for _, value, _ in expected_history]
     close(losses, expected_losses)
-    assert [value for pair in history for value in pair] == pytest.approx([value for pair in expected_history for value in pair])
+    # with the entropy each step's control read (TRL's last_world_entropy)
+    assert [value for triple in history for value in triple] == pytest.approx(
+        [value for triple in expected_history for value in triple])
     close(logps_grad, expected_logps_grad)
     close(entropy_grad, expected_entropy_grad)
-    assert entropy_grad.abs().sum() > 0 or control == "adaptive" and steps == 1  # one adaptive step applies no bonus
+    assert (entropy_grad.abs().sum() > 0 or control == "adaptive" and steps == 1  # one adaptive step applies no bonus
+            or control == "adaptive-both-ways" and not any(applied for applied, _, _ in history))
     if control == "adaptive":
         assert history[-1][1] == pytest.approx(0.05 + 0.02 * steps)
+    if control == "adaptive-both-ways" and layout == (1, 2, 2):  # step 1 at or below the target (up), step 2 above (down)
+        assert [value for _, value, _ in history] == pytest.approx([0.07, 0.05]) and history[1][0] == pytest.approx(0.07)
 
 
 # ----------------------------------------------------------------------------------------------

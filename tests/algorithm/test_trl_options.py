@@ -671,7 +671,7 @@ def test_token_entropy_of_bfloat16_logits_is_computed_in_float32():
 def trl_adaptive_window(micro_batches_per_step, coef, target, coef_min, coef_max, delta):
     """TRL 1.16's adaptive control with its window over micro-batches (``_compute_loss``), *re-expressed*:
     ``self.*`` as local variables, one rank (``accelerator.reduce`` of one rank is the identity),
-    ``sync_gradients`` true at a step's last micro-batch. (applied of the step, logged) per step."""
+    ``sync_gradients`` true at a step's last micro-batch. (applied of the step, logged, last_world_entropy) per step."""
     last_world_entropy, entropy_window_stats, history = float("inf"), None, []
     for micro_batches in micro_batches_per_step:
         for index, (entropies, effective_mask) in enumerate(micro_batches):
@@ -687,7 +687,7 @@ def trl_adaptive_window(micro_batches_per_step, coef, target, coef_min, coef_max
                     coef = max(coef - delta, coef_min)
                 last_world_entropy = world_entropy
                 entropy_window_stats = None
-        history.append((apply_coef, coef))
+        history.append((apply_coef, coef, last_world_entropy))
     return history
 
 
@@ -708,12 +708,12 @@ def test_adaptive_entropy_over_micro_batches_is_token_weighted_as_in_trl():
         applied = controller.applied()
         total = sum(entropy_sum_and_count(entropies, mask) for entropies, mask in micro_batches)
         controller.step(float(total[0] / total[1].clamp(min=1.0)))
-        history.append((applied, controller.value))
-    expected = [(0.0, 0.15), (0.15, 0.2), (0.2, 0.15)]
-    flat = [value for pair in history for value in pair]
-    assert flat == pytest.approx([value for pair in expected for value in pair])
+        history.append((applied, controller.value, controller.last_entropy))
+    expected = [(0.0, 0.15, 0.4), (0.15, 0.2, 0.0), (0.2, 0.15, 0.9)]
+    flat = [value for triple in history for value in triple]
+    assert flat == pytest.approx([value for triple in expected for value in triple])
     trl = trl_adaptive_window(steps, 0.1, 0.5, 0.0, 1.0, 0.05)
-    assert flat == pytest.approx([value for pair in trl for value in pair])
+    assert flat == pytest.approx([value for triple in trl for value in triple])
 
 
 @pytest.mark.parametrize("filters", [

@@ -57,7 +57,8 @@ def trl_update(model, scored, settings, orders, lr, micro_batch_size, with_bonus
     """TRL 1.16's training on the generation batch ``scored``: each optimizer step's micro-batches through
     ``_compute_loss`` (:func:`trl_compute_loss`, then :func:`trl_entropy_bonus` with the step's coefficient and
     the accumulation steps), adaptive control over the step's window (:func:`trl_adaptive_window`), SGD.
-    Returns every micro-batch's (loss, policy_loss) and the coefficient after each optimizer step."""
+    Returns every micro-batch's (loss, policy_loss), the coefficient after each optimizer step and the entropy
+    adaptive control read at each (TRL's ``last_world_entropy``; infinity with a fixed coefficient)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     rows_total = scored.rollout.completion_ids.size(0)
     steps_per_generation = settings.update.steps_per_generation
@@ -66,15 +67,15 @@ def trl_update(model, scored, settings, orders, lr, micro_batch_size, with_bonus
     with torch.no_grad():
         old_logps, _ = full_vocabulary_forward(model, scored.rollout)
     entropy = settings.entropy
-    windows, losses, coefficients = [], [], []
-    coefficient = entropy.entropy_coef
+    windows, losses, coefficients, world_entropies = [], [], [], []
+    coefficient, world_entropy = entropy.entropy_coef, float("inf")
     for order in orders:
         for start in range(0, rows_total, mini_batch):
             step_rows = order[start : start + mini_batch].split(micro_batch_size)
             forwards = [full_vocabulary_forward(model, scored.rollout.select(rows)) for rows in step_rows]
             windows.append([(entropies.detach(), scored.loss_mask[rows].float()) for (_, entropies), rows in zip(forwards, step_rows)])
             if entropy.use_adaptive_entropy:
-                apply_coef, coefficient = trl_adaptive_window(windows, entropy.entropy_coef, entropy.entropy_target,
+                apply_coef, coefficient, world_entropy = trl_adaptive_window(windows, entropy.entropy_coef, entropy.entropy_target,
                                                               entropy.entropy_coef_min, entropy.entropy_coef_max,
                                                               entropy.entropy_coef_delta)[-1]
             else:
@@ -94,7 +95,8 @@ def trl_update(model, scored, settings, orders, lr, micro_batch_size, with_bonus
             optimizer.step()
             optimizer.zero_grad()
             coefficients.append(coefficient)
-    return losses, coefficients
+            world_entropies.append(world_entropy)
+    return losses, coefficients, world_entropies
 
 
 @pytest.mark.parametrize("control,loss_type,budget,fused", [
@@ -127,11 +129,14 @@ def test_update_matches_trls_loss_and_gradient_over_steps(tiny_model_dir, fast_t
 
     torch.manual_seed(7)  # the update's order of the rows: a permutation per pass (steps_per_generation > 1)
     passes = plain_passes(module)
+    read_entropies = []  # the entropy adaptive control reads after each optimizer step
+    step = passes.entropy_coefficient.step
+    monkeypatch.setattr(passes.entropy_coefficient, "step", lambda entropy: (read_entropies.append(entropy), step(entropy))[1])
     step_stats, _ = update_policy(scored, passes, module.policy, module.policy.parameters,
                                   torch.optim.SGD(module.policy.parameters(), lr=lr), None, module.settings.update, lambda: None)
     torch.manual_seed(7)
     orders = [torch.randperm(8), torch.randperm(8)]
-    expected, coefficients = trl_update(reference, scored, module.settings, orders, lr, micro_batch_size=2)
+    expected, coefficients, world_entropies = trl_update(reference, scored, module.settings, orders, lr, micro_batch_size=2)
 
     assert len(step_stats) == len(expected) == 8  # 2 passes x 2 optimizer steps x 2 micro-batches
     assert [float(stats["loss"]) for stats in step_stats] == pytest.approx([loss for loss, _ in expected], rel=1e-5, abs=1e-5)
@@ -143,6 +148,9 @@ def test_update_matches_trls_loss_and_gradient_over_steps(tiny_model_dir, fast_t
     if control == "adaptive":
         assert coefficients == pytest.approx([0.15, 0.2, 0.2, 0.2])
         assert passes.entropy_coefficient.value == pytest.approx(0.2)
+        # each step's token-weighted mean over its two micro-batches (TRL's window), not its last micro-batch's
+        assert read_entropies == pytest.approx(world_entropies, rel=1e-4, abs=1e-4)  # chunks and tiles sum in another order
+        assert passes.entropy_coefficient.last_entropy == pytest.approx(world_entropies[-1], rel=1e-4, abs=1e-4)
     atol = 1e-4 if budget or fused else 2e-5  # chunks and tiles sum the gradient in another order (lr 0.5, 4 steps)
     for (name, actual), expected_weight in zip(module.policy.named_parameters(), reference.parameters()):
         torch.testing.assert_close(actual, expected_weight, atol=atol, rtol=1e-4, msg=lambda text, name=name: f"{name}: {text}")
