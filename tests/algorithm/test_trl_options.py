@@ -615,20 +615,22 @@ def trl_adaptive_steps(entropies, coef, target, coef_min, coef_max, delta):
 def test_adaptive_entropy_over_steps_hand_values_and_trl():
     settings = EntropyControlSettings(entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=0.5,
                                       entropy_coef_min=0.0, entropy_coef_max=0.02, entropy_coef_delta=0.005)
-    entropies = [0.4, 0.4, 0.4, 0.6, 0.6, 0.6, 0.6, 0.3]
+    entropies = [0.4, 0.4, 0.4, 0.6, 0.6, 0.6, 0.6, 0.3, 0.5]  # the last at the target exactly
     controller = EntropyCoefficient(settings)
     history = []
     for entropy in entropies:
         applied = controller.applied()
         controller.step(entropy)
         history.append((applied, controller.value))
-    # no measurement before step 1: no bonus; up by 0.005 while at or below 0.5, capped at 0.02; down to 0
-    expected = [(0.0, 0.015), (0.015, 0.02), (0.02, 0.02), (0.02, 0.015), (0.0, 0.01), (0.0, 0.005), (0.0, 0.0), (0.0, 0.005)]
+    # no measurement before step 1: no bonus; up by 0.005 while at or below 0.5, capped at 0.02; down to 0;
+    # at the target (0.5): up, and the next step's bonus applies
+    expected = [(0.0, 0.015), (0.015, 0.02), (0.02, 0.02), (0.02, 0.015), (0.0, 0.01), (0.0, 0.005), (0.0, 0.0), (0.0, 0.005),
+                (0.005, 0.01)]
     flat = [value for pair in history for value in pair]
     assert flat == pytest.approx([value for pair in expected for value in pair])
     trl = trl_adaptive_steps(entropies, 0.01, 0.5, 0.0, 0.02, 0.005)
     assert flat == pytest.approx([value for pair in trl for value in pair])
-    assert controller.applied() == pytest.approx(0.005)
+    assert controller.applied() == pytest.approx(0.01)
 
 
 def test_adaptive_entropy_state_resumes_exactly():
