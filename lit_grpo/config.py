@@ -27,6 +27,7 @@ from lit_grpo.algorithm.sampling_correction import SAMPLING_CORRECTION_SETTINGS,
 from lit_grpo.errors import ConfigError
 
 __all__ = [
+    "DISTRIBUTION_CHANGING_ARGUMENTS",
     "SAMPLING_DISTRIBUTION_ARGUMENTS",
     "AsWritten",
     "backend_generation_kwargs",
@@ -37,6 +38,7 @@ __all__ = [
     "named_settings_given_elsewhere",
     "optional_setting",
     "warn_trl_loss_settings",
+    "warn_unrecomputed_arguments",
 ]
 
 
@@ -220,6 +222,19 @@ def check_vllm_settings(hp) -> None:
 # recomputes (lit_grpo.algorithm.sampling_filters): they become the named keys' values, everywhere
 SAMPLING_DISTRIBUTION_ARGUMENTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
+# generation_kwargs' arguments that change the distribution the completions are drawn from but that the trainer
+# does not recompute (its log-probs are the policy's under SAMPLING_DISTRIBUTION_ARGUMENTS only): vLLM's
+# SamplingParams fields, then transformers' GenerationConfig fields (:func:`warn_unrecomputed_arguments`)
+DISTRIBUTION_CHANGING_ARGUMENTS = frozenset({
+    "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_ids", "bad_words", "min_tokens",
+    "structured_outputs", "thinking_token_budget", "watermarking", "extra_args",
+    "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "min_new_tokens", "min_length",
+    "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "encoder_repetition_penalty",
+    "guidance_scale", "watermarking_config", "num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha",
+    "dola_layers", "force_words_ids", "constraints",
+})
+
 
 def optional_setting(hp, name: str):
     """``hp``'s value of ``name`` (a mapping's key, or an attribute), None where it has none."""
@@ -238,6 +253,8 @@ def named_settings_given_elsewhere(hp) -> dict:
         value = (generation_kwargs or {}).get(name)
         if name in (generation_kwargs or {}) and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ConfigError(f"model.generation_kwargs.{name} must be a number, got {value!r}")
+        if name == "top_k" and value is not None and not isinstance(value, int):
+            raise ConfigError(f"model.generation_kwargs.top_k must be an integer, got {value!r}")
         if name == "temperature" and value is not None and value <= 0:
             raise ConfigError(f"model.generation_kwargs.temperature must be > 0 (sampling), got {value}")
         if value is not None:
@@ -259,6 +276,28 @@ def backend_generation_kwargs(hp) -> dict:
     what goes to the backend as it is (``GenerationConfig`` fields, or vLLM's ``SamplingParams``)."""
     return {name: value for name, value in (optional_setting(hp, "generation_kwargs") or {}).items()
             if name not in SAMPLING_DISTRIBUTION_ARGUMENTS}
+
+
+def warn_unrecomputed_arguments(hp, engine_logprobs_corrected: bool) -> None:
+    """One warning at start naming every argument of ``model.generation_kwargs`` in
+    :data:`DISTRIBUTION_CHANGING_ARGUMENTS` (and ``model.vllm_structured_outputs_regex``) that ``hp`` gives: the
+    backend samples with it, the trainer's log-probs ignore it (as TRL's). ``engine_logprobs_corrected``: the
+    backend scores its samples (vLLM's processed log-probs), so the importance-sampling correction and
+    ``off_policy_mask_threshold`` measure that difference as if it were staleness, on-policy too."""
+    given = [f"model.generation_kwargs.{name}" for name in backend_generation_kwargs(hp) if name in DISTRIBUTION_CHANGING_ARGUMENTS]
+    if optional_setting(hp, "vllm_structured_outputs_regex") is not None:
+        given.append("model.vllm_structured_outputs_regex")
+    if not given:
+        return
+    changes, it = ("changes", "it") if len(given) == 1 else ("change", "them")
+    if engine_logprobs_corrected:
+        consequence = (f"the engine's log-probs follow {it}, so the importance-sampling correction's ratios (trainer / engine) "
+                       "and off_policy_mask_threshold's KL measure that difference even on-policy: consider "
+                       "model.vllm_importance_sampling_correction: false")
+    else:
+        consequence = "the completions are off-policy by that difference, which nothing corrects"
+    rank_zero_warn(f"{', '.join(given)} {changes} the distribution the completions are sampled from, but the trainer's "
+                   f"log-probs ignore {it} (as TRL's): {consequence}")
 
 
 def check_batch_sizes(

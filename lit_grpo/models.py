@@ -376,20 +376,23 @@ def disable_dropout(*models: torch.nn.Module | None) -> None:
     """Dropout off in each model given (None skipped), in training mode too (``model.disable_dropout``):
     every ``torch.nn.Dropout``'s probability 0 (TRL's ``disable_dropout_in_model``; LoRA's dropout too), and the
     dropout rates that attention and some decoder layers read from their config or an attribute at each
-    forward instead (``attention_dropout``, Falcon's ``hidden_dropout``, ...) 0."""
+    forward instead (every float attribute named ``*dropout*`` or ``*pdrop``: ``attention_dropout``, Falcon's
+    ``hidden_dropout``, ...) 0. The config's rates too, since
+    Falcon's and GPT-Neo's attention read ``config.attention_dropout`` at each forward: a model saved from the run
+    (``save_pretrained``) therefore carries dropout 0 in its config (TRL's keeps the original rates)."""
     for model in models:
         if model is None:
             continue
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-            if isinstance(getattr(module, "attention_dropout", None), float):  # Llama, Qwen2, ...: read at each forward
-                module.attention_dropout = 0.0
             config = getattr(module, "config", None)
-            for config in (config, getattr(config, "text_config", None)):
-                for name, value in list(getattr(config, "__dict__", {}).items()):
+            # the module's own rates (Llama's attention_dropout, Falcon's hidden_dropout, CLIP's dropout: read at each
+            # forward), then its config's
+            for holder in (module, config, getattr(config, "text_config", None)):
+                for name, value in list(getattr(holder, "__dict__", {}).items()):
                     if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
-                        setattr(config, name, 0.0)
+                        setattr(holder, name, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------

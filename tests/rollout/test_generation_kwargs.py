@@ -92,6 +92,19 @@ def test_other_arguments_reach_the_backend_the_lit_sampler_falling_back_to_gener
      "from model.num_generations"),
     ({"generation_kwargs": {"temperature": 0}}, "model.generation_kwargs.temperature must be > 0 (sampling), got 0"),
     ({"generation_kwargs": {"top_p": "most"}}, "model.generation_kwargs.top_p must be a number, got 'most'"),
+    ({"generation_kwargs": {"top_k": 50.5}}, "model.generation_kwargs.top_k must be an integer, got 50.5"),
+    ({"generation_kwargs": {"validate": 1}},  # a method of GenerationConfig, not a field: update would overwrite it
+     "model.generation_kwargs.validate: model.generation_backend lit takes transformers' GenerationConfig fields, which "
+     "have no 'validate'"),
+    ({"generation_kwargs": {"to_dict": 1}, "generation_backend": "transformers"},
+     "model.generation_kwargs.to_dict: model.generation_backend transformers takes transformers' GenerationConfig fields, "
+     "which have no 'to_dict'"),
+    ({"generation_kwargs": {"early_stopping": "x"}}, "model.generation_kwargs.early_stopping: `early_stopping` must be a boolean or "
+     "'never', but is x."),
+    ({"generation_kwargs": {"cache_implementation": "fast"}, "generation_backend": "transformers"},
+     "model.generation_kwargs.cache_implementation: Invalid `cache_implementation` (fast). Choose one of: ('static', 'offloaded_static', "
+     "'sliding_window', 'hybrid', 'hybrid_chunked', 'offloaded_hybrid', 'offloaded_hybrid_chunked', 'dynamic', "
+     "'offloaded', 'quantized', 'paged')"),
     ({"vllm_structured_outputs_regex": "(yes|no)"}, "model.vllm_structured_outputs_regex needs a vLLM backend (vLLM's "
      "structured outputs): set model.generation_backend: vllm or vllm_server, got lit"),
     ({"vllm_importance_sampling_cap": 2.0, "vllm_importance_sampling_clip_max": 4.0},
@@ -102,6 +115,31 @@ def test_a_setting_the_backend_cannot_take_is_one_line_at_start(tiny_model_dir, 
     with pytest.raises(ConfigError) as error:
         make_module(tiny_model_dir, **settings)
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize("backend", ["lit", "transformers"])
+def test_arguments_the_trainers_logprobs_ignore_are_named_in_one_warning_at_start(tiny_model_dir, backend):
+    """suppress_tokens and min_new_tokens change what the policy samples, not the log-probs the trainer recomputes:
+    one warning names both; the recomputed arguments (top_p) and the others (use_cache) warn nothing."""
+    with pytest.warns(UserWarning) as caught:
+        make_module(tiny_model_dir, generation_backend=backend,
+                    generation_kwargs={"suppress_tokens": [7], "top_p": 0.9, "min_new_tokens": 2, "use_cache": True})
+    assert [str(warning.message) for warning in caught if "log-probs ignore" in str(warning.message)] == [
+        "model.generation_kwargs.suppress_tokens, model.generation_kwargs.min_new_tokens change the distribution the "
+        "completions are sampled from, but the trainer's log-probs ignore them (as TRL's): the completions are off-policy by "
+        "that difference, which nothing corrects"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_module(tiny_model_dir, generation_backend=backend, generation_kwargs={"top_p": 0.9, "use_cache": True})
+    assert not [warning for warning in caught if "log-probs ignore" in str(warning.message)]
+
+
+def test_arguments_valid_only_together_pass_and_the_one_refused_alone_is_named(tiny_model_dir):
+    """length_penalty alone has no effect when sampling (strict validation refuses it), with num_beams it has."""
+    make_module(tiny_model_dir, generation_backend="transformers", generation_kwargs={"num_beams": 2, "length_penalty": 2.0})
+    with pytest.raises(ConfigError) as error:
+        make_module(tiny_model_dir, generation_kwargs={"num_beams": 2, "early_stopping": "x", "length_penalty": 2.0})
+    assert str(error.value) == "model.generation_kwargs.early_stopping: `early_stopping` must be a boolean or 'never', but is x."
 
 
 def test_an_unknown_generation_argument_ends_lit_grpo_fit_with_one_line(tmp_path, tiny_model_dir, capsys, fresh_cli):
@@ -164,3 +202,24 @@ def test_disable_dropout_zeroes_every_dropout_module_and_config_rate():
     assert (model.config.resid_pdrop, model.config.embd_pdrop, model.config.attn_pdrop) == (0.0, 0.0, 0.0)
     first, second = forward_twice_in_training_mode(model, torch.arange(16).view(2, 8))
     assert torch.equal(first, second)
+
+
+class AttentionWithADropoutRate(torch.nn.Module):
+    """As CLIP's and Whisper's attention: a float rate kept as an attribute, read at each forward in training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = 0.5
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(self.proj(hidden), p=self.dropout, training=self.training)
+
+
+def test_disable_dropout_zeroes_the_rates_modules_keep_as_attributes():
+    model = torch.nn.Sequential(AttentionWithADropoutRate())
+    hidden = torch.ones(4, 8)
+    model.train()
+    assert not torch.equal(model(hidden), model(hidden))  # the check can tell
+    disable_dropout(model)
+    assert model[0].dropout == 0.0 and torch.equal(model(hidden), model(hidden))

@@ -23,6 +23,8 @@ import signal
 import subprocess
 import sys
 import threading
+import types
+import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Self
@@ -89,7 +91,9 @@ def shared_colocated_engine(request, tmp_path_factory) -> dict:
         base.save_pretrained(path)  # the engine starts from the perturbed weights
         tokenizer = AutoTokenizer.from_pretrained(path)
         rng_before = (torch.get_rng_state(), __import__("random").getstate())
-        # with its tokenizer: structured outputs build their grammar over its vocabulary (test_structured_outputs_*)
+        # with its tokenizer (skip_tokenizer_init False) for every test here: structured outputs build their grammar
+        # over its vocabulary (test_structured_outputs_*); a run without structured outputs builds it with True
+        # (token ids only, ColocatedVLLMEngine)
         llm = build_engine(path, dtype="float32", seed=0, max_model_len=256, num_threads=torch.get_num_threads(),
                            skip_tokenizer_init=False)
         rng_after = (torch.get_rng_state(), __import__("random").getstate())
@@ -407,6 +411,43 @@ def test_structured_outputs_regex_constrains_every_completion_and_generation_kwa
         GRPOModule(str(setup["path"]), ["char_fraction"], generation_backend="vllm", generation_kwargs={"suppress_tokens": [x]})
     assert str(error.value) == ("model.generation_kwargs.suppress_tokens: model.generation_backend vllm takes vLLM's "
                                 "SamplingParams fields, which have no 'suppress_tokens'")
+
+
+def generation_settings(**settings):
+    """The settings a vLLM engine's check_run reads of model.generation_kwargs (no model, no engine)."""
+    defaults = dict(generation_backend="vllm", generation_kwargs=None, vllm_structured_outputs_regex=None, max_completion_length=8)
+    return types.SimpleNamespace(**{**defaults, **settings})
+
+
+@pytest.mark.parametrize(("generation_kwargs", "message"), [
+    ({"stop": ["x"]}, "model.generation_kwargs.stop: stop strings are only supported when detokenize is True. Set detokenize=True "
+                      "to use stop."),  # lit-grpo's requests are token ids only
+    ({"presence_penalty": "x"}, "model.generation_kwargs.presence_penalty: '<=' not supported between instances of 'float' and 'str'"),
+    ({"min_tokens": 9}, "model.generation_kwargs.min_tokens: min_tokens must be less than or equal to max_tokens=8, got 9."),
+])
+def test_a_value_vllm_refuses_is_one_line_at_start(generation_kwargs, message):
+    """SamplingParams built at check_run with the values as every request builds them, not at the first request."""
+    with pytest.raises(ConfigError) as error:
+        vllm_colocated.ColocatedVLLMEngine.check_run(generation_settings(generation_kwargs=generation_kwargs))
+    assert str(error.value) == message
+
+
+def test_arguments_the_trainers_logprobs_ignore_are_named_in_one_warning_at_start():
+    """vLLM's processed log-probs follow presence_penalty and the regex, the trainer's do not: the correction would
+    measure that difference on-policy, so one warning says so; the recomputed arguments (temperature) warn nothing."""
+    settings = generation_settings(generation_kwargs={"presence_penalty": 0.5, "temperature": 0.7, "ignore_eos": False},
+                                   vllm_structured_outputs_regex="(yes|no)")
+    with pytest.warns(UserWarning) as caught:
+        vllm_colocated.ColocatedVLLMEngine.check_run(settings)
+    messages = [str(warning.message) for warning in caught if "log-probs ignore" in str(warning.message)]
+    assert messages == [
+        "model.generation_kwargs.presence_penalty, model.vllm_structured_outputs_regex change the distribution the "
+        "completions are sampled from, but the trainer's log-probs ignore them (as TRL's): the engine's log-probs follow them, "
+        "so the importance-sampling correction's ratios (trainer / engine) and off_policy_mask_threshold's KL measure that "
+        "difference even on-policy: consider model.vllm_importance_sampling_correction: false"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        vllm_colocated.ColocatedVLLMEngine.check_run(generation_settings(generation_kwargs={"temperature": 0.7}))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,12 +26,13 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from lit_grpo import cpu
 from lit_grpo.algorithm import completion_mask_from_ids
-from lit_grpo.config import backend_generation_kwargs, optional_setting
+from lit_grpo.config import backend_generation_kwargs, optional_setting, warn_unrecomputed_arguments
 from lit_grpo.distributed import gathered_for_generation
 from lit_grpo.errors import ConfigError
 from lit_grpo.rollout.engines.base import GenerationEngine
 from lit_grpo.rollout.engines.lit_sampler import lit_sampler_unsupported, sample_groups
 from lit_grpo.rollout.engines.requests import (
+    check_generation_config_values,
     check_generation_kwargs,
     is_generation_config_field,
     tokenize_prompts,
@@ -150,12 +151,16 @@ class PolicyEngine(GenerationEngine):
 
     @classmethod
     def check_run(cls, hp) -> None:
-        """``model.generation_kwargs`` are ``GenerationConfig`` fields; no vLLM-only setting."""
+        """``model.generation_kwargs`` are ``GenerationConfig`` fields, with values transformers takes (one line
+        otherwise), and a warning names those that change the sampled distribution; no vLLM-only setting."""
         if optional_setting(hp, "vllm_structured_outputs_regex") is not None:
             raise ConfigError(f"model.vllm_structured_outputs_regex needs a vLLM backend (vLLM's structured outputs): set "
                               f"model.generation_backend: vllm or vllm_server, got {hp.generation_backend}")
-        check_generation_kwargs(backend_generation_kwargs(hp), is_generation_config_field, hp.generation_backend,
+        arguments = backend_generation_kwargs(hp)
+        check_generation_kwargs(arguments, is_generation_config_field, hp.generation_backend,
                                 "transformers' GenerationConfig fields")
+        check_generation_config_values(arguments)
+        warn_unrecomputed_arguments(hp, engine_logprobs_corrected=False)  # no engine log-probs to compare with
 
     @classmethod
     def for_run(cls, hp, model_source: Any, precision: str, grows_with_tools: bool) -> PolicyEngine:

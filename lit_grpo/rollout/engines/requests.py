@@ -22,6 +22,8 @@ from lit_grpo.settings import EvaluationSettings, GenerationSettings, SamplingSe
 __all__ = [
     "ENGINE_SET_ARGUMENTS",
     "NO_CHAT_TEMPLATE",
+    "check_arguments_build",
+    "check_generation_config_values",
     "check_generation_kwargs",
     "generation_config",
     "is_generation_config_field",
@@ -154,8 +156,38 @@ def check_generation_kwargs(arguments: dict, known: Callable[[str], bool], backe
 
 
 def is_generation_config_field(name: str) -> bool:
-    """Whether ``name`` is a field of ``transformers``' ``GenerationConfig`` (``update`` returns those it is not)."""
-    return not GenerationConfig().update(**{name: None})
+    """Whether ``name`` is a field of ``transformers``' ``GenerationConfig`` (one of its ``to_dict`` keys: not a
+    method such as ``validate``, which ``update`` would overwrite)."""
+    return name in GenerationConfig().to_dict()
+
+
+def check_generation_config_values(arguments: dict) -> None:
+    """One line naming what ``transformers`` refuses in ``arguments`` (``GenerationConfig`` fields, checked by
+    :func:`check_generation_kwargs`), at start instead of in ``generate``: a sampling config with them set,
+    validated strictly (a value of the wrong kind, or a flag that has no effect when sampling)."""
+    def build(values: dict) -> None:
+        config = GenerationConfig(do_sample=True)
+        config.update(**values)
+        config.validate(strict=True)
+
+    check_arguments_build(build, arguments, (ValueError, TypeError))
+
+
+def check_arguments_build(build: Callable[[dict], object], arguments: dict, refusals: tuple[type[Exception], ...]) -> None:
+    """One line where ``build`` (the backend's object of ``arguments``) refuses them with one of ``refusals``,
+    naming the argument that it refuses alone too (``model.generation_kwargs`` where only their combination is)."""
+    try:
+        build(arguments)
+        return
+    except refusals as error:
+        refused = ("model.generation_kwargs", error)
+    for name, value in arguments.items():  # arguments valid only together (length_penalty with num_beams) pass above
+        try:
+            build({name: value})
+        except refusals as error:
+            refused = (f"model.generation_kwargs.{name}", error)
+            break
+    raise ConfigError(f"{refused[0]}: {' '.join(str(refused[1]).split())}")
 
 
 def with_generation_kwargs(config: GenerationConfig, arguments: dict) -> GenerationConfig:

@@ -42,6 +42,7 @@ from lit_grpo.rollout.engines.base import GenerationEngine
 from lit_grpo.rollout.engines.policy_weights import hf_named_weights
 from lit_grpo.rollout.engines.vllm_sampling import (
     EngineOutput,
+    check_vllm_generation_kwargs,
     draw_engine_seed,
     engine_rollout,
     sampling_requests,
@@ -535,7 +536,7 @@ class ColocatedVLLMEngine(GenerationEngine):
     def check_run(cls, hp) -> None:
         """The vllm extra is installed; ``model.generation_kwargs`` are ``SamplingParams`` arguments."""
         require_vllm()
-        vllm_generation_kwargs(hp)
+        check_vllm_generation_kwargs(hp)
 
     @classmethod
     def for_run(cls, hp, model_source: Any, precision: str, grows_with_tools: bool) -> "ColocatedVLLMEngine":

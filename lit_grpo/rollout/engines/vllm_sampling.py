@@ -16,7 +16,9 @@ Both vLLM engines sample with the same semantics, so that a run gives the same c
 * :func:`draw_engine_seed`: the seed of one call, drawn from the rank's checkpointed torch generator
   and made distinct per rank (:func:`engine_seed`);
 * :func:`vllm_generation_kwargs`: ``model.generation_kwargs`` and ``model.vllm_structured_outputs_regex``
-  as further ``SamplingParams`` arguments of every request (TRL's), checked at start.
+  as further ``SamplingParams`` arguments of every request (TRL's), checked at start
+  (:func:`check_vllm_generation_kwargs`: their values as vLLM builds them, and a warning naming those the
+  trainer's log-probs ignore).
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from lit_grpo.config import backend_generation_kwargs, optional_setting
+from lit_grpo.config import backend_generation_kwargs, optional_setting, warn_unrecomputed_arguments
 from lit_grpo.errors import ConfigError
-from lit_grpo.rollout.engines.requests import check_generation_kwargs
+from lit_grpo.rollout.engines.requests import check_arguments_build, check_generation_kwargs
 from lit_grpo.rollout.records import Rollout
 
-__all__ = ["EngineOutput", "completion_tensors", "draw_engine_seed", "engine_rollout", "engine_seed", "process_rank",
-           "sampling_requests", "sampling_settings", "vllm_generation_kwargs"]
+__all__ = ["EngineOutput", "check_sampling_params_values", "check_vllm_generation_kwargs", "completion_tensors",
+           "draw_engine_seed", "engine_rollout", "engine_seed", "process_rank", "sampling_requests", "sampling_settings",
+           "vllm_generation_kwargs"]
 
 
 def engine_seed(drawn: int, rank: int) -> int:
@@ -80,12 +83,14 @@ def vllm_generation_kwargs(hp) -> dict:
     :func:`lit_grpo.config.named_settings_given_elsewhere`), with ``structured_outputs`` (a mapping, as the
     server's JSON takes it) ``{"regex": model.vllm_structured_outputs_regex}`` where that is set (TRL: it
     takes precedence, with TRL's warning); one line naming an argument vLLM does not take."""
+    arguments = backend_generation_kwargs(hp)
+    regex = optional_setting(hp, "vllm_structured_outputs_regex")
+    if not arguments and regex is None:
+        return {}  # nothing to check or add: vLLM itself not needed here
     from vllm import SamplingParams
 
-    arguments = backend_generation_kwargs(hp)
     fields = {name for name in SamplingParams.__struct_fields__ if not name.startswith("_")}  # msgspec's field names
     check_generation_kwargs(arguments, fields.__contains__, hp.generation_backend, "vLLM's SamplingParams fields")
-    regex = optional_setting(hp, "vllm_structured_outputs_regex")
     if regex is not None:
         try:
             re.compile(regex)
@@ -98,7 +103,29 @@ def vllm_generation_kwargs(hp) -> dict:
     structured = arguments.get("structured_outputs")
     if structured is not None and not isinstance(structured, dict):
         raise ConfigError(f"model.generation_kwargs.structured_outputs must be a mapping (e.g. {{regex: ...}}), got {structured!r}")
+    check_sampling_params_values(arguments, hp.max_completion_length)
     return arguments
+
+
+def check_sampling_params_values(arguments: dict, max_tokens: int) -> None:
+    """One line naming what vLLM refuses in ``arguments`` (``SamplingParams`` fields), at start instead of at the
+    first request: the parameters built as every request builds them (token ids out, ``detokenize=False``)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    def build(values: dict) -> None:
+        structured = values.get("structured_outputs")
+        SamplingParams(**{**values, "structured_outputs": None if structured is None else StructuredOutputsParams(**structured)},
+                       detokenize=False, max_tokens=max_tokens)
+
+    check_arguments_build(build, arguments, (Exception,))  # vLLM's VLLMValidationError is no ValueError
+
+
+def check_vllm_generation_kwargs(hp) -> None:
+    """At start: :func:`vllm_generation_kwargs` checked, and one warning naming those that change the distribution
+    vLLM samples from but not the trainer's (:func:`lit_grpo.config.warn_unrecomputed_arguments`)."""
+    vllm_generation_kwargs(hp)
+    warn_unrecomputed_arguments(hp, engine_logprobs_corrected=True)  # the engine's processed log-probs follow them
 
 
 def sampling_requests(

@@ -59,6 +59,7 @@ from lit_grpo.rollout.engines.base import GenerationEngine, agreed_failure, any_
 from lit_grpo.rollout.engines.server_lost import GenerationFailed, GenerationServerLost
 from lit_grpo.rollout.engines.vllm_sampling import (
     EngineOutput,
+    check_vllm_generation_kwargs,
     draw_engine_seed,
     engine_rollout,
     process_rank,
@@ -181,7 +182,7 @@ class VLLMServerEngine(GenerationEngine):
 
         require_vllm()
         cls.check_settings(hp)
-        vllm_generation_kwargs(hp)  # model.generation_kwargs are SamplingParams arguments
+        check_vllm_generation_kwargs(hp)  # model.generation_kwargs are SamplingParams arguments
 
     @classmethod
     def for_run(cls, hp, model_source: Any = None, precision: str | None = None,
