@@ -278,6 +278,7 @@ def test_vespo_with_the_off_policy_mask_on_two_processes_matches_one_process(tin
     ``vespo/phi_seq_mean`` averaged over ranks give the losses, metrics and weights of one process on the
     same global batch. ``num_iterations: 2``: the second pass is off-policy (phi away from 1, the mask on)."""
     import json
+    from concurrent.futures import ThreadPoolExecutor
 
     import yaml
     from test_distributed import BASE_CONFIG, GLOBAL_BATCH, run_worker
@@ -290,10 +291,14 @@ def test_vespo_with_the_off_policy_mask_on_two_processes_matches_one_process(tin
     config["data"]["data_files"] = str(tmp_path / "prompts.jsonl")
     config["trainer"]["max_steps"] = 2  # one generation batch, two passes
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(config))
-    one = run_worker(tmp_path, "single_vespo", 1, {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}},
-                     "--fixed-completions")
-    two = run_worker(tmp_path, "ddp_vespo", 2, {"trainer": {"devices": 2, "strategy": "ddp"},
-                                                "data": {"batch_size": GLOBAL_BATCH // 2}}, "--fixed-completions")
+    single = {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}}
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the run without the mask beside the others (CI's 2 cores)
+        without_mask = pool.submit(run_worker, tmp_path, "single_vespo_no_mask", 1,
+                                   {**single, "model": {"off_policy_mask_threshold": None}}, "--fixed-completions")
+        one = run_worker(tmp_path, "single_vespo", 1, single, "--fixed-completions")
+        two = run_worker(tmp_path, "ddp_vespo", 2, {"trainer": {"devices": 2, "strategy": "ddp"},
+                                                    "data": {"batch_size": GLOBAL_BATCH // 2}}, "--fixed-completions")
+        without_mask = without_mask.result()
     assert two["world_size"] == 2 and len(one["steps"]) == len(two["steps"]) == 1
     expected, actual = one["steps"][0], two["steps"][0]
     for name in ["loss", "kl", "entropy", "vespo/phi_seq_mean", "grad_norm"]:
@@ -302,6 +307,9 @@ def test_vespo_with_the_off_policy_mask_on_two_processes_matches_one_process(tin
     assert not any(name.startswith("clip_ratio/") for name in expected)
     for name, weights in one["state"].items():
         torch.testing.assert_close(two["state"][name], weights, rtol=1e-4, atol=1e-5, msg=name)
+    # the mask fired: without it (off_policy_mask_threshold: null) the same run ends with other weights
+    assert not all(torch.allclose(without_mask["state"][name], weights, rtol=1e-4, atol=1e-5)
+                   for name, weights in one["state"].items())
 
 
 # update.py's own loop against TRL's layout: micro_batch_size 2, steps_per_generation 2 on 8 rows (two optimizer
