@@ -165,7 +165,8 @@ def recorded_loss_inputs(monkeypatch):
 
 def test_vespo_phi_seq_mean_is_logged_with_trls_value(tiny_model_dir, say_a_or_b_file, fast_trainer, monkeypatch):
     # two optimizer steps on one generation batch: the first on-policy (phi = 1 for every row), the second
-    # after the policy moved; TRL logs the mean of the two micro-batches' means of phi over sequences
+    # after the policy moved; as TRL with logging_steps = steps_per_generation: the mean of the two micro-batches'
+    # means of phi over sequences
     pl.seed_everything(0)
     calls = recorded_loss_inputs(monkeypatch)
     vespo = (6.0, 0.5, 0.5, 6.0)  # far from TRL's defaults (2, 3, 3, 2): a key that did not arrive would show
