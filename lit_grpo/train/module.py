@@ -5,7 +5,7 @@ One call of ``training_step`` handles one *generation batch* (B prompts from the
 
 1. sample G completions per prompt with the current policy (:mod:`lit_grpo.rollout.engines`);
 2. score every completion with the configured reward functions (:mod:`lit_grpo.scoring`);
-3. turn rewards into group-relative advantages (:func:`lit_grpo.algorithm.group_advantages`);
+3. turn rewards into group-relative advantages (:func:`lit_grpo.algorithm.multi_objective_advantages`);
 4. compute, without gradient, the log-probs the update needs besides the policy's own: the
    sampling policy's (``old_logps``, only when the policy changes between sampling and an update,
    i.e. ``num_iterations > 1`` or ``steps_per_generation > 1``, and only for the rows trained after
@@ -181,7 +181,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's Gamma weighting of the sequence
             importance weight for positive and negative advantages (``loss_type: vespo``; TRL's defaults).
         off_policy_mask_threshold: DeepSeek-V3.2's mask: a completion with a negative advantage whose KL to the
-            sampling policy exceeds this leaves the loss; None disables.
+            sampling policy exceeds this leaves the policy loss (its KL term stays); None disables.
         multi_objective_aggregation: ``sum_then_normalize`` (weighted sum of the rewards, then group advantages)
             or ``normalize_then_sum`` (GDPO: each reward normalised within its group, then the weighted sum).
         entropy_coef: an entropy bonus, ``- entropy_coef * mean token entropy`` added to the loss; 0 disables.
