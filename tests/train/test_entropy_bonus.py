@@ -53,10 +53,21 @@ def full_vocabulary_forward(model, rollout) -> tuple[torch.Tensor, torch.Tensor]
     return logps, torch.distributions.Categorical(logits=logits.float()).entropy()
 
 
+def trl_high_entropy_mask(entropies, mask, threshold):
+    """TRL 1.16's ``GRPOTrainer.get_high_entropy_mask`` on one process (``pad_across_processes`` and
+    ``gather`` of one rank are the identity), ``threshold = 1 - top_entropy_quantile``: ``[n, C]`` bool."""
+    gathered = entropies[mask.bool()].float()
+    if gathered.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    entropy_threshold = torch.quantile(gathered, threshold)
+    return (entropies * mask.float() >= entropy_threshold) & mask.bool()
+
+
 def trl_update(model, scored, settings, orders, lr, micro_batch_size, with_bonus=True):
     """TRL 1.16's training on the generation batch ``scored``: each optimizer step's micro-batches through
-    ``_compute_loss`` (:func:`trl_compute_loss`, then :func:`trl_entropy_bonus` with the step's coefficient and
-    the accumulation steps), adaptive control over the step's window (:func:`trl_adaptive_window`), SGD.
+    ``_compute_loss`` (:func:`trl_compute_loss` with ``top_entropy_quantile``'s mask of the micro-batch
+    (:func:`trl_high_entropy_mask`), then :func:`trl_entropy_bonus` over the effective mask with the step's
+    coefficient and the accumulation steps), adaptive control over the step's window (:func:`trl_adaptive_window`), SGD.
     Returns every micro-batch's (loss, policy_loss), the coefficient after each optimizer step and the entropy
     adaptive control read at each (TRL's ``last_world_entropy``; infinity with a fixed coefficient)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -73,23 +84,28 @@ def trl_update(model, scored, settings, orders, lr, micro_batch_size, with_bonus
         for start in range(0, rows_total, mini_batch):
             step_rows = order[start : start + mini_batch].split(micro_batch_size)
             forwards = [full_vocabulary_forward(model, scored.rollout.select(rows)) for rows in step_rows]
-            windows.append([(entropies.detach(), scored.loss_mask[rows].float()) for (_, entropies), rows in zip(forwards, step_rows)])
+            quantile = settings.logprobs.top_entropy_quantile
+            entropy_masks = [None if quantile >= 1.0 else trl_high_entropy_mask(entropies, scored.loss_mask[rows], 1 - quantile)
+                             for (_, entropies), rows in zip(forwards, step_rows)]  # [n, C] bool each, or None
+            effective_masks = [scored.loss_mask[rows].float() * (1.0 if entropy_mask is None else entropy_mask)
+                               for rows, entropy_mask in zip(step_rows, entropy_masks)]  # TRL's effective_mask
+            windows.append([(entropies.detach(), effective_mask) for (_, entropies), effective_mask in zip(forwards, effective_masks)])
             if entropy.use_adaptive_entropy:
                 apply_coef, coefficient, world_entropy = trl_adaptive_window(windows, entropy.entropy_coef, entropy.entropy_target,
                                                               entropy.entropy_coef_min, entropy.entropy_coef_max,
                                                               entropy.entropy_coef_delta)[-1]
             else:
                 apply_coef = coefficient
-            for (logps, entropies), rows in zip(forwards, step_rows):
+            for (logps, entropies), rows, entropy_mask, effective_mask in zip(forwards, step_rows, entropy_masks, effective_masks):
                 mask = scored.loss_mask[rows].float()
                 loss = trl_compute_loss(
                     logps, old_logps[rows], scored.group.advantages[rows], mask, loss_type=settings.loss.loss_type,
                     num_items_in_batch=scored.loss_mask.sum(), current_gradient_accumulation_steps=micro_batches,
-                    steps_per_generation=steps_per_generation * micro_batches,
+                    steps_per_generation=steps_per_generation * micro_batches, entropy_mask=entropy_mask,
                 )
                 policy_loss = loss * micro_batches if settings.loss.loss_type == "grpo" else loss  # TRL's, before / GA
                 if with_bonus:
-                    loss = trl_entropy_bonus(loss, entropies, mask, apply_coef, micro_batches)
+                    loss = trl_entropy_bonus(loss, entropies, effective_mask, apply_coef, micro_batches)
                 loss.backward()
                 losses.append((float(loss.detach()), float(policy_loss.detach())))
             optimizer.step()
@@ -99,15 +115,17 @@ def trl_update(model, scored, settings, orders, lr, micro_batch_size, with_bonus
     return losses, coefficients, world_entropies
 
 
-@pytest.mark.parametrize("control,loss_type,budget,fused", [
-    ("fixed", "grpo", None, False), ("adaptive", "dapo", None, False),
+@pytest.mark.parametrize("control,loss_type,budget,fused,quantile", [
+    ("fixed", "grpo", None, False, 1.0), ("adaptive", "dapo", None, False, 1.0),
     # micro-batches above the token budget go backward in chunks of rows
-    ("adaptive", "grpo", 12, False), ("fixed", "dapo", 12, False),
+    ("adaptive", "grpo", 12, False, 1.0), ("fixed", "dapo", 12, False, 1.0),
     # the log-probs and entropy from the fused LM head, in tiles of 5 tokens
-    ("adaptive", "grpo", None, True), ("fixed", "dapo", 12, True),
+    ("adaptive", "grpo", None, True, 1.0), ("fixed", "dapo", 12, True, 1.0),
+    # top_entropy_quantile: the policy term and the bonus (and its window) on the high-entropy half of the tokens
+    ("fixed", "grpo", None, False, 0.5), ("adaptive", "dapo", None, False, 0.5),
 ])
 def test_update_matches_trls_loss_and_gradient_over_steps(tiny_model_dir, fast_trainer, monkeypatch, control, loss_type, budget,
-                                                         fused):
+                                                         fused, quantile):
     # every row without gradient is left out of the backward where it may be (the threshold is for long rows)
     monkeypatch.setattr(lit_grpo.train.logprob_passes, "FORWARD_OVERHEAD_TOKENS", 0)
     fused_calls = []  # the entropy_grad of each fused LM head call
@@ -119,7 +137,8 @@ def test_update_matches_trls_loss_and_gradient_over_steps(tiny_model_dir, fast_t
     torch.manual_seed(0)
     module = attach_trainer(make_module(
         tiny_model_dir, loss_type=loss_type, micro_batch_size=2, steps_per_generation=2, num_iterations=2,
-        max_grad_norm=None, forward_token_budget=budget, share_prompt_forward=False, **CONTROLS[control],
+        max_grad_norm=None, forward_token_budget=budget, share_prompt_forward=False, top_entropy_quantile=quantile,
+        **CONTROLS[control],
     ), fast_trainer)
     module.generation_config.sequence_bias = {(module.tokenizer.eos_token_id,): 3.0}  # completions of several lengths
     scored, _ = module.generate_and_score(BATCH)
