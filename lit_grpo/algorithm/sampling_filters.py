@@ -247,9 +247,7 @@ def sampling_log_softmax(
         return plain_logps_and_entropy(logits, tokens, filters.temperature)
     if filters.is_plain_softmax:
         logps = selective_log_softmax(logits, tokens, filters.temperature)
-        if not with_entropy:
-            return logps, None
-        return logps, entropy_from_logits(logits, filters.temperature)
+        return logps, entropy_from_logits(logits, filters.temperature) if with_entropy else None
     B, T, V = logits.shape
     if B * T == 0:
         empty = logits.new_zeros(B, T, dtype=torch.float32)
@@ -276,15 +274,21 @@ def sampling_log_softmax(
         log_normaliser = torch.logsumexp(masked, dim=-1)  # [c]
         # gathered from ``masked`` (the token is in the support: the same value), so that autograd keeps one [c, V] tensor
         logps.append(masked.gather(-1, chunk_tokens).squeeze(-1) - log_normaliser)
-        if with_entropy and entropy_grad:
-            entropies.append(token_entropy(masked))  # -inf off the support counts 0
-        elif with_entropy:
-            with torch.no_grad():
-                probs = torch.exp(masked.detach() - log_normaliser.detach()[:, None])
-                weighted = torch.where(kept, probs * masked.detach(), torch.zeros_like(probs))
-                entropies.append(log_normaliser.detach() - weighted.sum(-1))
-    logps = torch.cat(logps).reshape(B, T)
-    return logps, torch.cat(entropies).reshape(B, T) if with_entropy else None
+        if with_entropy:
+            entropies.append(chunk_entropy(masked, log_normaliser, kept, entropy_grad))
+    return torch.cat(logps).reshape(B, T), torch.cat(entropies).reshape(B, T) if with_entropy else None
+
+
+def chunk_entropy(masked: torch.Tensor, log_normaliser: torch.Tensor, kept: torch.Tensor, entropy_grad: bool) -> torch.Tensor:
+    """Entropy ``[c]`` of a chunk's filtered logits ``masked [c, V]`` (``-inf`` off the support ``kept [c, V]``,
+    ``log_normaliser [c]`` their logsumexp): with its gradient (:func:`~lit_grpo.algorithm.token_entropy`,
+    the entropy bonus) when ``entropy_grad``, else a metric without one."""
+    if entropy_grad:
+        return token_entropy(masked)  # -inf off the support counts 0
+    with torch.no_grad():
+        probs = torch.exp(masked.detach() - log_normaliser.detach()[:, None])
+        weighted = torch.where(kept, probs * masked.detach(), torch.zeros_like(probs))
+        return log_normaliser.detach() - weighted.sum(-1)
 
 
 def plain_logps_and_entropy(
