@@ -145,14 +145,16 @@ def logits_gradient(
     """The gradient ``[t, V]`` of the loss w.r.t. the scored logits ``z [t, V]``, given its gradients
     w.r.t. the log-probs and the entropy ``[t]`` (None: no gradient): ``d logp / dz_j = 1[j = token] -
     p_j`` and ``d entropy / dz_j = -p_j (log p_j + entropy)`` (0 off the support, where ``p_j = 0``)."""
+    # in place in ``log_probs``: two [t, V] tensors live at once (log_probs -> grad, and probs)
     log_probs = z - log_normaliser[:, None]
     probs = torch.exp(log_probs)
-    grad = torch.zeros_like(z)
-    if grad_logps is not None:
-        grad.sub_(probs * grad_logps[:, None]).scatter_add_(-1, tile_tokens, grad_logps[:, None])
     if grad_entropy is not None:
-        spread = torch.where(probs > 0, log_probs + entropy[:, None], 0.0)
-        grad.sub_(probs * spread * grad_entropy[:, None])
+        spread = log_probs.add_(entropy[:, None]).masked_fill_(probs == 0, 0.0)  # log p + H, 0 off the support
+        grad = spread.mul_(probs).mul_(-grad_entropy[:, None])
+    else:
+        grad = log_probs.zero_()
+    if grad_logps is not None:
+        grad.sub_(probs.mul_(grad_logps[:, None])).scatter_add_(-1, tile_tokens, grad_logps[:, None])
     return grad
 
 
@@ -184,6 +186,7 @@ class LinearHeadLogProbs(torch.autograd.Function):
             if transform is not None:
                 z = transform(z, torch.arange(start, start + z.size(0), device=z.device))
             outputs.append(tile_scores(z, tokens[start : start + z.size(0)], with_entropy, False))
+            del z  # freed before the next tile's logits are made
         logps, log_normaliser = (torch.cat([output[i] for output in outputs]) for i in (0, 1))
         entropy = torch.cat([output[2] for output in outputs]) if with_entropy else None
         ctx.save_for_backward(hidden, weight, bias, tokens, log_normaliser, entropy if entropy_grad else None)
@@ -193,6 +196,7 @@ class LinearHeadLogProbs(torch.autograd.Function):
         return logps, entropy
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logps, grad_entropy):
         hidden, weight, bias, tokens, log_normaliser, entropy = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
@@ -217,6 +221,7 @@ class LinearHeadLogProbs(torch.autograd.Function):
                     add_product_in_float32(grad_weight, grad_z_c.T, tile_hidden.to(dtype))  # [V, H]
             if grad_bias is not None:
                 grad_bias += grad_z.sum(0)
+            del grad_z, grad_z_c  # freed before the next tile's logits are recomputed
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None, None)
 

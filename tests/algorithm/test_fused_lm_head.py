@@ -9,6 +9,8 @@ model's scaling and soft-capping applied to them), then
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -457,3 +459,83 @@ def test_only_a_plain_linear_layer_of_plain_tensors_is_a_linear_head():
     head.weight = Quantised(head.weight.detach())
     assert linear_head(head) is None
     assert linear_head(torch.nn.Sequential(torch.nn.Linear(H, V))) is None
+
+
+def test_a_frozen_head_gets_no_weight_sized_gradient():
+    """A frozen head (``requires_grad_(False)``: LoRA elsewhere) allocates no ``[V, H]`` gradient in the
+    backward: the custom backward asks ``needs_input_grad`` (float32, no autocast: no weight cast either)."""
+    vocab, rows, width, hidden_size = 64, 2, 40, 6
+    head = torch.nn.Linear(hidden_size, vocab, bias=True).requires_grad_(False)
+    hidden = torch.randn(rows, width, hidden_size, requires_grad=True)
+    tokens = torch.randint(0, vocab, (rows, width))
+    logps, _ = fused_token_logprobs(hidden, linear_head(head), tokens, vocab, tile_bytes=2 * 4 * vocab)
+    with NewTensorsOfSize(head.weight.numel()) as mode:
+        logps.sum().backward()
+    assert mode.count == 0 and head.weight.grad is None and hidden.grad is not None
+
+
+def test_a_second_derivative_through_the_custom_backward_is_refused():
+    """The custom backward is not itself differentiable: a double backward raises instead of
+    silently returning a wrong (zero) second derivative."""
+    head = torch.nn.Linear(H, V)
+    hidden, tokens, *_ = inputs()
+    hidden.requires_grad_(True)
+    logps, _ = fused_token_logprobs(hidden, linear_head(head), tokens, V, tile_bytes=TILE_OF_3)
+    weights = torch.ones_like(logps, requires_grad=True)  # the second derivative also w.r.t. the loss's weights
+    (grad_hidden,) = torch.autograd.grad(logps, hidden, weights, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_hidden.sum().backward()
+
+
+class PeakLiveBytes(TorchDispatchMode):
+    """The peak of the bytes that tensors made by the operations under this mode hold at once (each
+    storage counted until it is freed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key = storage.data_ptr()
+                if key in self.live or storage.nbytes() == 0:
+                    continue
+                self.live[key] = storage.nbytes()
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(storage, self.free, key)
+        return out
+
+    def free(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_k", "min_p"])  # top_p: level (+1.5 KB); the penalty: +1.5 tiles
+def test_the_custom_backward_peaks_no_higher_than_the_checkpointed_tiles(name):
+    """The custom backward's peak live bytes (the entropy's gradient on, 8 tiles) are at most the
+    checkpointed path's: each tile's gradient is freed before the next tile is recomputed, and the
+    gradient of the logits is made in place (before: one tile's gradients kept while the next was
+    recomputed, and about six temporaries of a tile's logits)."""
+    vocab, rows, width, hidden_size = 16_384, 2, 64, 8
+    generator = torch.Generator().manual_seed(7)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    tokens = torch.randint(0, vocab, (rows, width), generator=generator)
+    prompt_ids, prompt_mask = tokens[:, :3], torch.ones(rows, 3, dtype=torch.long)
+    transform = sampling_transform(FILTERS[name], tokens, vocab, prompt_ids, prompt_mask)
+    hidden = torch.randn(rows, width, hidden_size, generator=generator)
+
+    def backward_peak(fused_head) -> int:
+        inputs = hidden.clone().requires_grad_(True)
+        logps, entropy = fused_token_logprobs(inputs, fused_head, tokens, vocab, transform, with_entropy=True,
+                                              tile_bytes=2**20, entropy_grad=True)  # 16 tokens a tile: 8 tiles
+        with PeakLiveBytes() as mode:
+            (logps.sum() + entropy.sum()).backward()
+        head.zero_grad()
+        return mode.peak
+
+    custom, checkpointed = backward_peak(linear_head(head)), backward_peak(head)
+    assert custom <= checkpointed, (custom, checkpointed)
