@@ -52,6 +52,7 @@ class EntropyOfLogits(torch.autograd.Function):
         return entropy
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward is no graph of its own: no second derivative
     def backward(ctx, grad_entropy: torch.Tensor) -> torch.Tensor:
         z, log_normaliser, entropy = ctx.saved_tensors
         log_probs = z - log_normaliser  # [..., V], -inf off the support
