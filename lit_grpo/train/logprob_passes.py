@@ -220,8 +220,8 @@ class LogProbPasses:
             head = "its FSDP2 root unit frees the gathered LM head after each forward"
         cast = self.passes.cast_lm_head_to_fp32
         if cast and (isinstance(head, str) or not head.is_linear_layer):
-            why = head if isinstance(head, str) else f"its head is a {type(head.head).__name__}, not a torch.nn.Linear"
-            raise ConfigError(f"model.cast_lm_head_to_fp32 needs the fused LM head on a plain linear head: {why}")
+            why = head if isinstance(head, str) else f"the head is {head.description()}"
+            raise ConfigError(f"model.cast_lm_head_to_fp32 needs the fused LM head on a torch.nn.Linear of plain tensors; {why}")
         if isinstance(head, str):
             if head not in self._fused_head_notes:
                 self._fused_head_notes.add(head)
@@ -295,12 +295,13 @@ class LogProbPasses:
         after the first optimizer step), computed now without gradient; 0 for the other rows until
         the first optimizer step's forward fills them (``training_step``).
 
-        With ``skip_zero_gradient_rows``, rows whose loss terms have no gradient
-        (:func:`lit_grpo.algorithm.rows_without_gradient`: advantage 0 with ``beta = 0``, or no token
-        that counts) get no pass and keep 0: their old log-probs only enter a ratio that is multiplied
-        by a zero advantage or a zero mask, and the clip fractions count no token of theirs, so the
-        update and every statistic are the same whatever the value; not for a loss type with metrics
-        of its own (``LossType.metrics``: vespo's mean ``phi`` counts every row). Sharded (FSDP2)
+        With ``skip_zero_gradient_rows``, rows whose policy and KL terms read no old log-probs
+        (:func:`lit_grpo.algorithm.rows_without_gradient`: advantage 0 with ``beta = 0``; the entropy
+        bonus reads none) or with no token that counts get no pass and keep 0: their old log-probs
+        only enter a ratio that is multiplied by a zero advantage or a zero mask, and the clip
+        fractions count no token of theirs, so the update and every statistic are the same whatever
+        the value; not for a loss type with metrics of its own (``LossType.metrics``: vespo's mean
+        ``phi`` counts every row). Sharded (FSDP2)
         ranks compute as many rows as the rank that needs most, so they run as many forwards as each other.
         """
         old_logps = torch.zeros(scored.rollout.completion_ids.shape, device=scored.rollout.completion_ids.device)
@@ -392,7 +393,8 @@ class LogProbPasses:
         if entropy is None:
             return out.loss * scale, {}
         stats = {
-            "entropy": algorithm.masked_mean(entropy, scored.rollout.policy_token_mask[rows, :width]),  # tool tokens left out
+            # detached: with the bonus on, entropy has a graph (a statistic keeps none); tool tokens left out
+            "entropy": algorithm.masked_mean(entropy.detach(), scored.rollout.policy_token_mask[rows, :width]),
             **out.metrics,  # the loss type's own (vespo/phi_seq_mean)
         }
         if out.clip is not None:  # not for a loss type that clips no ratio (vespo), as in TRL

@@ -163,6 +163,7 @@ def test_update_matches_trls_loss_and_gradient_over_steps(tiny_model_dir, fast_t
     # the coefficient after each optimizer step, on each of its micro-batches (TRL logs it per optimizer step)
     assert [float(stats["entropy_coef"]) for stats in step_stats] == pytest.approx([c for c in coefficients for _ in (0, 1)])
     assert all(ENTROPY_WINDOW not in stats for stats in step_stats)  # no metric
+    assert not any(stats["entropy"].requires_grad for stats in step_stats)  # a statistic keeps no graph
     assert any(fused_calls) == fused  # the fused LM head's entropy with its gradient
     if control == "adaptive":
         assert coefficients == pytest.approx([0.15, 0.2, 0.2, 0.2])
