@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from lit_grpo.algorithm.fused_lm_head import LinearHead, linear_head
@@ -239,12 +240,28 @@ class OutputHead:
         """Whether the head is a plain ``nn.Linear`` (not a LoRA wrapper or any other module)."""
         return isinstance(self.head, torch.nn.Linear)
 
+    def description(self) -> str:
+        """What the head is, for a message: a LoRA adapter on it, or its class's qualified name (and
+        its weight's, where that is not a plain tensor)."""
+        kind = f"{type(self.head).__module__}.{type(self.head).__qualname__}"
+        if isinstance(self.head, BaseTunerLayer):
+            return f"a LoRA adapter on lm_head ({kind})"
+        weight = getattr(self.head, "weight", None)
+        if isinstance(weight, torch.Tensor) and type(weight) not in (torch.Tensor, torch.nn.Parameter):
+            return f"a {kind} whose weight is a {type(weight).__module__}.{type(weight).__qualname__}"
+        return f"a {kind}"
+
     def fused(self, float32: bool = False) -> LinearHead | torch.nn.Module:
         """The head as :func:`~lit_grpo.algorithm.fused_lm_head.fused_token_logprobs` takes it, read now
         (after the model's forward, which gathers an FSDP2 head): its plain weight (and bias) for the
         custom backward, in float32 with ``float32`` (``model.cast_lm_head_to_fp32``); else the module
-        itself, whose tiles are checkpointed (a LoRA wrapper, a weight that is still a DTensor)."""
-        return linear_head(self.head, float32) or self.head
+        itself, whose tiles are checkpointed (a LoRA wrapper, a weight that is still a DTensor, a
+        quantised weight), which ``float32`` refuses (ConfigError) rather than dropping the cast."""
+        linear = linear_head(self.head, float32)
+        if linear is None and float32:
+            raise ConfigError("model.cast_lm_head_to_fp32 needs the fused LM head on a torch.nn.Linear of plain "
+                              f"tensors; the head is {self.description()}")
+        return linear or self.head
 
 
 def output_head(model: torch.nn.Module) -> OutputHead | str:

@@ -258,9 +258,30 @@ def test_cast_lm_head_to_fp32_with_a_lora_adapter_on_the_head_is_refused(tiny_mo
                         cast_lm_head_to_fp32=True)
     module.configure_model()
     rollout = hand_made_rollout(module.tokenizer, [4, 6, 2, 5], order=[0, 1, 2, 0])
-    with pytest.raises(ConfigError, match=r"^model.cast_lm_head_to_fp32 needs the fused LM head on a plain linear head: "
-                                          r"its head is a Linear, not a torch.nn.Linear$"):
+    with pytest.raises(ConfigError, match=r"^model.cast_lm_head_to_fp32 needs the fused LM head on a torch.nn.Linear of "
+                                          r"plain tensors; the head is a LoRA adapter on lm_head "
+                                          r"\(peft.tuners.lora.layer.Linear\)$"):
         module.logprobs.completion_logps(module.policy, rollout)
+
+
+def test_cast_lm_head_to_fp32_on_a_linear_head_of_another_kind_of_weight_is_refused_not_dropped():
+    """An ``nn.Linear`` whose weight is not a plain tensor (a quantised weight, torchao's) runs through
+    the module itself: with ``cast_lm_head_to_fp32`` that is a ConfigError naming the weight's class,
+    not a head silently left in its own dtype."""
+    from lit_grpo.errors import ConfigError
+    from lit_grpo.models import OutputHead
+
+    class QuantisedWeight(torch.nn.Parameter):
+        pass
+
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = QuantisedWeight(head.weight.detach())
+    parts = OutputHead(torch.nn.Identity(), head, 10)
+    assert parts.fused() is head  # without the cast: the checkpointed tiles of the module
+    with pytest.raises(ConfigError, match=r"^model.cast_lm_head_to_fp32 needs the fused LM head on a torch.nn.Linear of "
+                                          r"plain tensors; the head is a torch.nn.modules.linear.Linear whose weight is a "
+                                          r".*QuantisedWeight$"):
+        parts.fused(float32=True)
 
 
 def fsdp2_worker(rank: int, init_file: str, model_dir: str, results: str) -> None:
