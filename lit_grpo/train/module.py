@@ -445,7 +445,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
             self.eval_scorer.close()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep the weights' keys beside them, and the rewards' sources (see :meth:`on_load_checkpoint`)."""
+        """Keep the weights' keys, the rewards' sources (:meth:`on_load_checkpoint`) and ``entropy_control``."""
         super().on_save_checkpoint(checkpoint)  # the hyperparameters without their secrets (RedactedSettings)
         checkpoint["state_dict_keys"] = sorted(checkpoint["state_dict"])
         checkpoint["policy_version"] = self.policy_version
@@ -459,7 +459,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
 
         A sharded (FSDP2) checkpoint has already loaded the weights this module asks for (a missing
         one fails there, naming it); here the weights it holds that this module has no place for are
-        an error (a resume with other ``model.lora`` target modules would otherwise drop them)."""
+        an error (a resume with other ``model.lora`` targets would drop them). Restores ``entropy_control``."""
         check_python_rewards(checkpoint.get("reward_packages", {}), [spec.name for spec in self.scorer.specs])
         if self._trainer is not None:  # another number of processes mid-epoch: refused now, not at the first step
             check_resumed_partition(checkpoint, self.trainer.world_size, getattr(self.trainer.datamodule, "batch_size", None))
