@@ -130,7 +130,7 @@ def _reshards_after_forward(module, root: bool = False) -> bool:
     parameter group still says True), hence the state's flag of a setting left to FSDP2."""
     state = module._get_fsdp_state()
     group = state._fsdp_param_group
-    if root and state._auto_reshard_after_forward:  # no public form in torch 2.13
+    if root and getattr(state, "_auto_reshard_after_forward", False):  # no public form in torch 2.13 (private: may go)
         return False
     return group is not None and group.post_forward_mesh_info is not None
 
