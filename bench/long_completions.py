@@ -23,6 +23,7 @@ the machine has available: never start a process that could take the machine's m
 
     python -m bench.long_completions                      # 1k, 2k, 4k, 8k, 16k tokens where they fit
     python -m bench.long_completions --lit-commits b70e958 HEAD   # lit-grpo at two commits, side by side
+    python -m bench.long_completions --lit-commits HEAD --lit-full-logits HEAD   # with and without the fused LM head
 
 ``--lit-commits`` runs lit-grpo from ``git archive`` copies of those commits (``worktree``, the
 default, is the checkout as it is). Writes ``bench/results/long_completions_cpu.{md,json}``
@@ -166,6 +167,9 @@ def git(*arguments: str) -> str:
     return subprocess.run(["git", *arguments], cwd=REPO_DIR, capture_output=True, text=True, check=True).stdout.strip()
 
 
+FULL_LOGITS = ", full logits"  # the label's end for a run of ``--lit-full-logits``
+
+
 def lit_code(revision: str, directory: Path) -> tuple[str, str | None]:
     """``(label, lit_code_dir)`` of lit-grpo at ``revision``: ``worktree`` is the checkout as it is
     (its HEAD, ``+edits`` when ``lit_grpo/`` differs from it); any other revision is extracted with
@@ -240,6 +244,7 @@ def trainer_summary(result: dict) -> dict:
         "peak_rss_gib": result["peak_rss_mib"] / 1024,
         "rss_before_training_gib": result["rss_before_training_mib"] / 1024,
         "step_seconds": step["seconds"],
+        "phases": step["phases"],
         "process_seconds": result["process_seconds"],
         "prompt_lengths": step["prompt_lengths"],
         "completion_lengths": step["completion_lengths"],
@@ -274,6 +279,7 @@ def measure_one(args, label: str, lit_code_dir: str | None, model_dir: str, leng
         learning_rate=args.learning_rate,
         threads=args.threads,
         lit_code_dir=lit_code_dir,
+        lit_full_logits=label.endswith(FULL_LOGITS),
     )
     return trainer_summary(run_in_subprocess(spec, timeout=args.timeout))
 
@@ -380,6 +386,17 @@ def results_table(rows: list[dict], labels: list[str]) -> str:
     return markdown_table(header, table)
 
 
+def step_seconds_table(rows: list[dict], labels: list[str]) -> str:
+    """Lengths down, each measured run's step wall time (seconds, ``step_seconds``) across."""
+    header = ["completion tokens", *(f"{label} step s" for label in labels)]
+    table = [
+        [f"{row['completion_length']:,}",
+         *(f"{row['runs'][label]['step_seconds']:.1f}" if "step_seconds" in row["runs"].get(label, {}) else "" for label in labels)]
+        for row in rows
+    ]
+    return markdown_table(header, table)
+
+
 def markdown_report(args, shape: BodyShape, labels: list[str], rows: list[dict], machine: dict, command: str) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in machine["versions"].items())
     notes = [
@@ -407,6 +424,11 @@ def markdown_report(args, shape: BodyShape, labels: list[str], rows: list[dict],
         "longest length measured.",
         "",
         results_table(rows, labels),
+        "",
+        "The step's wall time (seconds, `step_seconds`: sampling, the log-prob passes, backward and optimizer step; "
+        "`phases` in the JSON):",
+        "",
+        step_seconds_table(rows, labels),
         "",
     ]
     notes += [f"- {note}" for note in args.note]
@@ -439,6 +461,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--keep-measured", nargs="+", type=Path, default=[],
         help="results JSON files of earlier runs: their measured (length, column) pairs are kept, not run again",
+    )
+    parser.add_argument(
+        "--lit-full-logits", nargs="*", default=[],
+        help=f"git revisions of lit-grpo ({WORKTREE} too) measured again with log-probs from the model's full logits, "
+        "never the fused LM head (its output head refused), each its own column",
     )
     parser.add_argument("--no-trl", action="store_true", help="leave TRL out")
     parser.add_argument("--no-floor", action="store_true", help="leave the floor out")
@@ -478,6 +505,9 @@ def main(argv: list[str] | None = None) -> dict:
     data = {"command": command, "machine": machine, "shape": asdict(shape), "num_parameters": shape.num_parameters(), "rows": []}
     with tempfile.TemporaryDirectory(prefix="lit-grpo-long-") as tmp:
         labels = dict(lit_code(revision, Path(tmp)) for revision in args.lit_commits)
+        for revision in args.lit_full_logits:
+            label, lit_code_dir = lit_code(revision, Path(tmp))
+            labels[label + FULL_LOGITS] = lit_code_dir
         labels.update({TRL: None} if not args.no_trl else {})
         labels.update({FLOOR: None} if not args.no_floor else {})
         data["labels"] = list(labels)

@@ -68,6 +68,7 @@ class RunSpec:
     threads: int | None = None  # torch.set_num_threads; None keeps torch's default (one per core)
     lit_options: dict = field(default_factory=dict)  # extra GRPOModule arguments (the ablations in git history at d59a9c4), lit-grpo only
     lit_code_dir: str | None = None  # import lit_grpo from this checkout instead of the installed one (d59a9c4's bench/ablation.py --against-commit)
+    lit_full_logits: bool = False  # lit-grpo only: log-probs from the model's full logits, never the fused LM head (bench/long_completions.py)
     record_weight_change: bool = False  # keep a copy of the trainable weights to report how far training moved them
 
 
@@ -355,6 +356,10 @@ def run_lit_grpo(spec: RunSpec) -> RunResult:
             register(reward)
 
     register_plugin(BenchRewardPlugin(), name="bench", package="bench")
+    if spec.lit_full_logits:  # every model's head refused, as for a model type not known to have a linear head
+        import lit_grpo.models
+
+        lit_grpo.models.output_head = lambda model: "full logits (the bench's lit_full_logits)"
 
     class FixedLengthGRPOModule(GRPOModule):
         """Samples exactly ``max_completion_length`` tokens: EOS suppressed by ``min_new_tokens``."""

@@ -133,3 +133,20 @@ def test_no_new_runs_starts_no_process_and_says_so(monkeypatch):
     report = bench.markdown_report(args, bench.BodyShape(), ["trl"], rows, {
         "cpu": "a CPU", "cores": 2, "load_average": (0.0, 0.0, 0.0), "versions": {}}, "python -m bench.long_completions")
     assert "- 2,048 tokens took 25 min here" in report
+
+
+def test_a_full_logits_column_runs_lit_grpo_without_the_fused_head(monkeypatch):
+    """``--lit-full-logits REV``: a column of its own (its label ends ``, full logits``) whose run asks
+    the driver to refuse the output head (``RunSpec.lit_full_logits``); the plain column does not.
+    Each measured run's step time goes to a table of its own."""
+    specs = []
+    monkeypatch.setattr(bench, "run_in_subprocess", lambda spec, timeout=None: specs.append(spec) or {
+        "peak_rss_mib": 2048.0, "rss_before_training_mib": 1024.0, "process_seconds": 9.0,
+        "steps": [{"seconds": 3.25, "phases": {}, "prompt_lengths": [6] * 4, "completion_lengths": [16] * 4}]})
+    args = bench.parse_args(["--lengths", "16", "--lit-full-logits", "worktree"])
+    labels = {"lit-grpo abc": None, "lit-grpo abc" + bench.FULL_LOGITS: None}
+
+    rows = bench.run_lengths(args, bench.BodyShape(), "model", labels)
+
+    assert [spec.lit_full_logits for spec in specs] == [False, True]
+    assert bench.step_seconds_table(rows, list(labels)).splitlines()[2] == "| 16 | 3.2 | 3.2 |"
