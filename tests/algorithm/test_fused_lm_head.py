@@ -539,3 +539,20 @@ def test_the_custom_backward_peaks_no_higher_than_the_checkpointed_tiles(name):
 
     custom, checkpointed = backward_peak(linear_head(head)), backward_peak(head)
     assert custom <= checkpointed, (custom, checkpointed)
+
+
+def test_off_cuda_the_weight_gradient_is_taken_from_the_unrounded_logits_gradient():
+    """Under bf16 autocast on the CPU the weight gradient's product is taken in float32 anyway, so it
+    takes the logits' float32 gradient as it is (before: rounded to bf16 first, ~1e-3 relative off)."""
+    vocab, tokens_count, hidden_size = 64, 12, 8
+    generator = torch.Generator().manual_seed(11)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(1, tokens_count, hidden_size, generator=generator)
+    tokens = torch.randint(0, vocab, (1, tokens_count), generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logps, _ = fused_token_logprobs(hidden, linear_head(head), tokens, vocab, tile_bytes=4 * 4 * vocab)  # 3 tiles
+    logps.sum().backward()
+    rows = hidden[0].bfloat16()  # [t, H] as the head's product takes them
+    logits = (rows @ head.weight.detach().bfloat16().T).float()  # [t, V]
+    grad_logits = torch.nn.functional.one_hot(tokens[0], vocab).float() - logits.softmax(-1)
+    close(head.weight.grad, grad_logits.T @ rows.float(), rtol=1e-5, atol=1e-6)
