@@ -218,8 +218,8 @@ class LinearHeadLogProbs(torch.autograd.Function):
                 if grad_hidden is not None:
                     grad_hidden[tile] = grad_z_c @ head.weight  # [t, H]
                 if grad_weight is not None:  # off CUDA the product is taken in float32: from the unrounded gradient
-                    left = grad_z_c if grad_z.device.type == "cuda" else grad_z
-                    add_product_in_float32(grad_weight, left.T, tile_hidden.to(dtype))  # [V, H]
+                    add_product_in_float32(
+                        grad_weight, (grad_z_c if grad_z.device.type == "cuda" else grad_z).T, tile_hidden.to(dtype))  # [V, H]
             if grad_bias is not None:
                 grad_bias += grad_z.sum(0)
             del grad_z, grad_z_c  # freed before the next tile's logits are recomputed
