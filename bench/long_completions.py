@@ -386,14 +386,19 @@ def results_table(rows: list[dict], labels: list[str]) -> str:
     return markdown_table(header, table)
 
 
+def step_seconds_cell(run: dict) -> str:
+    """A run's step wall time in seconds, and its ``train`` phase's (the log-probs, loss, backward and
+    optimizer step, sampling not counted) where the trainer reported it."""
+    if "step_seconds" not in run:
+        return ""
+    train = run.get("phases", {}).get("train")
+    return f"{run['step_seconds']:.1f}" + ("" if train is None else f" (train {train:.1f})")
+
+
 def step_seconds_table(rows: list[dict], labels: list[str]) -> str:
     """Lengths down, each measured run's step wall time (seconds, ``step_seconds``) across."""
     header = ["completion tokens", *(f"{label} step s" for label in labels)]
-    table = [
-        [f"{row['completion_length']:,}",
-         *(f"{row['runs'][label]['step_seconds']:.1f}" if "step_seconds" in row["runs"].get(label, {}) else "" for label in labels)]
-        for row in rows
-    ]
+    table = [[f"{row['completion_length']:,}", *(step_seconds_cell(row["runs"].get(label, {})) for label in labels)] for row in rows]
     return markdown_table(header, table)
 
 
@@ -426,7 +431,7 @@ def markdown_report(args, shape: BodyShape, labels: list[str], rows: list[dict],
         results_table(rows, labels),
         "",
         "The step's wall time (seconds, `step_seconds`: sampling, the log-prob passes, backward and optimizer step; "
-        "`phases` in the JSON):",
+        "in brackets its `train` phase, sampling not counted; every phase in the JSON):",
         "",
         step_seconds_table(rows, labels),
         "",

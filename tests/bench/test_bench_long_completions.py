@@ -150,3 +150,5 @@ def test_a_full_logits_column_runs_lit_grpo_without_the_fused_head(monkeypatch):
 
     assert [spec.lit_full_logits for spec in specs] == [False, True]
     assert bench.step_seconds_table(rows, list(labels)).splitlines()[2] == "| 16 | 3.2 | 3.2 |"
+    rows[0]["runs"]["lit-grpo abc"]["phases"] = {"generate": 1.0, "train": 2.25}
+    assert bench.step_seconds_table(rows, list(labels)).splitlines()[2] == "| 16 | 3.2 (train 2.2) | 3.2 |"
