@@ -348,6 +348,19 @@ def test_dapo_normalises_each_optimizer_step_by_its_share_of_the_generation_batc
     assert calls and set(calls) == {tokens / steps_per_generation}
 
 
+def count_rows_of_no_grad_passes(module) -> list[int]:
+    """The rows of each no-gradient log-prob pass of ``module`` from now on (a list that grows as they run)."""
+    rows_per_pass = []
+    logps_no_grad = module.logprobs.logps_no_grad
+
+    def counting(model, rollout):
+        rows_per_pass.append(rollout.completion_ids.size(0))
+        return logps_no_grad(model, rollout)
+
+    module.logprobs.logps_no_grad = counting
+    return rows_per_pass
+
+
 @pytest.mark.parametrize("loss_type, importance_sampling_level", [("dapo", "token"), ("grpo", "sequence"), ("sapo", "token")])
 def test_old_logps_pass_leaves_out_zero_advantage_rows_and_changes_nothing(
     tiny_model_dir, say_a_or_b_file, fast_trainer, monkeypatch, loss_type, importance_sampling_level
@@ -364,14 +377,7 @@ def test_old_logps_pass_leaves_out_zero_advantage_rows_and_changes_nothing(
             importance_sampling_level=importance_sampling_level, optimizer=sgd(1.0), skip_zero_gradient_rows=skip,
         )
         record_generation_batches(module, edit=lambda scored: scored.group.advantages[:4].zero_())  # equal rewards
-        rows_per_pass = []  # beta 0: the only no-gradient log-prob pass is the old log-probs'
-        logps_no_grad = module.logprobs.logps_no_grad
-
-        def counting(model, rollout, logps_no_grad=logps_no_grad, rows_per_pass=rows_per_pass):
-            rows_per_pass.append(rollout.completion_ids.size(0))
-            return logps_no_grad(model, rollout)
-
-        module.logprobs.logps_no_grad = counting
+        rows_per_pass = count_rows_of_no_grad_passes(module)  # beta 0: the only such pass is the old log-probs'
         steps = MetricRecorder()
         trainer = fast_trainer(max_steps=2, callbacks=[steps])  # one generation batch, two optimizer steps
         module.configure_model()  # idempotent: the trainer's own call keeps this policy

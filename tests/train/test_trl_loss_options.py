@@ -17,6 +17,7 @@ from test_module import (
     accumulated_gradient,
     adamw,
     attach_trainer,
+    count_rows_of_no_grad_passes,
     make_data,
     make_module,
 )
@@ -250,14 +251,7 @@ def test_vespo_computes_the_old_log_probs_of_zero_advantage_rows_that_phi_counts
             return scored, completions
 
         module.generate_and_score = recording
-        rows_per_pass = []
-        logps_no_grad = module.logprobs.logps_no_grad
-
-        def counting(model, rollout, logps_no_grad=logps_no_grad, rows_per_pass=rows_per_pass):
-            rows_per_pass.append(rollout.completion_ids.size(0))
-            return logps_no_grad(model, rollout)
-
-        module.logprobs.logps_no_grad = counting
+        rows_per_pass = count_rows_of_no_grad_passes(module)
         steps = MetricRecorder()
         trainer = fast_trainer(max_steps=2, callbacks=[steps])
         trainer.fit(module, make_data(say_a_or_b_file))
