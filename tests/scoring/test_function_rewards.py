@@ -195,8 +195,15 @@ def test_a_reward_that_raises_names_the_sample_its_own_frames_and_on_error(tmp_p
 
 def test_trl_reward_functions_work_by_name():
     pytest.importorskip("trl.rewards")
-    value = scores("trl.rewards:think_format_reward", ["<think>\nhm\n</think>\nx", "no"])
-    assert value == [1.0, 0.0]
+    # TRL 1.16's format rewards read conversational completions only, [{"role": "assistant", "content": ...}],
+    # which is what a run with chat prompts hands every reward (lit_grpo.rollout.records.as_completions)
+    scorer = RewardScorer([{"name": "trl.rewards:think_format_reward", "weight": 2.0, "args": {}}])
+    prompts = [[{"role": "user", "content": "p"}]] * 2
+    completions = [[{"role": "assistant", "content": text}] for text in ["<think>\nhm\n</think>\nx", "no"]]
+    try:
+        assert scorer(prompts, completions, [[1]] * 2, {}).squeeze(1).tolist() == [1.0, 0.0]
+    finally:
+        scorer.close()
 
 
 def test_max_completion_len_comes_from_the_run_unless_given(tiny_model_dir):
