@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from lightning.fabric.utilities.data import AttributeDict
-from test_module import make_data, make_module
+from test_module import make_data, make_module, record_generation_batches
 from test_trl_options import trl_nanstd, trl_normalize_then_sum
 
 import lit_grpo.train.logprob_passes
@@ -185,21 +185,13 @@ def test_a_gdpo_run_trains_on_trls_normalize_then_sum_advantages(tiny_model_dir,
     torch.manual_seed(0)
     module = make_module(tiny_model_dir, rewards=rewards, multi_objective_aggregation="normalize_then_sum",
                          skip_zero_gradient_rows=False)  # every row through the loss
-    scored_batches, loss_advantages = [], []
-    generate_and_score = module.generate_and_score
-
-    def recording(batch, training=True):
-        scored, completions = generate_and_score(batch, training)
-        scored_batches.append(scored)
-        return scored, completions
-
+    scored_batches, loss_advantages = record_generation_batches(module), []
     original_loss = algorithm.grpo_loss
 
     def loss_recording(inputs, *args, **kwargs):
         loss_advantages.append(inputs.advantages.detach().clone())
         return original_loss(inputs, *args, **kwargs)
 
-    module.generate_and_score = recording
     monkeypatch.setattr(lit_grpo.train.logprob_passes.algorithm, "grpo_loss", loss_recording)
     fast_trainer(max_steps=1).fit(module, make_data(say_a_or_b_file))
 
