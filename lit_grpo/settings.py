@@ -129,6 +129,8 @@ class LogProbSettings:
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_clip_max: float | None = 3.0
     cast_lm_head_to_fp32: bool = False  # the fused LM head's product in float32 (TRL's option)
+    padding_free: bool | str = "auto"  # rows packed into one sequence per forward; "auto": chosen for the device
+    sequence_parallel_size: int = 1  # ranks that split each row's tokens (Ulysses); 1: off
 
     @classmethod
     def from_hparams(cls, hp: Any) -> LogProbSettings:

@@ -153,6 +153,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
             auto: 1024 on the CPU, from the free memory on CUDA (``lit_grpo.device_defaults``).
         share_prompt_forward: encode each distinct prompt once in the log-prob forwards; auto: on the CPU only.
         skip_zero_gradient_rows: rows whose loss terms have no gradient skip the backward pass.
+        padding_free: training forwards pack their rows into one sequence, positions restarting per row.
+        sequence_parallel_size: split each row's tokens over this many ranks (Ulysses); 1: off.
         generation_backend: ``lit``, ``transformers``, ``vllm`` or ``vllm_server`` (``lit_grpo.rollout.engines``;
             vLLM: the ``lit-grpo[vllm]`` extra).
         vllm_gpu_memory_utilization: GPU memory share of the colocated engine (weights and KV cache).
@@ -255,6 +257,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         forward_token_budget: int | Literal["auto"] | None = "auto",
         share_prompt_forward: bool | Literal["auto"] = "auto",
         skip_zero_gradient_rows: bool = True,
+        padding_free: bool | Literal["auto"] = "auto",
+        sequence_parallel_size: int = 1,
         generation_backend: str = "lit",
         vllm_gpu_memory_utilization: float = 0.3,
         vllm_enable_sleep_mode: bool = False,
