@@ -14,6 +14,12 @@ once, at the start of a run (``GRPOModule.setup``) and said in one line:
 * ``share_prompt_forward`` (encode each distinct prompt once, its completions attending to its KV
   cache): on on the CPU, where it was measured to pay; off on other devices, where the fused
   attention kernels it replaces by its own path have not been measured against it.
+* ``padding_free`` (the rows of each log-prob forward packed into one sequence,
+  :mod:`lit_grpo.train.packed_forward`): off on the CPU, where ``transformers``' packed path is a
+  block-diagonal mask over all ``T x T`` scores and the length chunks already leave little padding
+  (measured: ``bench/padding_free.py``, bench/results/padding_free_cpu.md); on CUDA on where the
+  model's attention is ``flash_attention_2``/``flash_attention_3`` (the variable-length kernel,
+  no wasted scores), off otherwise.
 
 The other CPU-era settings keep one default everywhere, for these reasons: ``group_by_length`` and
 ``skip_zero_gradient_rows`` skip work (padding, backward passes with a zero gradient) whatever the
@@ -27,10 +33,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["AUTO", "CPU_DEFAULTS", "describe", "device_defaults", "for_run"]
+__all__ = ["AUTO", "CPU_DEFAULTS", "VARLEN_ATTENTION", "describe", "device_defaults", "for_run"]
 
 AUTO = "auto"
-CPU_DEFAULTS: dict[str, Any] = {"forward_token_budget": 1024, "share_prompt_forward": True}
+CPU_DEFAULTS: dict[str, Any] = {"forward_token_budget": 1024, "share_prompt_forward": True, "padding_free": False}
+# attention implementations with a variable-length kernel: padded rows packed waste no attention scores
+VARLEN_ATTENTION = frozenset({"flash_attention_2", "flash_attention_3"})
 MIN_GPU_TOKEN_BUDGET = 1024
 
 
@@ -44,7 +52,9 @@ def device_defaults(device: torch.device, model_config: Any = None, free_bytes: 
         if free_bytes is None:
             free_bytes, _ = torch.cuda.mem_get_info(device)
         budget = cuda_token_budget(free_bytes, model_config)
-    return {"forward_token_budget": budget, "share_prompt_forward": False}
+    config = getattr(model_config, "text_config", None) or model_config
+    varlen = device.type == "cuda" and getattr(config, "_attn_implementation", None) in VARLEN_ATTENTION
+    return {"forward_token_budget": budget, "share_prompt_forward": False, "padding_free": varlen}
 
 
 def cuda_token_budget(free_bytes: int, model_config: Any) -> int:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch.distributed.tensor import DTensor
 
 from lit_grpo import algorithm, cpu, models
 from lit_grpo.algorithm import fused_lm_head
@@ -54,6 +55,7 @@ from lit_grpo.rollout.records import (
     split_chunks,
 )
 from lit_grpo.settings import RunSettings
+from lit_grpo.train import packed_forward  # padding_free: the rows of a forward packed into one sequence
 from lit_grpo.train.shared_prompt import (
     PromptGroups,
     PromptPrefix,
@@ -130,6 +132,16 @@ class LogProbPasses:
     def share_prompt_forward(self) -> bool:
         value = self.passes.share_prompt_forward
         return self.device_defaults["share_prompt_forward"] if value == AUTO else value
+
+    def padding_free(self, model: torch.nn.Module) -> bool:
+        """``padding_free``: whether ``model``'s forwards without a shared prompt pack their rows into
+        one sequence (auto: the device's default, where the model can; true where it cannot: ConfigError)."""
+        value = self.passes.padding_free
+        if value == AUTO:
+            return bool(self.device_defaults.get("padding_free")) and packed_forward.packing_unsupported(model) is None
+        if value:
+            packed_forward.check_packing(model)
+        return bool(value)
 
     # ------------------------------------------------------------------------------------------
     # Log-probs
@@ -232,6 +244,17 @@ class LogProbPasses:
             return None
         return head
 
+    def check_cast_lm_head_to_fp32(self, model: torch.nn.Module) -> None:
+        """Refuse ``model.cast_lm_head_to_fp32`` now, once the policy is built and before any sampling,
+        where the fused LM head could not apply it at the first log-prob pass (ConfigError, one line):
+        a head that is not a torch.nn.Linear (LoRA on lm_head, an unlisted architecture) or whose weight
+        is not a plain tensor (quantised). An FSDP2 weight is still sharded here: the forward gathers it."""
+        if not self.passes.cast_lm_head_to_fp32:
+            return
+        head = self.fused_head(model)  # raises for a head that is not a torch.nn.Linear
+        if not isinstance(head.head.weight, DTensor):
+            head.fused(float32=True)  # raises for a weight that is not a plain tensor
+
     def chunk_logps(
         self, model: torch.nn.Module, rollout: Rollout, with_entropy: bool, prefix: PromptPrefix | None = None,
         entropy_grad: bool = False,
@@ -253,10 +276,13 @@ class LogProbPasses:
             # the last completion token predicts nothing that is scored: it is not part of the input
             input_ids = torch.cat([rollout.prompt_ids, completion_ids[:, :-1]], dim=1)  # [n, P + C - 1]
             attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask[:, :-1]], dim=1)
-            hidden = models.decoder_hidden_states(
-                model, head, input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-            )[:, -completion_ids.size(1):]  # [n, C, H]: position P - 1 + t predicts completion token t
+            if self.padding_free(model):  # padding_free: one packed sequence, the padding left out
+                hidden = packed_forward.packed_hidden_states(model, head, input_ids, attention_mask, completion_ids.size(1))
+            else:
+                hidden = models.decoder_hidden_states(
+                    model, head, input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+                )[:, -completion_ids.size(1):]  # [n, C, H]: position P - 1 + t predicts completion token t
         transform = fused_lm_head.sampling_transform(
             self.sampling_filters, completion_ids, head.vocab_size, rollout.prompt_ids, rollout.prompt_mask,
             head.logit_scale, head.softcapping,
@@ -278,13 +304,16 @@ class LogProbPasses:
             # the last completion token predicts nothing that is scored: it is not part of the input
             input_ids = torch.cat([rollout.prompt_ids, rollout.completion_ids[:, :-1]], dim=1)  # [n, P + C - 1]
             attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask[:, :-1]], dim=1)
-            logits = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask),
-                logits_to_keep=rollout.completion_ids.size(1),
-                use_cache=False,
-            ).logits  # [n, C, V]: the last C positions, position P - 1 + t predicts completion token t
+            if self.padding_free(model):  # padding_free: one packed sequence, logits at completion positions only
+                logits = packed_forward.packed_logits(model, input_ids, attention_mask, rollout.completion_ids.size(1))
+            else:
+                logits = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids_from_mask(attention_mask),
+                    logits_to_keep=rollout.completion_ids.size(1),
+                    use_cache=False,
+                ).logits  # [n, C, V]: the last C positions, position P - 1 + t predicts completion token t
         return sampling_log_softmax(
             logits, rollout.completion_ids, self.sampling_filters, rollout.prompt_ids, rollout.prompt_mask,
             with_entropy=with_entropy, entropy_grad=entropy_grad,

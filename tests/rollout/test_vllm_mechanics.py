@@ -216,16 +216,19 @@ def test_auto_settings_are_the_cpu_values_on_the_cpu_and_sized_from_free_memory_
 
     from lit_grpo.device_defaults import cuda_token_budget, describe, device_defaults
 
-    assert device_defaults(torch.device("cpu")) == {"forward_token_budget": 1024, "share_prompt_forward": True}
+    assert device_defaults(torch.device("cpu")) == {"forward_token_budget": 1024, "share_prompt_forward": True,
+                                              "padding_free": False}
     qwen_05b = Qwen2Config(vocab_size=151936, hidden_size=896, num_hidden_layers=24)
     per_token = 151936 * 4 * 3 + 24 * 896 * 2 * 20  # logits x3 (float32) + 20 half activations per layer
     free = 60 * 2**30  # an H100 after the weights
     expected = int(free * 0.25 // per_token) // 256 * 256
     assert expected == 5888 and cuda_token_budget(free, qwen_05b) == expected  # 16.1e9 / 2.68e6 = 6002 -> 5888
     assert device_defaults(torch.device("cuda"), qwen_05b, free_bytes=free) == {"forward_token_budget": 5888,
-                                                                                "share_prompt_forward": False}
+                                                                                "share_prompt_forward": False,
+                                                                                "padding_free": False}
     assert cuda_token_budget(2 * 2**30, qwen_05b) == 1024  # never below the CPU's
-    assert device_defaults(torch.device("mps")) == {"forward_token_budget": None, "share_prompt_forward": False}
+    assert device_defaults(torch.device("mps")) == {"forward_token_budget": None, "share_prompt_forward": False,
+                                              "padding_free": False}
     line = describe(torch.device("cuda"), {"forward_token_budget": "auto", "share_prompt_forward": True},
                     {"forward_token_budget": 5632, "share_prompt_forward": False})
     assert line == "settings for cuda: forward_token_budget=5632 (auto), share_prompt_forward=True"
@@ -243,7 +246,7 @@ def test_a_run_says_its_resolved_settings_once(tiny_model_dir, caplog):
         pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False
                    ).fit(module, datamodule=GRPODataModule.from_data([{"prompt": "Say a:", "target": "a"}] * 2, batch_size=1))
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("settings for cpu")]
-    assert said == ["settings for cpu: forward_token_budget=512, share_prompt_forward=True (auto)"]
+    assert said == ["settings for cpu: forward_token_budget=512, share_prompt_forward=True (auto), padding_free=False (auto)"]
     assert module.logprobs.forward_token_budget == 512 and module.logprobs.share_prompt_forward is True
 
 
