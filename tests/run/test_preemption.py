@@ -112,17 +112,34 @@ def check_stopped_after_step_6(stopped: subprocess.CompletedProcess, run_dir: Pa
     )
 
 
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1", "SIGINT"])
-def test_signal_mid_step_checkpoints_the_step_reached_and_the_resume_is_exact(
-    signal_name, reference_run, tiny_model_dir, data_file, tmp_path
-):
-    config = interval_config(tiny_model_dir, data_file)
-    stopped = lit_grpo_fit(tmp_path, with_signal(config, signal_name), threads=1)
-    check_stopped_after_step_6(stopped, tmp_path, signal_name)
+MID_STEP_SIGNALS = ["SIGTERM", "SIGUSR1", "SIGINT"]
 
-    resumed = lit_grpo_fit(tmp_path, config, "--ckpt_path", "last", threads=1)
+
+def stopped_by_signal_and_resumed(run_dir: Path, config: dict, signal_name: str) -> Path:
+    """A run stopped by ``signal_name`` in the step of optimizer steps 5-6, then resumed: its directory."""
+    stopped = lit_grpo_fit(run_dir, with_signal(config, signal_name), threads=1)
+    check_stopped_after_step_6(stopped, run_dir, signal_name)
+
+    resumed = lit_grpo_fit(run_dir, config, "--ckpt_path", "last", threads=1)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
-    assert_resumed_exactly(tmp_path, reference_run.result())
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def signalled_runs(tmp_path_factory, tiny_model_dir, data_file, reference_run):
+    """Each signal's stopped and resumed run, all started side by side (and beside the reference run) by the
+    first test that asks: each is a process of one thread, so on CI's 2 cores they overlap. ``.result()`` of
+    a signal's run is its directory, or re-raises what failed in it."""
+    config = interval_config(tiny_model_dir, data_file)
+    with ThreadPoolExecutor(len(MID_STEP_SIGNALS)) as beside:
+        yield {name: beside.submit(stopped_by_signal_and_resumed, tmp_path_factory.mktemp(name), config, name)
+               for name in MID_STEP_SIGNALS}
+
+
+@pytest.mark.parametrize("signal_name", MID_STEP_SIGNALS)
+def test_signal_mid_step_checkpoints_the_step_reached_and_the_resume_is_exact(signal_name, signalled_runs, reference_run):
+    run_dir = signalled_runs[signal_name].result()
+    assert_resumed_exactly(run_dir, reference_run.result())
 
 
 def test_two_processes_stop_after_the_same_step_when_only_rank_0_gets_sigterm(
