@@ -30,6 +30,10 @@ about 1 GB at 0.5B), for the trainers and vLLM to load; the others are built in 
    new tokens against the same generation floor.
 5. With vLLM installed, the ``vllm`` backend's rows in 1, 2 (a lit-grpo run that samples with vLLM)
    and 4 (the first shape: one engine per process); without it, one line says so.
+6. **Padding-free forwards** (``model.padding_free``) on the first shape: one forward + backward of 8
+   rows whose completions are spread as a reasoning run's (``bench/padding_free.py``), padded against
+   packed (flash attention's variable-length kernel where ``flash-attn`` is installed, else sdpa's
+   block-diagonal mask), and the largest difference of their log-probs.
 
 Results go to ``bench/results/gpu_check_<device>.json`` and ``.md`` (the GPU's name on CUDA;
 ``--out`` and ``--name`` elsewhere).
@@ -737,6 +741,32 @@ def decode_markdown(report: dict) -> list[str]:
     return ["## Decoding", "", markdown_table(header, table), ""]
 
 
+def padding_free_rows(checkpoint: Path, device: str) -> dict:
+    """Packed against padded forward + backward of one micro-batch (``model.padding_free``,
+    ``bench.padding_free.device_comparison``) on the first shape: flash attention's variable-length
+    kernel where flash-attn is installed on CUDA, else sdpa with ``transformers``' block-diagonal mask."""
+    from bench.padding_free import device_comparison
+
+    attention = "flash_attention_2" if device == "cuda" and installed("flash_attn") else "sdpa"
+    rows, max_completion_length = (8, 2048) if device == "cuda" else (4, 16)
+    return device_comparison(checkpoint, device, rows, max_completion_length, attention)
+
+
+def padding_free_markdown(report: dict) -> list[str]:
+    row = report.get("padding_free")
+    if row is None:
+        return []
+    seconds, tokens = row["seconds"], row["tokens"]
+    return [
+        "## Padding-free forwards (`model.padding_free`)", "",
+        f"One forward + backward of {row['rows']} rows (completions up to {row['max_completion_length']} tokens, "
+        f"spread as `bench/padding_free.py` draws them), attention `{row['attn_implementation']}`:", "",
+        markdown_table(["forward", "tokens", "seconds"], [["padded", str(tokens["padded"]), f"{seconds['padded']:.3f}"],
+                                                          ["packed", str(tokens["packed"]), f"{seconds['packed']:.3f}"]]),
+        "", f"Packed / padded time: {row['packed_over_padded']:.2f}; largest log-prob difference {row['max_abs_logp_difference']:.2e}.", "",
+    ]
+
+
 def markdown(report: dict) -> str:
     facts = report["machine"]
     versions = ", ".join(f"{package} {facts[package]}" for package in ("torch", "transformers", "lightning", "trl", "vllm") if facts[package])
@@ -753,6 +783,7 @@ def markdown(report: dict) -> str:
         lines += ["On the CPU at toy size: a smoke test of the mechanics; its numbers say nothing about a GPU.", ""]
     lines += [f"- {note}" for note in report["notes"]] + ([""] if report["notes"] else [])
     lines += sampler_markdown(report) + fit_markdown(report) + floors_markdown(report) + decode_markdown(report)
+    lines += padding_free_markdown(report)
     return "\n".join(lines)
 
 
@@ -868,6 +899,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["fit"] = part("trainers", lambda: trainer_comparison(checkpoint, args.device, sizes, trainers, hardware))
         report["notes"] += [f"{label} failed: {last_line(error)}" for label, error in report["fit"]["failures"].items()]
         report["decode"] = part("decode", lambda: decode_rows(checkpoint, args.shapes, args.device, sizes, hardware))
+        report["padding_free"] = part("padding-free", lambda: padding_free_rows(checkpoint, args.device))
         if args.device == "cuda":  # on the CPU: tests/rollout/test_async_rollouts.py
             report["async_scoring"] = part("async scoring", lambda: scoring_thread_devices(checkpoint, args.device))
             if not report["async_scoring"]["cpu_only"]:

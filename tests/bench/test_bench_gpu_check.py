@@ -50,6 +50,18 @@ def test_gpu_check_reports_every_part_on_cpu(tmp_path):
     assert decode["rows"] == 4 and decode["new_tokens"] == 16
     for key in ("lit_ms_per_step", "transformers_ms_per_step", "floor_ms_per_step"):
         assert decode[key] > 0, key
+    assert report["padding_free"]["max_abs_logp_difference"] < 1e-4 and "## Padding-free forwards" in text
+
+
+def test_padding_free_part_times_packed_and_padded_with_the_same_logprobs(tmp_path):
+    checkpoint = gpu_check.build_checkpoint("tiny", tmp_path)
+    row = gpu_check.padding_free_rows(checkpoint, "cpu")
+    assert row["attn_implementation"] == "sdpa" and row["rows"] == 4
+    assert row["tokens"]["packed"] < row["tokens"]["padded"]  # ragged rows: padding left out
+    assert row["seconds"]["packed"] > 0 and row["seconds"]["padded"] > 0
+    assert row["max_abs_logp_difference"] < 1e-4  # float32 on the CPU: the same log-probs
+    lines = gpu_check.padding_free_markdown({"padding_free": row})
+    assert lines[0] == "## Padding-free forwards (`model.padding_free`)" and "| packed |" in "\n".join(lines)
 
 
 @pytest.fixture(scope="module")
