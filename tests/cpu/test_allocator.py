@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -46,28 +47,46 @@ def free_then_allocate(mode: str, **env: str) -> dict:
     return json.loads(output.strip().splitlines()[-1])
 
 
-def test_freed_memory_is_reused_without_page_faults():
-    kept = free_then_allocate("keep")
+# each case of the tests below: (mode, environment)
+CASES = {
+    "kept": ("keep", {}),
+    "default": ("default", {}),
+    "off": ("keep", {"LIT_GRPO_KEEP_FREED_MEMORY": "0"}),
+    "user": ("keep", {"MALLOC_TRIM_THRESHOLD_": "131072"}),
+    "tunables": ("keep", {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}),
+}
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """Each case's report, from a process of its own, all started side by side by the first test that asks
+    (each process imports torch on one thread: on 2 cores they overlap). ``reports[name].result()``."""
+    with ThreadPoolExecutor(len(CASES)) as beside:
+        yield {name: beside.submit(free_then_allocate, mode, **env) for name, (mode, env) in CASES.items()}
+
+
+def test_freed_memory_is_reused_without_page_faults(reports):
+    kept = reports["kept"].result()
     assert kept["status"] == "set"
     assert kept["first"]["mapped"] == 0 and kept["first"]["faults"] >= 0.9 * 16 * 256  # the heap grew
     assert all(record["mapped"] == 0 for record in kept["later"])
     assert sum(record["faults"] for record in kept["later"]) < 100  # they reuse its pages
 
 
-def test_without_it_freed_memory_is_faulted_in_again():
+def test_without_it_freed_memory_is_faulted_in_again(reports):
     """The control: glibc's defaults map the 16 MiB block and unmap it at once."""
-    default = free_then_allocate("default")
+    default = reports["default"].result()
     assert default["first"]["mapped"] == 1
     assert sum(record["faults"] for record in default["later"]) >= 0.9 * LATER_PAGES
 
 
-def test_opt_out_and_the_users_own_settings_win():
-    off = free_then_allocate("keep", LIT_GRPO_KEEP_FREED_MEMORY="0")
+def test_opt_out_and_the_users_own_settings_win(reports):
+    off = reports["off"].result()
     assert off["status"] == "off (LIT_GRPO_KEEP_FREED_MEMORY=0)"
     assert sum(record["faults"] for record in off["later"]) >= 0.9 * LATER_PAGES
-    user = free_then_allocate("keep", MALLOC_TRIM_THRESHOLD_="131072")
+    user = reports["user"].result()
     assert user["status"] == "left to the user's settings (MALLOC_TRIM_THRESHOLD_)"
-    tunables = free_then_allocate("keep", GLIBC_TUNABLES="glibc.malloc.trim_threshold=131072")
+    tunables = reports["tunables"].result()
     assert tunables["status"] == "left to the user's settings (GLIBC_TUNABLES)"
 
 
