@@ -195,6 +195,9 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
     "tests/train/test_fused_head_logprobs.py": (
         "test_fsdp2_sharded_head_gives_the_full_logits_values",
     ),
+    "tests/train/test_padding_free.py": (
+        "test_fsdp2_packed_run_equals_the_padded_run",
+    ),
     "tests/train/test_trl_loss_options.py": (
         "test_vespo_with_the_off_policy_mask_on_two_processes_matches_one_process",
     ),
@@ -207,6 +210,7 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
 SLOW: dict[str, str | tuple[str, ...]] = {
     "tests/bench/test_bench_gpu_check.py": (
         "test_gpu_check_reports_every_part_on_cpu",
+        "test_padding_free_part_times_packed_and_padded_with_the_same_logprobs",
     ),
     "tests/bench/test_bench_long_completions.py": (
         "test_both_trainers_and_the_floor_run_at_a_tiny_vocabulary",
@@ -297,6 +301,9 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     ),
     "tests/train/test_module.py": (
         "test_seeded_quickstart_task_learns",
+    ),
+    "tests/train/test_padding_free.py": (
+        "test_fsdp2_packed_run_equals_the_padded_run",
     ),
     "tests/train/test_trl_loss_options.py": (
         "test_vespo_with_the_off_policy_mask_on_two_processes_matches_one_process",

@@ -18,6 +18,7 @@ The flash-attention path is the code path on CUDA but is untested here (no GPU i
 from __future__ import annotations
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_grpo import models
 from lit_grpo.device_defaults import VARLEN_ATTENTION
@@ -61,11 +62,21 @@ def check_packing(model: torch.nn.Module) -> None:
                           "set model.padding_free: false (or auto)")
 
 
+_ANNOUNCED: set[str] = set()  # the attention implementations whose packed forwards were said in the log
+
+
 def packed_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[PackedRows, dict]:
-    """The rows ``[n, L]`` packed, and the keyword arguments of the model's packed forward."""
+    """The rows ``[n, L]`` packed, and the keyword arguments of the model's packed forward (said once
+    per attention implementation)."""
+    implementation = attention_implementation(model)
+    if implementation not in _ANNOUNCED:
+        _ANNOUNCED.add(implementation)
+        kernel = "the variable-length kernel" if implementation in VARLEN_ATTENTION else "a block-diagonal causal mask"
+        rank_zero_info(f"model.padding_free: the rows of each log-prob forward go through the model as one sequence "
+                       f"(attention {implementation!r}: {kernel})")
     packed = pack_rows(input_ids, attention_mask)
     kwargs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "attention_mask": None, "use_cache": False}
-    if attention_implementation(model) in VARLEN_ATTENTION:  # flash attention's variable-length layout, given outright
+    if implementation in VARLEN_ATTENTION:  # flash attention's variable-length layout, given outright
         kwargs.update(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
                       max_length_q=packed.max_length, max_length_k=packed.max_length)
     return packed, kwargs
