@@ -505,6 +505,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         if warning is not None:  # not a torch.optim optimizer: it may handle half-precision weights
             rank_zero_warn(warning)
         self.logprobs.check_cast_lm_head_to_fp32(self.policy)  # refused now, not at the first pass after sampling
+        self.logprobs.padding_free(self.policy)  # padding_free: true on a model that cannot pack: refused now too
         if self.lr_scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.lr_scheduler_factory(optimizer)}

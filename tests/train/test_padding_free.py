@@ -229,3 +229,30 @@ def test_fsdp2_packed_run_equals_the_padded_run(run_dir):
     # (as test_distributed's chunked runs), where a wrong row or position would move weights by ~1e-2
     for name, expected in padded["state"].items():
         torch.testing.assert_close(packed["state"][name], expected, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_padding_free_true_is_refused_when_the_optimizer_is_built_before_any_sampling(tiny_model_dir, monkeypatch):
+    module = build(tiny_model_dir, monkeypatch, padding_free=True)
+    module.configure_optimizers()  # sdpa on a Llama: packs
+    module.policy.config._attn_implementation = "paged|eager"
+    with pytest.raises(ConfigError, match=r"^model.padding_free: true .*attention implementation 'paged\|eager'"):
+        module.configure_optimizers()
+
+
+def test_flash_attention_gets_the_rows_cu_seqlens_and_auto_packs_on_cuda_only_with_it(tiny_model_dir, monkeypatch):
+    from lit_grpo.device_defaults import device_defaults
+    from lit_grpo.train.packed_forward import packed_inputs
+
+    module = build(tiny_model_dir, monkeypatch)
+    input_ids, mask = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+    _, sdpa = packed_inputs(module.policy, input_ids, mask)
+    assert sdpa.keys() == {"input_ids", "position_ids", "attention_mask", "use_cache"} and sdpa["attention_mask"] is None
+    module.policy.config._attn_implementation = "flash_attention_2"
+    packed, flash = packed_inputs(module.policy, input_ids, mask)
+    assert flash["cu_seq_lens_q"].tolist() == flash["cu_seq_lens_k"].tolist() == [0, 2, 5]
+    assert flash["max_length_q"] == flash["max_length_k"] == 3 and flash["position_ids"].tolist() == [[0, 1, 0, 1, 2]]
+    config = module.policy.config
+    assert device_defaults(torch.device("cuda"), config, free_bytes=2**34)["padding_free"] is True
+    config._attn_implementation = "sdpa"
+    assert device_defaults(torch.device("cuda"), config, free_bytes=2**34)["padding_free"] is False
+    assert device_defaults(torch.device("cpu"), config)["padding_free"] is False
