@@ -56,6 +56,7 @@ from lit_grpo.rollout.records import (
 )
 from lit_grpo.settings import RunSettings
 from lit_grpo.train import packed_forward  # padding_free: the rows of a forward packed into one sequence
+from lit_grpo.train.sequence_parallel import SequenceParallel
 from lit_grpo.train.shared_prompt import (
     PromptGroups,
     PromptPrefix,
@@ -106,6 +107,8 @@ class LogProbPasses:
         self._fused_head_notes: set[str] = set()  # reasons the fused LM head was not used, said once
         # what the settings left at "auto" are on this run's device (set by the module's setup)
         self.device_defaults: dict[str, Any] = dict(CPU_DEFAULTS)
+        # sequence_parallel_size > 1: this rank's group (lit_grpo.train.sequence_parallel), set by the module's setup
+        self.sequence_parallel: SequenceParallel | None = None
 
     @property
     def settings(self) -> RunSettings:
@@ -131,6 +134,8 @@ class LogProbPasses:
     @property
     def share_prompt_forward(self) -> bool:
         value = self.passes.share_prompt_forward
+        if self.sequence_parallel is not None:  # sequence_parallel: every forward is one packed sequence
+            return False
         return self.device_defaults["share_prompt_forward"] if value == AUTO else value
 
     def padding_free(self, model: torch.nn.Module) -> bool:
@@ -240,7 +245,8 @@ class LogProbPasses:
                 rank_zero_info(f"log-probs from the model's full logits, not the fused LM head: {head}")
             return None
         tile_bytes = fused_lm_head.tile_bytes_for(next(model.parameters()).device.type, head.vocab_size)
-        if not cast and tokens is not None and tokens <= fused_lm_head.tokens_per_tile(head.vocab_size, tile_bytes):
+        small = tokens is not None and tokens <= fused_lm_head.tokens_per_tile(head.vocab_size, tile_bytes)
+        if not cast and small and self.sequence_parallel is None:  # sequence_parallel: its forwards give hidden states
             return None
         return head
 
@@ -276,7 +282,10 @@ class LogProbPasses:
             # the last completion token predicts nothing that is scored: it is not part of the input
             input_ids = torch.cat([rollout.prompt_ids, completion_ids[:, :-1]], dim=1)  # [n, P + C - 1]
             attention_mask = torch.cat([rollout.prompt_mask, rollout.completion_mask[:, :-1]], dim=1)
-            if self.padding_free(model):  # padding_free: one packed sequence, the padding left out
+            if self.sequence_parallel is not None:  # sequence_parallel: this rank's slice of the packed rows
+                hidden = self.sequence_parallel.hidden_states(model, head, input_ids=input_ids, attention_mask=attention_mask
+                                                              )[:, -completion_ids.size(1):]  # [n, C, H]
+            elif self.padding_free(model):  # padding_free: one packed sequence, the padding left out
                 hidden = packed_forward.packed_hidden_states(model, head, input_ids, attention_mask, completion_ids.size(1))
             else:
                 hidden = models.decoder_hidden_states(

@@ -42,8 +42,7 @@ from transformers import GenerationConfig
 
 from lit_grpo import algorithm, cpu, device_defaults, models
 from lit_grpo.algorithm.evaluation import ValidationMetrics
-from lit_grpo.algorithm.sampling_correction import correction_settings
-from lit_grpo.config import AsWritten, check_batch_sizes, check_settings, named_settings_given_elsewhere
+from lit_grpo.config import AsWritten, check_batch_sizes
 from lit_grpo.data import PromptBatch
 from lit_grpo.distributed import data_parallel_mesh, mixed_precision_policy, shard_model
 from lit_grpo.errors import ConfigError
@@ -51,7 +50,7 @@ from lit_grpo.plugins.python_objects import RedactedSettings, save_settings
 from lit_grpo.rollout.async_pipeline import RolloutPipeline
 from lit_grpo.rollout.collector import Collectives, RolloutCollector
 from lit_grpo.rollout.dynamic_sampling import check_data_fetcher, next_prompt_batch
-from lit_grpo.rollout.engines import ENGINES, check_backend, engine_class, engine_for_run
+from lit_grpo.rollout.engines import check_backend, engine_class, engine_for_run
 from lit_grpo.rollout.engines.base import GenerationEngine
 from lit_grpo.rollout.engines.requests import NO_CHAT_TEMPLATE, run_generation_configs
 from lit_grpo.rollout.engines.server_lost import CheckpointWhenServerLost
@@ -62,7 +61,6 @@ from lit_grpo.rollout.records import (
     decode_completions,
     rollout_statistics,
 )
-from lit_grpo.rollout.tools.tool_use import ToolUse
 from lit_grpo.run.callbacks import (
     CpuThreadsCallback,
     ValidateBeforeTraining,
@@ -78,10 +76,13 @@ from lit_grpo.run.checkpointing import (
 )
 from lit_grpo.run.completions import CompletionLog, completion_records, log_step_completions, logged_step
 from lit_grpo.run.directory import run_directory
-from lit_grpo.scoring import RewardScorer, RewardSpec, check_data_columns
-from lit_grpo.settings import RunSettings, ToolSettings
+from lit_grpo.scoring import RewardSpec, check_data_columns
+from lit_grpo.settings import RunSettings
 from lit_grpo.train.logprob_passes import LogProbPasses
 from lit_grpo.train.reference import ReferenceModelSync
+from lit_grpo.train.sequence_parallel import SequenceParallel, check_model
+from lit_grpo.train.sequence_parallel import check_settings as check_sequence_parallel
+from lit_grpo.train.setup import check_settings_as_given, resolve_rewards_and_tools
 from lit_grpo.train.step_metrics import timing_metrics, update_metrics
 from lit_grpo.train.update import update_policy
 
@@ -309,10 +310,11 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.automatic_optimization = False
-        self._check_settings(settings)
+        check_settings_as_given(self, settings)
         # the setting groups, built once from the hyperparameters (lit_grpo.settings; again by apply_settings)
         self.settings = self._run_settings()
-        self._resolve_rewards_and_tools(settings)  # so a misspelt name fails before any model is loaded
+        # so a misspelt name fails before any model is loaded
+        self.scorer, self.eval_scorer, self.tool_use = resolve_rewards_and_tools(settings)
         # validation metrics, reduced over every rank's prompts at the end of the validation epoch
         self.val_metrics = ValidationMetrics(list(self.settings.evaluation.eval_pass_k))
         self.tokenizer = models.load_tokenizer(model_name_or_path, tokenizer)
@@ -330,37 +332,6 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
                                           collectives=Collectives(self.all_gather, self._reduce, self._current_rank, self._current_device))
         self.rollout_pipeline = RolloutPipeline.for_settings(self.hparams)  # max_staleness > 0, else None
         check_backend(self.hparams)  # a missing extra or server address fails before any model is loaded
-
-    def _check_settings(self, settings: dict[str, Any]) -> None:
-        """The checks of the settings as given that need no model; the importance-sampling correction's
-        ``auto`` values resolved; with LoRA, a state dict of the adapter only."""
-        given_elsewhere = named_settings_given_elsewhere(self.hparams)  # generation_kwargs' temperature..., the deprecated cap
-        self.hparams.update(given_elsewhere)
-        settings.update(given_elsewhere)
-        check_settings(self.hparams, tuple(ENGINES))  # the backends registered now
-        # "auto": the correction of this run's staleness, in the hparams the loss reads (lit_grpo.train.logprob_passes)
-        self.hparams.update(correction_settings(settings["vllm_importance_sampling_mode"], settings["vllm_importance_sampling_clip_min"],
-                                                settings["vllm_importance_sampling_clip_max"], settings["max_staleness"]).as_hparams())
-        if settings["lora"] is not None:
-            models.lora_config(settings["lora"])  # a bad model.lora fails before any model is loaded
-            # The module's state dict, so every checkpoint (FSDP2's sharded ones too), holds only the
-            # adapter: the base weights are model_name_or_path's. on_load_checkpoint checks a full
-            # checkpoint and adds them back; a sharded one loads the keys the state dict has.
-            self.register_state_dict_post_hook(models.without_frozen_policy_weights)
-            self.strict_loading = False
-
-    def _resolve_rewards_and_tools(self, settings: dict[str, Any]) -> None:
-        """The training and evaluation rewards (``scorer``, ``eval_scorer``) and the tool use (None
-        without tools), from the settings as given (in Python, functions and classes too)."""
-        # what the run knows that a reward may ask for by name (DAPO's soft_overlong_punishment)
-        run_settings = {"max_completion_len": settings["max_completion_length"]}
-        self.scorer = RewardScorer(settings["rewards"], run_settings)
-        eval_rewards = settings["eval_rewards"]
-        self.eval_scorer = RewardScorer(eval_rewards, run_settings, key="model.eval_rewards") if eval_rewards else self.scorer
-        self.tool_use = ToolUse.from_settings(ToolSettings.from_hparams(settings))  # multi-turn rollouts with tools, or None
-        clash = set(self.tool_use.reward_names if self.tool_use else []) & set(self.scorer.names)
-        if clash:
-            raise ConfigError(f"model.environment and model.rewards both name {sorted(clash)}: rename one")
 
     def _run_settings(self) -> RunSettings:
         """The setting groups of ``hparams``, with the order the run's engine samples in (its class's)."""
@@ -397,6 +368,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
             self.ref_model = models.build_reference(self.model_source, hp.model_init_kwargs, precision)
         self.policy = models.build_policy(self.model_source, models.model_init_kwargs(hp.model_init_kwargs), lora=hp.lora,
                                           gradient_checkpointing=hp.gradient_checkpointing)
+        if hp.sequence_parallel_size > 1:  # sequence_parallel: a model it can split, or one line now
+            check_model(self.policy, hp.sequence_parallel_size)
         if hp.disable_dropout:  # TRL's: every dropout of the policy and the reference model at 0
             models.disable_dropout(self.policy, self.ref_model)
         eos_token_ids = models.completion_end_token_ids(self.policy, self.tokenizer)
@@ -434,6 +407,10 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
             check_batch_sizes(datamodule.batch_size, self.settings.generation.num_generations, update.steps_per_generation,
                               update.micro_batch_size)
         check_data_columns(datamodule, self.scorer, self.eval_scorer, self.tool_use and self.tool_use.environments)
+        check_sequence_parallel(hp, self.trainer.world_size)  # sequence_parallel: groups of k ranks train the same rows
+        if hp.sequence_parallel_size > 1 and self.logprobs.sequence_parallel is None:
+            self.logprobs.sequence_parallel = SequenceParallel.of_world(hp.sequence_parallel_size)
+            self.logprobs.all_gather = self.logprobs.sequence_parallel.one_rank_per_group(self.all_gather)
 
     def on_train_start(self) -> None:
         """``dynamic_sampling`` draws prompt batches through the fit loop's data fetcher (no public
@@ -527,8 +504,10 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
             return
 
         # 5. num_iterations passes of steps_per_generation optimizer steps each (lit_grpo.train.update).
+        sequence_parallel = self.logprobs.sequence_parallel  # its group's ranks shuffle the same rows alike
+        generator = sequence_parallel.shared_generator(self.device) if sequence_parallel is not None else None
         step_stats, grad_norm = update_policy(scored, self.logprobs, self.policy, self.parameters, self.optimizers(),
-                                              self.lr_schedulers(), update, after_optimizer_step=self._count_optimizer_step)
+                                              self.lr_schedulers(), update, self._count_optimizer_step, generator)
 
         # 6. Metrics: the rollout statistics are already global; the update statistics are this
         #    rank's, averaged over ranks (every rank runs the same number of micro-batches).
@@ -536,7 +515,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         metrics.update(update_metrics(step_stats, update.num_iterations, update.steps_per_generation, self._reduce))
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
-        metrics.update(timing_metrics(scored, time.perf_counter() - step_start, self._reduce))
+        metrics.update(timing_metrics(scored, time.perf_counter() - step_start, self._data_parallel_reduce()))
         metrics.update(pipeline.metrics if pipeline is not None else {})
         for name, value in (scored.dynamic_sampling or {}).items():
             metrics[f"dynamic_sampling/{name}"] = value
@@ -568,6 +547,11 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
     def _count_optimizer_step(self) -> None:
         self.policy_version += 1  # the engine's weights are stale from here (engine.sync_weights)
 
+    def _data_parallel_reduce(self):
+        """``_reduce`` over the data-parallel ranks: with ``sequence_parallel_size`` k, a sum counts each group once."""
+        sequence_parallel = self.logprobs.sequence_parallel
+        return self._reduce if sequence_parallel is None else sequence_parallel.data_parallel_reduce(self._reduce)
+
     def _reduce(self, value: torch.Tensor, reduce_op: str) -> torch.Tensor:
         """``value`` reduced over every rank (``sum``, ``mean``, ``max``, ``min``); itself without a trainer."""
         return self.trainer.strategy.reduce(value, reduce_op=reduce_op) if self._trainer is not None else value
@@ -581,6 +565,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         #      sampling, drop groups without signal and sample more prompts to replace them.
         more_prompts = (lambda: next_prompt_batch(self.trainer)) if training and self.settings.generation.dynamic_sampling else None
         sampled, dynamic_sampling_stats = self.collector.collect(batch, timings, more_prompts)
+        if training and self.logprobs.sequence_parallel is not None:  # sequence_parallel: the group's rows on each of its ranks
+            sampled = self.logprobs.sequence_parallel.union(sampled, self.tokenizer.pad_token_id)
 
         # 4. Log-probs of the reference model (only with a KL penalty); those of the policy that
         #    sampled, where the update needs them, come in ``training_step``.
@@ -600,8 +586,10 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         # generation batch over all ranks, / world size (each rank's gradient is averaged), / the
         # steps_per_generation optimizer steps that share it, so each step takes about a token mean
         # of its own rows (not half of one with two steps per pass)
-        all_tokens = float(self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum"))
-        num_items_in_batch = algorithm.dapo_normaliser(all_tokens, self.trainer.world_size, update.steps_per_generation)
+        # (sequence_parallel: over the W / k data-parallel groups, whose k ranks hold the same rows)
+        all_tokens = float(self._data_parallel_reduce()(loss_mask.sum().float(), "sum"))
+        data_parallel_size = self.trainer.world_size // self.hparams.sequence_parallel_size
+        num_items_in_batch = algorithm.dapo_normaliser(all_tokens, data_parallel_size, update.steps_per_generation)
         start = time.perf_counter()
         ref_logps = self.logprobs.reference_logps(self.policy, self.ref_model, rollout) if with_reference and self.settings.loss.beta > 0 else None
         timings["logprobs"] = timings.get("logprobs", 0.0) + time.perf_counter() - start
@@ -677,7 +665,7 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
     def _rollout_metrics(self, scored: ScoredRollout) -> dict[str, torch.Tensor]:
         """Statistics of the generation batch over all ranks (identical on every rank), with how
         many samples each reward failed on (``rewards/<name>/errors``)."""
-        metrics = rollout_statistics(scored, self.collector.reward_names, self.all_gather)
+        metrics = rollout_statistics(scored, self.collector.reward_names, self.logprobs.all_gather)  # sequence_parallel: a group once
         if scored.rollout.conversations is not None:
             metrics.update(self.tool_use.metrics(scored.rollout.conversations,
                                                  lambda value: self.trainer.strategy.reduce(value.to(self.device), reduce_op="sum")))

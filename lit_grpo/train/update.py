@@ -33,15 +33,16 @@ __all__ = ["update_policy"]
 
 def update_policy(scored: ScoredRollout, logprobs: LogProbPasses, policy: torch.nn.Module,
                   parameters: Callable[[], Iterable[torch.nn.Parameter]], optimizer: Any, scheduler: Any,
-                  settings: UpdateSettings, after_optimizer_step: Callable[[], None]) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
+                  settings: UpdateSettings, after_optimizer_step: Callable[[], None], generator: torch.Generator | None = None,
+                  ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor | None]:
     """Step 5 on ``scored`` (its ``old_logps`` filled where the update needs them, its ``timings``
     given ``train`` and more ``logprobs``); every micro-batch's statistics and the last gradient norm
     (None without clipping), with ``settings``' passes, steps and micro-batches. ``after_optimizer_step`` runs after every optimizer step (the policy's
-    version goes up)."""
+    version goes up). ``generator`` draws the mini-batches' order (default: the global random stream)."""
     num_completions = scored.rollout.completion_ids.size(0)
     device = scored.rollout.completion_ids.device
     mini_batch_size = num_completions // settings.steps_per_generation
-    first_order = torch.randperm(num_completions, device=device) if settings.steps_per_generation > 1 else None
+    first_order = torch.randperm(num_completions, device=device, generator=generator) if settings.steps_per_generation > 1 else None
     policy_moves = settings.num_iterations > 1 or settings.steps_per_generation > 1
     if policy_moves:  # step 4's old_logps, for the rows that are trained after the policy has moved
         start = time.perf_counter()
@@ -53,7 +54,8 @@ def update_policy(scored: ScoredRollout, logprobs: LogProbPasses, policy: torch.
     grad_norm = None
     for iteration in range(settings.num_iterations):
         # the mini-batches' rows: in order with one optimizer step per pass, else shuffled each pass
-        order = first_order if iteration == 0 or first_order is None else torch.randperm(num_completions, device=device)
+        order = first_order if iteration == 0 or first_order is None else torch.randperm(num_completions, device=device,
+                                                                                          generator=generator)
         for mini_start in range(0, num_completions, mini_batch_size):
             # Before the first optimizer step the policy is the sampling policy: its rows' own
             # forward gives their old_logps (ratio exactly 1, as without a move), kept for later.

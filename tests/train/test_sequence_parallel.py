@@ -1,0 +1,276 @@
+"""Sequence parallelism (``model.sequence_parallel_size``, lit_grpo.train.sequence_parallel) on 2 CPU
+processes (gloo): the hidden states and gradients of the Ulysses forward equal one process's padded
+forward; a training run with k = 2 equals one process with k = 1 on the union of the rows (loss,
+metrics, weights); a failure inside one rank's forward ends every rank within a bound; and what
+cannot run is refused in one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+from test_distributed import BASE_CONFIG, COMPARED_METRICS, GLOBAL_BATCH, STRATEGIES, run_worker, start_worker
+
+from lit_grpo.errors import ConfigError
+from lit_grpo.rollout.records import position_ids_from_mask
+from lit_grpo.train import sequence_parallel
+from lit_grpo.train.sequence_parallel import SequenceParallel, check_model, check_settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+# three rows: left-padded prompts, right-padded completions; 5 + 7 + 3 = 15 real tokens (odd: k pads one)
+INPUT_IDS = torch.tensor([[0, 0, 11, 12, 13, 14, 15, 0], [21, 22, 23, 24, 25, 26, 27, 0], [0, 0, 0, 31, 32, 33, 0, 0]])
+MASK = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 0, 0]])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def padded_hidden_and_grads(model_dir: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One process, the padded forward: hidden states ``[n, L, H]`` (0 at padding) and the gradients of
+    a weighted sum of them."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_grpo import models
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    head = models.output_head(model)
+    hidden = models.decoder_hidden_states(model, head, input_ids=INPUT_IDS, attention_mask=MASK,
+                                          position_ids=position_ids_from_mask(MASK), use_cache=False)
+    hidden = hidden * MASK.unsqueeze(-1)
+    weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+    (hidden * weights).sum().backward()
+    return hidden.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def sequence_parallel_worker(rank: int, port: int, model_dir: str, out: str, fail_on_rank: int | None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from datetime import timedelta
+
+    from transformers import AutoModelForCausalLM
+
+    from lit_grpo import models
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=20))
+    try:
+        sp = SequenceParallel.of_world(2)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        if fail_on_rank == rank:  # one rank's layer raises inside the forward
+            def broken(*args, **kwargs):
+                raise RuntimeError("layer broke on rank 1")
+            model.model.layers[1].mlp.forward = broken
+        head = models.output_head(model)
+        hidden = sp.hidden_states(model, head, input_ids=INPUT_IDS, attention_mask=MASK)  # [n, L, H]
+        weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+        (hidden * weights).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        torch.save({"hidden": hidden.detach(), "grads": grads}, f"{out}.{rank}")
+    except Exception as error:  # what the parent checks: every rank ended with an error
+        Path(f"{out}.{rank}.error").write_text(f"{type(error).__name__}: {error}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(model_dir: Path, out: Path, fail_on_rank: int | None = None) -> mp.ProcessContext:
+    context = mp.start_processes(sequence_parallel_worker, args=(free_port(), str(model_dir), str(out), fail_on_rank),
+                                 nprocs=2, join=False, start_method="spawn")
+    return context
+
+
+def test_ulysses_forward_and_gradients_equal_the_padded_forward(tiny_model_dir, tmp_path):
+    """Two ranks (k = 2) each run the body on half of the three rows' 15 packed tokens (padded to 16);
+    the gathered hidden states equal one process's padded forward, and the gradients, summed over the
+    two ranks and divided by k (DDP's average), equal that forward's: every head of the tiny model's
+    4 query and 2 key/value heads crossed the all-to-all."""
+    context = spawn(tiny_model_dir, tmp_path / "sp")
+    while not context.join(timeout=120):
+        pass
+    expected_hidden, expected_grads = padded_hidden_and_grads(str(tiny_model_dir))
+    ranks = [torch.load(tmp_path / f"sp.{rank}", weights_only=False) for rank in range(2)]
+    for result in ranks:
+        torch.testing.assert_close(result["hidden"], expected_hidden, rtol=1e-5, atol=1e-5)
+    assert expected_hidden.abs().sum() > 0
+    for name, expected in expected_grads.items():
+        average = (ranks[0]["grads"][name] + ranks[1]["grads"][name]) / 2  # DDP's average over W = 2 ranks
+        # fp32 sums in another order: within 1e-6 of the gradient's largest entry (a lost or doubled part: ~1)
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(average, expected, rtol=1e-5, atol=1e-6 * scale, msg=lambda text, name=name: f"{name}: {text}")
+    # each rank holds part of the body's gradient: neither rank alone has it
+    attention = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(ranks[0]["grads"][attention], expected_grads[attention], atol=1e-6)
+
+
+def test_a_failure_inside_one_ranks_forward_ends_every_rank_within_the_timeout(tiny_model_dir, tmp_path):
+    """Rank 1's layer raises inside the forward: rank 1 ends with its error, and rank 0, waiting in the
+    next all-to-all, ends with an error too (the peer gone or the process group's 20 s timeout), well
+    within 120 s: nothing hangs."""
+    start = time.monotonic()
+    context = spawn(tiny_model_dir, tmp_path / "sp", fail_on_rank=1)
+    with pytest.raises(mp.ProcessRaisedException):  # the first rank to end with an error, either one
+        while not context.join(timeout=120):
+            pass
+    for process in context.processes:  # the other rank must end too
+        process.join(timeout=120)
+        assert process.exitcode is not None and process.exitcode != 0
+    assert time.monotonic() - start < 150
+    assert "layer broke on rank 1" in (tmp_path / "sp.1.error").read_text()
+    # rank 0 waited in a collective of the forward: its peer's crash (or the timeout) ended it
+    assert (tmp_path / "sp.0.error").read_text().startswith(("RuntimeError", "DistBackendError"))
+
+
+def hparams(**changes) -> SimpleNamespace:
+    settings = {"sequence_parallel_size": 2, "max_staleness": 0, "gradient_checkpointing": False, "share_prompt_forward": "auto",
+                "tools": None, "environment": None}
+    return SimpleNamespace(**{**settings, **changes})
+
+
+@pytest.mark.parametrize("changes, world_size, message", [
+    ({}, 3, r"number of processes \(3\) must be a multiple of model.sequence_parallel_size \(2\)"),
+    ({"max_staleness": 1}, 2, "model.max_staleness > 0"),
+    ({"gradient_checkpointing": True}, 2, "model.gradient_checkpointing"),
+    ({"share_prompt_forward": True}, 2, "model.share_prompt_forward: true"),
+    ({"tools": ["math:sqrt"]}, 2, "model.tools"),
+    ({"sequence_parallel_size": 0}, 2, "must be at least 1"),
+])
+def test_settings_that_cannot_run_are_refused_in_one_line(changes, world_size, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        check_settings(hparams(**changes), world_size)
+    assert "\n" not in str(error.value)
+    check_settings(hparams(), 4)  # fine
+    check_settings(hparams(sequence_parallel_size=1, max_staleness=3), 3)  # off: nothing refused
+
+
+def test_heads_that_k_does_not_divide_are_refused_naming_the_models_head_counts(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # 4 query heads, 2 key/value heads
+    check_model(model, 2)
+    check_model(model, 4)  # kv heads repeated
+    with pytest.raises(ConfigError, match=r"num_attention_heads 4, num_key_value_heads 2"):
+        check_model(model, 3)
+
+
+def test_the_attention_function_refuses_to_run_outside_a_sequence_parallel_forward():
+    query = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(RuntimeError, match="only inside SequenceParallel.hidden_states"):
+        sequence_parallel.ulysses_attention(torch.nn.Module(), query, query, query, None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training through the CLI (tests/distributed_worker.py, as test_distributed.py runs it)
+# --------------------------------------------------------------------------------------------------
+
+
+
+@pytest.fixture(scope="module")
+def sp_run_dir(tmp_path_factory, tiny_model_dir):
+    """test_distributed's base config (KL to a reference model, 2 iterations, dapo, batch-scaled rewards) and prompts."""
+    path = tmp_path_factory.mktemp("sequence_parallel")
+    rows = [{"prompt": f"Say {c} {i}:"} for i, c in enumerate("abcdefghijkl")]
+    (path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = json.loads(json.dumps(BASE_CONFIG))
+    config["model"]["model_name_or_path"] = str(tiny_model_dir)
+    config["data"]["data_files"] = str(path / "prompts.jsonl")
+    (path / "base.yaml").write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_process_run(sp_run_dir):
+    """One process, k = 1, on the global batch: the rows the two ranks of a k = 2 group hold together."""
+    overrides = {"trainer": {"devices": 1}, "data": {"batch_size": GLOBAL_BATCH}}
+    return run_worker(sp_run_dir, "sp_single", 1, overrides, "--fixed-completions")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_with_k_2_train_exactly_as_one_process_on_the_union_of_their_rows(sp_run_dir, one_process_run, strategy):
+    """Two processes, ``sequence_parallel_size: 2``: each rank samples its own 2 prompts (x 4
+    completions), the group trains on the union of the 16 rows, each rank running the body on half of
+    every forward's packed tokens. The loss, KL, clip fractions, entropy, rewards and gradient norm of
+    every step and the weights after 4 optimizer steps (AdamW at lr 0.01, dapo normaliser, KL to a
+    reference model, batch-scaled rewards) equal one process with k = 1 on those 16 rows."""
+    overrides = {"trainer": {"devices": 2, "strategy": STRATEGIES[strategy]}, "data": {"batch_size": GLOBAL_BATCH // 2},
+                 "model": {"sequence_parallel_size": 2}}
+    finished = start_worker(sp_run_dir, f"sp_{strategy}", 2, overrides, "--fixed-completions")
+    assert finished.returncode == 0, finished.stderr[-6000:]
+    # the forwards went through the Ulysses attention: rank 0 says so at the first one
+    assert re.search(r"model.sequence_parallel_size 2: the first forward's \d+ packed tokens run \d+ on each rank",
+                     finished.stdout + finished.stderr)
+    two = torch.load(sp_run_dir / f"sp_{strategy}.pt", weights_only=False)
+    one = one_process_run
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    # each rank runs every micro-batch of the union: 2 generation batches x 2 iterations x 4 micro-batches
+    assert one["backward_passes"] == two["backward_passes"] == 2 * 2 * 4
+    assert len(one["steps"]) == len(two["steps"]) == 2
+    for step, (expected, actual) in enumerate(zip(one["steps"], two["steps"])):
+        for name in [*COMPARED_METRICS, "completions/mean_length", "frac_reward_zero_std"]:
+            assert actual[name] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), (step, name)
+    assert any(step["clip_ratio/region_mean"] > 0 for step in one["steps"])  # not vacuous
+    assert all(step["kl"] > 0 for step in one["steps"][1:])
+    # the gradients agree to float32 rounding (test_ulysses_forward_and_gradients_equal_the_padded_forward: 1e-6 of
+    # their scale); AdamW at lr 0.01 turns that rounding into weight differences of ~4e-5 after 4 steps for a few
+    # entries whose gradient is near 0 (as test_distributed's chunked runs), where a lost or doubled part moves ~1e-2
+    for name, expected in one["state"].items():
+        torch.testing.assert_close(two["state"][name], expected, rtol=1e-4, atol=1e-4, msg=lambda text, name=name: f"{name}: {text}")
+
+
+def quickstart_config(tmp_path: Path, tiny_model_dir: Path, devices: int) -> list[str]:
+    """The quickstart's config with ``sequence_parallel_size: 2`` and a CSV logger, for ``devices``
+    processes; the command line of ``lit-grpo fit`` on it."""
+    config = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
+    config["model"].update(model_name_or_path=str(tiny_model_dir), sequence_parallel_size=2, num_generations=4,
+                           micro_batch_size=4)
+    config["data"].update(data_files=str(REPO / config["data"]["data_files"]), batch_size=2)
+    config["trainer"].update(devices=devices, strategy="ddp", max_steps=2,
+                             logger={"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    if devices == 1:
+        return [sys.executable, "-m", "lit_grpo.cli", "fit", "--config", "config.yaml"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}",
+            "-m", "lit_grpo.cli", "fit", "--config", "config.yaml"]
+
+
+def test_lit_grpo_fit_on_two_processes_with_sequence_parallel_size_2_logs_its_steps(tiny_model_dir, tmp_path):
+    """``lit-grpo fit`` of the quickstart on 2 processes with ``model.sequence_parallel_size: 2`` and a
+    logger: both steps train (the forwards split over the two ranks) and their metrics are logged."""
+    command = quickstart_config(tmp_path, tiny_model_dir, devices=2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    finished = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert finished.returncode == 0, finished.stderr[-4000:]
+    assert "model.sequence_parallel_size 2: the first forward's" in finished.stdout + finished.stderr
+    (metrics_file,) = (tmp_path / "runs").glob("**/metrics.csv")
+    rows = list(csv.DictReader(metrics_file.open()))
+    logged = [row for row in rows if row.get("loss")]
+    assert [int(row["step"]) for row in logged] == [0, 1]
+    for row in logged:
+        assert math.isfinite(float(row["loss"])) and math.isfinite(float(row["reward"])), row
+        assert float(row["completions/mean_length"]) > 0
+
+
+def test_lit_grpo_fit_on_one_process_with_sequence_parallel_size_2_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    command = quickstart_config(tmp_path, tiny_model_dir, devices=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    finished = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert finished.returncode == 2, finished.stderr[-3000:]
+    assert ("error: model.sequence_parallel_size 2: the number of processes (1) must be a multiple of "
+            "model.sequence_parallel_size (2)") in finished.stderr
