@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import datasets
@@ -69,12 +70,14 @@ def test_the_python_path_gives_the_reward_series_of_the_cli(tmp_path, tiny_model
     command = [str(Path(sys.executable).with_name("lit-grpo")), "fit", "--config", str(REPO / "configs/quickstart.yaml"),
                "--model.model_name_or_path", str(tiny_model_dir), "--data.data_files", str(REPO / "configs/data/quickstart.jsonl"),
                "--trainer.max_steps", str(steps)]
-    cli = subprocess.run(command, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                         timeout=600)
+    with ThreadPoolExecutor(1) as beside:  # the command's run beside the one from Python: each on one thread
+        cli_run = beside.submit(subprocess.run, command, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                capture_output=True, text=True, timeout=600)
+        module, trainer = python_quickstart(tiny_model_dir, tmp_path / "python", steps)
+        cli = cli_run.result()
     assert cli.returncode == 0, cli.stderr[-3000:]
     from_cli = scalars(tmp_path / "runs/quickstart/version_0")["reward"]
 
-    module, trainer = python_quickstart(tiny_model_dir, tmp_path / "python", steps)
     from_python = scalars(Path(trainer.log_dir))["reward"]
     assert len(from_cli) == steps and from_python == from_cli  # identical, step by step
     run = Path(trainer.log_dir)

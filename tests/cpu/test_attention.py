@@ -266,10 +266,11 @@ def test_bf16_training_step_runs_no_sdpa_kernel(tiny_model_dir, say_a_or_b_file,
     assert any(changed) and all(torch.isfinite(p).all() for p in module.policy.parameters())
 
 
-@pytest.mark.parametrize("preset,expected", [(None, "128"), ("99", "99")], ids=["default", "user's value"])
-def test_import_caps_onednn_primitive_cache_unless_the_user_set_it(preset, expected):
-    """bf16 matmuls of ever-changing shapes fill oneDNN's primitive cache (1024 entries by default);
-    importing lit_grpo caps it before the first matmul, and a value in the environment wins."""
+PRIMITIVE_CACHE_PRESETS = [None, "99"]  # the environment's ONEDNN_PRIMITIVE_CACHE_CAPACITY: unset, the user's value
+
+
+def capacity_after_import(preset: str | None) -> str:
+    """ONEDNN_PRIMITIVE_CACHE_CAPACITY in a fresh process once it imported lit_grpo.cpu, with ``preset`` in its environment."""
     import os
     import subprocess
     import sys
@@ -278,5 +279,22 @@ def test_import_caps_onednn_primitive_cache_unless_the_user_set_it(preset, expec
     if preset is not None:
         env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = preset
     code = "import os, lit_grpo.cpu; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
-    output = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def capacities_after_import():
+    """Each preset's process, started side by side by the first test that asks (each imports torch on one
+    thread: on 2 cores they overlap). ``capacities_after_import[preset].result()``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(PRIMITIVE_CACHE_PRESETS)) as beside:
+        yield {preset: beside.submit(capacity_after_import, preset) for preset in PRIMITIVE_CACHE_PRESETS}
+
+
+@pytest.mark.parametrize("preset,expected", [(None, "128"), ("99", "99")], ids=["default", "user's value"])
+def test_import_caps_onednn_primitive_cache_unless_the_user_set_it(preset, expected, capacities_after_import):
+    """bf16 matmuls of ever-changing shapes fill oneDNN's primitive cache (1024 entries by default);
+    importing lit_grpo caps it before the first matmul, and a value in the environment wins."""
+    output = capacities_after_import[preset].result()
     assert output.strip() == expected
