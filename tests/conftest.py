@@ -251,14 +251,18 @@ def cached_warm_tool_model(config: pytest.Config, target: Path) -> Path:
     name = f"warm-tool-model-{digest.hexdigest()[:16]}"
     cached = config.cache.mkdir(name) if config.cache is not None else target / name  # -p no:cacheprovider: this session's
     if not (cached / "model.safetensors").exists():
-        # a subprocess: the vLLM environment has the example on PYTHONPATH only; trained beside the cache, then renamed
-        partial = cached.with_name(cached.name + ".partial")
+        # a subprocess: the vLLM environment has the example on PYTHONPATH only; trained beside the cache, in a
+        # directory of this process's own (two sessions at once each train one), then renamed into place
+        partial = cached.with_name(f"{cached.name}.partial-{os.getpid()}")
         shutil.rmtree(partial, ignore_errors=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(KV_LOOKUP), os.environ.get("PYTHONPATH")]))}
         subprocess.run([sys.executable, "-m", "lit_grpo_kv_lookup.warm_start", str(partial), *WARM_TOOL_MODEL_ARGS],
                        env=env, check=True, capture_output=True, timeout=900)
-        shutil.rmtree(cached)
-        partial.rename(cached)
+        try:
+            cached.rmdir()  # the empty directory that cache.mkdir made: one another session filled stays
+            partial.rename(cached)
+        except OSError:  # another session's model got there first: the same training, so it is used
+            shutil.rmtree(partial, ignore_errors=True)
     if config.cache is None:
         return cached
     shutil.copytree(cached, target, dirs_exist_ok=True)
