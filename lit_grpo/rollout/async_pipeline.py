@@ -27,6 +27,21 @@ the new weights (``time/wait_for_weights``), sends batch n and trains on batch n
 servers sample it. The background thread works on a CPU copy of each batch (made once, by the
 trainer, queued on its stream without waiting): it never waits for the trainer's device.
 
+Multi-turn rollouts (``model.tools``, ``model.environment``) enter the pipeline as single-turn ones
+do, sampled in the step on every backend (``vllm_server`` too: each turn's seed is drawn from the
+trainer's random state, which only the main thread may draw from for a resume to be exact): the step's
+weights sample every turn, the tool calls and environment steps between the turns run there (the calls
+of a turn concurrently, :func:`~lit_grpo.rollout.tools.calls.run_tool_calls`), and each environment is
+built, stepped, its reward read and closed within the step. The background thread scores the ended
+conversations; a checkpoint holds them as plain records (:func:`~lit_grpo.rollout.tools.multi_turn.conversation_record`),
+restored, never sampled again.
+
+Dynamic sampling (``model.dynamic_sampling``) runs at the step that trains a batch, whose rewards are
+known then (:meth:`RolloutPipeline._scored`): its groups without signal are replaced by the prompts the
+data loader gives in that step, sampled there with the current weights and scored by the scoring thread
+after the batches handed in before (:meth:`RolloutPipeline._extra_round`). They are drawn and trained in
+one step, so no checkpoint holds one and the data position stays exact.
+
 Failures. Every exception of the background job (a server lost or refusing a request, a reward that
 raised) is the batch's ``failure``, never raised in the thread; the ranks agree on it at a point every
 rank reaches (the start of the next step on servers, and where the batch would be trained), and every
@@ -88,7 +103,9 @@ from lit_grpo.errors import ConfigError
 from lit_grpo.rollout.collector import RolloutCollector
 from lit_grpo.rollout.engines.base import agreed_failure
 from lit_grpo.rollout.engines.server_lost import GenerationFailed
-from lit_grpo.rollout.records import Rollout, ScoredRollout
+from lit_grpo.rollout.dynamic_sampling import dynamic_sampling, next_prompt_batch
+from lit_grpo.rollout.records import Rollout, SampledGroups, ScoredRollout
+from lit_grpo.rollout.tools.multi_turn import conversation_from_record, conversation_record
 
 __all__ = ["RolloutFailed", "RolloutPipeline", "check_async_settings"]
 
@@ -106,10 +123,6 @@ def check_async_settings(hp) -> None:
             f"model.max_staleness ({k}) is below the optimizer steps of one generation batch (num_iterations * "
             f"steps_per_generation = {steps}): no batch could be trained one step late; use 0 or at least {steps}"
         )
-    if hp.dynamic_sampling:
-        raise ConfigError("model.dynamic_sampling does not run with model.max_staleness > 0: set one of them off")
-    if hp.tools or hp.environment:
-        raise ConfigError("model.tools / model.environment (multi-turn rollouts) do not run with model.max_staleness > 0 yet")
     if not hp.vllm_importance_sampling_correction:
         # on every backend the behaviour weights are what corrects for the staleness (with one
         # optimizer step per batch the clipped ratio against the proximal policy is 1): off, stale
@@ -192,6 +205,8 @@ class InFlight:
         scored = rollout is not None and self.work is None and self.failure is None
         if rollout is not None:
             rollout = {f.name: getattr(rollout, f.name) for f in fields(Rollout)}
+            if rollout["conversations"] is not None:  # multi-turn: ended, their environments closed
+                rollout["conversations"] = [conversation_record(c) for c in rollout["conversations"]]
         return {
             "prompts": self.batch.prompts,
             "columns": self.batch.columns,
@@ -204,10 +219,13 @@ class InFlight:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> InFlight:
+        rollout = state["rollout"]
+        if rollout is not None and rollout.get("conversations") is not None:
+            rollout = {**rollout, "conversations": [conversation_from_record(c) for c in rollout["conversations"]]}
         return cls(
             batch=PromptBatch(prompts=state["prompts"], columns=state["columns"]),
             timings=state["timings"],
-            rollout=Rollout(**state["rollout"]) if state["rollout"] is not None else None,
+            rollout=Rollout(**rollout) if rollout is not None else None,
             completions=state["completions"],
             rewards_per_func=state["rewards_per_func"],
             reward_errors=state.get("reward_errors"),
@@ -285,41 +303,50 @@ class RolloutPipeline(pl.Callback):
         while len(self.in_flight) > self.depth:
             item = self.in_flight.popleft()
             waited += item.finish()
-            try:  # every rank pops as many batches: a failure anywhere stops every rank here
+            try:  # every rank pops as many batches: a failure anywhere (an extra round's too) stops every rank here
                 agree_on_background_failure(item.failure, module.device)
+                staleness = module.policy_version - item.rollout.weight_versions.to(module.device)  # [N]
+                reduce = module.trainer.strategy.reduce
+                if reduce(staleness.max().float(), reduce_op="max") > self.max_staleness:
+                    self.dropped_stale += int(reduce(torch.tensor(float(len(staleness)), device=module.device), reduce_op="sum"))
+                    continue
+                scored, completions, reward_errors = self._scored(module, item)
             except BaseException:
                 self.in_flight.appendleft(item)  # its prompts (and any batch after it) stay in the checkpoint
-                self.in_flight.remove(current)  # the data loader gives this step's batch again
+                self.in_flight.remove(current)  # the data loader gives this step's batch (and extra rounds') again
                 raise
-            staleness = module.policy_version - item.rollout.weight_versions.to(module.device)  # [N]
-            reduce = module.trainer.strategy.reduce
-            worst = reduce(staleness.max().float(), reduce_op="max")
-            if worst > self.max_staleness:
-                self.dropped_stale += int(reduce(torch.tensor(float(len(staleness)), device=module.device), reduce_op="sum"))
-                continue
-            scored = self._scored(module, item)
             scored.timings.update(wait_for_samples=waited, wait_for_weights=wait_for_weights)
-            total = reduce(staleness.sum().float(), reduce_op="sum")
-            count = reduce(torch.tensor(float(len(staleness)), device=module.device), reduce_op="sum")
-            self.metrics = {
-                "async/staleness_mean": total / count,
-                "async/staleness_max": worst,
-                "async/dropped_stale": torch.tensor(float(self.dropped_stale)),
-                "async/batches_in_flight": torch.tensor(float(len(self.in_flight))),
-            }
-            for name in module.scorer.names:  # the trained batch's, not the one scored now; every rank reduces each
-                errors = (item.reward_errors or {}).get(name, 0)  # None: restored from a checkpoint that had no counts
-                self.metrics[f"rewards/{name}/errors"] = reduce(torch.tensor(float(errors), device=module.device), reduce_op="sum")
-            return scored, item.completions
+            self.metrics = self._metrics(module, scored.rollout, reward_errors)
+            return scored, completions
         return None, None
 
-    def _start(self, module, item: InFlight) -> None:
-        """Sample ``item`` unless it is (on servers: in the background) and score it in the background.
-        The background thread gets the rollout on the CPU and never touches the trainer's device."""
+    def _metrics(self, module, rollout: Rollout, reward_errors: dict[str, int]) -> dict[str, torch.Tensor]:
+        """``async/*`` of the rows trained (with dynamic sampling, those its rounds kept: the extra rounds'
+        are the current weights'), and ``rewards/<name>/errors`` of the batch trained, not the one scored now."""
+        reduce = module.trainer.strategy.reduce
+        staleness = module.policy_version - rollout.weight_versions.to(module.device)  # [N]
+        count = reduce(torch.tensor(float(len(staleness)), device=module.device), reduce_op="sum")
+        metrics = {
+            "async/staleness_mean": reduce(staleness.sum().float(), reduce_op="sum") / count,
+            "async/staleness_max": reduce(staleness.max().float(), reduce_op="max"),
+            "async/dropped_stale": torch.tensor(float(self.dropped_stale)),
+            "async/batches_in_flight": torch.tensor(float(len(self.in_flight))),
+        }
+        for name in module.scorer.names:  # every rank reduces each
+            errors = torch.tensor(float(reward_errors.get(name, 0)), device=module.device)
+            metrics[f"rewards/{name}/errors"] = reduce(errors, reduce_op="sum")
+        return metrics
+
+    def _start(self, module, item: InFlight, in_step: bool = False) -> None:
+        """Sample ``item`` unless it is (on servers, without tools, and unless ``in_step``: in the
+        background) and score it in the background. The background thread gets the rollout on the CPU
+        and never touches the trainer's device. A multi-turn rollout is sampled in the step on every
+        backend: its turns' seeds come from the trainer's random state, its tools and environments
+        live and end within the step, and the background thread scores the ended conversations."""
         item.sampled.clear()
         item.failure = None
         sample = None
-        if item.rollout is None and module.engine.samples_elsewhere:
+        if item.rollout is None and module.engine.samples_elsewhere and module.collector.tool_use is None and not in_step:
             sample = module.collector.background_sampler(item.batch)  # draws the seed now; its rollout on the CPU
         elif item.rollout is None:
             start = time.perf_counter()
@@ -328,6 +355,8 @@ class RolloutPipeline(pl.Callback):
             if rollout.sampling_logps is None:  # the policy sampled: its log-probs now are the sampling weights'
                 start = time.perf_counter()
                 rollout.sampling_logps = module.logprobs.logps_no_grad(module.policy, rollout)  # [N, C]
+                if rollout.tool_mask is not None:  # tool messages: not the policy's, 0 as the engines give them
+                    rollout.sampling_logps = rollout.sampling_logps * rollout.tool_mask
                 item.timings["logprobs"] = time.perf_counter() - start
             item.rollout, item.copied = to_host(rollout)
         item.work = self._thread().submit(self._sample_and_score, module.collector, item, sample, self._stopping)
@@ -363,14 +392,45 @@ class RolloutPipeline(pl.Callback):
         except Exception as error:  # noqa: BLE001
             item.failure = error
 
-    def _scored(self, module, item: InFlight) -> ScoredRollout:
+    def _scored(self, module, item: InFlight) -> tuple[ScoredRollout, list, dict[str, int]]:
         """Steps 3-4 of a sampled and scored batch, as in the synchronous step: advantages from every
-        rank's rewards (the collector's), then the loss mask, the dapo normaliser and the reference
-        log-probs (``GRPOModule.prepare_update``)."""
+        rank's rewards (the collector's), with dynamic sampling its extra rounds (:meth:`_extra_round`),
+        then the loss mask, the dapo normaliser and the reference log-probs (``GRPOModule.prepare_update``).
+        The scored batch, its completions as the rewards saw them, and the samples each reward failed on."""
+        timings, reward_errors = dict(item.timings), dict(item.reward_errors or {})  # None: a checkpoint without counts
+        sampled = self._groups(module, item)
+        statistics = None
+        if module.collector.settings.dynamic_sampling:
+            def sample_more(batch: PromptBatch, _: dict) -> SampledGroups:
+                extra = self._extra_round(module, batch)
+                for name, value in extra.timings.items():
+                    timings[name] = timings.get(name, 0.0) + value
+                for name, errors in (extra.reward_errors or {}).items():
+                    reward_errors[name] = reward_errors.get(name, 0) + errors
+                return self._groups(module, extra)
+
+            sampled, statistics = dynamic_sampling(module.collector, sampled, timings, lambda: next_prompt_batch(module.trainer),
+                                                   sample_more)
+        scored = module.prepare_update(sampled, timings)
+        scored.dynamic_sampling = statistics
+        return scored, sampled.completions, reward_errors
+
+    def _extra_round(self, module, batch: PromptBatch) -> InFlight:
+        """One extra round of dynamic sampling for the batch about to be trained: prompts the data loader
+        gives now (so the checkpoint of this step counts them), sampled now with the current weights, in
+        the step on every backend, and scored by the scoring thread after the batches handed in before
+        (one scoring at a time); every rank agrees on how it ended."""
+        extra = InFlight(batch, {"generate": 0.0, "rewards": 0.0, "logprobs": 0.0})
+        self._start(module, extra, in_step=True)
+        extra.finish()
+        agree_on_background_failure(extra.failure, module.device)
+        return extra
+
+    def _groups(self, module, item: InFlight) -> SampledGroups:
+        """Step 3 of a sampled and scored batch on the trainer's device (the collector's advantages)."""
         rollout = rollout_on(item.rollout, module.device)
         rewards_per_func = item.rewards_per_func.to(module.device)  # [N, K]
-        sampled = module.collector.groups(item.batch, rollout, item.completions, rewards_per_func)
-        return module.prepare_update(sampled, dict(item.timings))
+        return module.collector.groups(item.batch, rollout, item.completions, rewards_per_func)
 
     def _thread(self) -> ThreadPoolExecutor:
         if self._executor is None:  # one thread: batches are scored in order, one at a time

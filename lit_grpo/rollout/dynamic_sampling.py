@@ -4,6 +4,10 @@ signal, so more prompts are sampled to replace them (Yu et al. 2025, arXiv:2503.
 The rollout collector (:class:`~lit_grpo.rollout.collector.RolloutCollector`) runs it after steps
 1-3 of a generation batch; the further prompt batches come from the fit loop's data fetcher
 (:func:`next_prompt_batch`), so that a consumed batch counts in the data position checkpoints save.
+With ``model.max_staleness > 0`` the asynchronous pipeline (:mod:`lit_grpo.rollout.async_pipeline`)
+runs it on the batch it is about to train, at the step that trains it: the extra rounds' prompts
+are drawn then, sampled with the current weights and trained in that step, so no checkpoint ever
+holds one of them in flight.
 """
 
 from __future__ import annotations
@@ -21,18 +25,22 @@ __all__ = ["check_data_fetcher", "dynamic_sampling", "next_prompt_batch"]
 
 
 def dynamic_sampling(collector: Any, sampled: SampledGroups, timings: dict[str, float],
-                     more_prompts: Callable[[], PromptBatch | None]) -> tuple[SampledGroups, dict]:
+                     more_prompts: Callable[[], PromptBatch | None],
+                     sample_and_score: Callable[[PromptBatch, dict[str, float]], SampledGroups] | None = None,
+                     ) -> tuple[SampledGroups, dict]:
     """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): drop the groups whose rewards are
     all equal (advantage 0, no gradient) and sample the next prompts of the data stream
     (``more_prompts``, None at its end) with ``collector`` (a
-    :class:`~lit_grpo.rollout.collector.RolloutCollector`) until this batch holds ``batch_size``
-    informative groups on every rank, or ``max_generation_rounds``.
+    :class:`~lit_grpo.rollout.collector.RolloutCollector`; ``sample_and_score(batch, timings)``, when
+    given, samples and scores them instead: the asynchronous pipeline's) until this batch holds
+    ``batch_size`` informative groups on every rank, or ``max_generation_rounds``.
 
     Every rank runs the same number of rounds (the stop decision is reduced over ranks) and keeps
     exactly ``batch_size`` groups, topped up with uninformative ones when the rounds run out, so
     every rank makes the same number of micro-batches and optimizer steps.
     """
     G = collector.settings.num_generations
+    sample_and_score = sample_and_score or collector.sample_and_score
     reduce, device = collector.collectives.reduce, collector.collectives.device()
     wanted = len(sampled.prompts)
     parts = [sampled]
@@ -46,7 +54,7 @@ def dynamic_sampling(collector: Any, sampled: SampledGroups, timings: dict[str, 
         exhausted = torch.tensor(float(batch is None), device=device)
         if float(reduce(exhausted, "max")) == 1.0:
             break  # the epoch's data ran out on some rank: train on what there is
-        part = collector.sample_and_score(batch, timings)
+        part = sample_and_score(batch, timings)
         parts.append(part)
         rounds += 1
         seen += len(part.prompts)

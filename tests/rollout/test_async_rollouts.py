@@ -186,8 +186,10 @@ def test_two_processes_keep_every_ranks_batches_in_flight_across_a_resume(run_di
     [
         ({"max_staleness": -1}, "model.max_staleness must be at least 0"),
         ({"max_staleness": 1, "steps_per_generation": 2}, "model.max_staleness (1) is below"),
-        ({"max_staleness": 1, "dynamic_sampling": True}, "model.dynamic_sampling does not run"),
-        ({"max_staleness": 2, "tools": ["x.py:f"]}, "model.tools / model.environment"),
+        # max_staleness > 0 with tools, environments and dynamic sampling: still refused for the reasons that stay
+        ({"max_staleness": 1, "dynamic_sampling": True, "steps_per_generation": 2}, "model.max_staleness (1) is below"),
+        ({"max_staleness": 2, "tools": ["x.py:f"], "environment": {"name": "e"}, "dynamic_sampling": True,
+          "vllm_importance_sampling_correction": False}, "model.vllm_importance_sampling_correction: false"),
     ],
 )
 def test_settings_async_grpo_cannot_run_with_fail_naming_the_key(settings, message):
@@ -198,6 +200,14 @@ def test_settings_async_grpo_cannot_run_with_fail_naming_the_key(settings, messa
     with pytest.raises(ConfigError) as error:
         check_async_settings(hp)
     assert message in str(error.value)
+
+
+def test_async_grpo_runs_with_tools_environments_and_dynamic_sampling():
+    """Refused before issue 55 (tests/rollout/test_async_tools.py runs them)."""
+    from types import SimpleNamespace
+
+    check_async_settings(SimpleNamespace(max_staleness=1, num_iterations=1, steps_per_generation=1, dynamic_sampling=True,
+                                         tools=["x.py:f"], environment={"name": "e"}, vllm_importance_sampling_correction=True))
 
 
 def pipeline_holding(*prompts: str) -> RolloutPipeline:

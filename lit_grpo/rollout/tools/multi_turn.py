@@ -28,9 +28,10 @@ receive the conversation after the prompt as a list of messages, as TRL passes i
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -42,6 +43,8 @@ from lit_grpo.rollout.tools.calls import Tool, ToolCall, ToolResult, parse_tool_
 __all__ = [
     "Conversation",
     "TurnOutput",
+    "conversation_from_record",
+    "conversation_record",
     "conversation_statistics",
     "fit_tool_result",
     "render",
@@ -107,6 +110,23 @@ class Conversation:
         if max_sequence_length is not None:
             room = min(room, max_sequence_length - len(self.prompt_ids) - len(self.token_ids))
         return room
+
+
+# What a checkpoint keeps of an ended conversation: its live parts (the tools' functions, the
+# environment's instance, calls not yet run) are gone once its rollout ended and its reward was read.
+NOT_RECORDED = frozenset({"tools", "environment_instance", "pending"})
+
+
+def conversation_record(conversation: Conversation) -> dict[str, Any]:
+    """An ended conversation as plain lists, strings and numbers (a ``weights_only`` checkpoint: the
+    asynchronous pipeline saves the multi-turn batches in flight), all that scoring it and its
+    ``tools/*`` metrics read: the prompt, the messages, the environment's name and reward, the counts."""
+    return {f.name: copy.deepcopy(getattr(conversation, f.name)) for f in fields(Conversation) if f.name not in NOT_RECORDED}
+
+
+def conversation_from_record(record: dict[str, Any]) -> Conversation:
+    """The conversation of :func:`conversation_record`, ended, with no tools and no environment instance."""
+    return Conversation(tools={}, **{name: value for name, value in record.items() if name not in NOT_RECORDED})
 
 
 def run_conversations(
