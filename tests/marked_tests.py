@@ -111,6 +111,10 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
         "test_signals_while_the_pipeline_fills_and_while_a_slow_reward_scores_checkpoint_at_once",
         "test_reward_errors_are_logged_at_the_step_that_trains_the_batch",
     ),
+    "tests/rollout/test_async_tools.py": (
+        "test_killed_one_step_off_dynamic_sampling_run_resumes_exactly",
+        "test_killed_one_step_off_tools_run_resumes_with_no_prompt_lost_or_trained_twice",
+    ),
     "tests/rollout/test_dynamic_sampling.py": (
         "test_dynamic_sampling_on_two_processes_keeps_ranks_in_step",
     ),
@@ -250,6 +254,10 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_a_reward_that_raises_in_the_background_on_one_rank_stops_both_ranks_with_a_checkpoint",
         "test_signals_while_the_pipeline_fills_and_while_a_slow_reward_scores_checkpoint_at_once",
         "test_reward_errors_are_logged_at_the_step_that_trains_the_batch",
+    ),
+    "tests/rollout/test_async_tools.py": (
+        "test_killed_one_step_off_dynamic_sampling_run_resumes_exactly",
+        "test_killed_one_step_off_tools_run_resumes_with_no_prompt_lost_or_trained_twice",
     ),
     "tests/rollout/test_dynamic_sampling.py": (
         "test_dynamic_sampling_on_two_processes_keeps_ranks_in_step",
