@@ -200,8 +200,12 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
         "test_validation_metrics_reduce_over_ranks_like_one_process",
         "test_a_reward_that_raises_on_one_rank_stops_both_ranks_with_its_message",
     ),
+    "tests/train/test_cast_lm_head_at_start.py": (
+        "test_fit_refuses_the_cast_with_a_lora_adapter_on_the_head_before_sampling",
+    ),
     "tests/train/test_entropy_bonus.py": (
         "test_two_ranks_agree_on_the_adaptive_coefficient_of_one_process",
+        "test_a_rank_failing_at_its_optimizer_step_ends_both_ranks_with_its_error",
     ),
     "tests/train/test_fused_head_logprobs.py": (
         "test_fsdp2_sharded_head_gives_the_full_logits_values",
@@ -316,6 +320,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
     ),
     "tests/train/test_entropy_bonus.py": (
         "test_two_ranks_agree_on_the_adaptive_coefficient_of_one_process",
+        "test_a_rank_failing_at_its_optimizer_step_ends_both_ranks_with_its_error",
     ),
     "tests/train/test_fused_head_logprobs.py": (
         "test_training_steps_are_the_same_with_the_fused_head",

@@ -309,3 +309,60 @@ def test_the_entropy_settings_record_has_the_modules_and_trls_defaults(tiny_mode
     module.hparams.entropy_target = 0.05
     module.apply_settings()
     assert module.logprobs.entropy_coefficient.state_dict() == {"entropy_coef": 0.01, "last_world_entropy": float("inf")}
+
+
+
+BROKEN_OPTIMIZER = """import os
+import sys
+
+import torch
+
+
+class BrokenOnRank1(torch.optim.AdamW):
+    def step(self, closure=None):
+        if os.environ["RANK"] == "1":
+            raise RuntimeError("rank 1's optimizer step broke")
+        loss = super().step(closure)
+        print("rank 0 stepped", file=sys.stderr, flush=True)
+        return loss
+"""
+
+
+def test_a_rank_failing_at_its_optimizer_step_ends_both_ranks_with_its_error(tiny_model_dir, tmp_path):
+    """2 processes (gloo DDP, launched as a user does) with adaptive entropy control: rank 1's optimizer
+    step raises, so rank 1 never joins the all-gather of the entropy window that rank 0 enters right
+    after its own step. Both processes end within the bound (no hang in that collective: rank 1's exit
+    closes its connection, which ends rank 0's all-gather, and the launcher stops the rest), and the
+    output names rank 1's error. (Measured: a rank 1 that hangs instead of raising keeps rank 0 in the
+    all-gather, and this test fails at its bound.)"""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from test_distributed import REPO
+
+    (tmp_path / "broken_optimizer.py").write_text(BROKEN_OPTIMIZER)
+    config = yaml.safe_load((REPO / "configs/quickstart.yaml").read_text())
+    config["model"].update(model_name_or_path=str(tiny_model_dir), max_completion_length=8, **ADAPTIVE_MODEL)
+    config["data"].update(data_files=str(REPO / config["data"]["data_files"]), batch_size=2)
+    config["trainer"].update(devices=2, strategy="ddp", max_steps=2, logger=False, enable_checkpointing=False)
+    config["optimizer"] = {"class_path": "broken_optimizer.BrokenOnRank1", "init_args": {"lr": 1e-3}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "lit_grpo.cli", "fit", "--config", "config.yaml"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tmp_path)}
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bound = 300
+    try:
+        _, stderr = launcher.communicate(timeout=bound)
+    except subprocess.TimeoutExpired:  # a hang: the workers killed too (each runs in a session of its own)
+        import psutil
+
+        for process in [*psutil.Process(launcher.pid).children(recursive=True), psutil.Process(launcher.pid)]:
+            process.kill()
+        _, stderr = launcher.communicate()
+        pytest.fail(f"the ranks were still running after {bound} s: a hang\n{stderr[-3000:]}")
+    assert launcher.returncode != 0
+    assert "rank 0 stepped" in stderr, stderr[-3000:]  # rank 0 went on to the entropy window's all-gather
+    assert "[rank1]: RuntimeError: rank 1's optimizer step broke" in stderr, stderr[-3000:]
