@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import lit_grpo.algorithm.fused_lm_head
 import lit_grpo.models
+import lit_grpo.train.logprob_passes
 from lit_grpo.algorithm import GroupAdvantages
 from lit_grpo.errors import ConfigError
 from lit_grpo.rollout.records import ScoredRollout
@@ -158,7 +159,17 @@ def test_the_loss_and_every_gradient_of_a_micro_batch_equal_the_padded(untied_mo
     chunk; its loss and every parameter's gradient are the padded run's."""
     module = build(untied_model_dir, monkeypatch, gradient_checkpointing=gradient_checkpointing)
     module.logprobs.backward = lambda loss, sync: loss.backward()  # no trainer: autograd's own
+    monkeypatch.setattr(lit_grpo.train.logprob_passes, "FORWARD_OVERHEAD_TOKENS", 0)  # skip even these short rows
     scored = scored_rollout(hand_made_rollout(module.tokenizer, LENGTHS, ORDER))
+    scored.group.advantages[[2, 7]] = 0.0  # rows without gradient: a forward without autograd, packed too
+    frozen_passes = []  # whether autograd was on in each pass over the rows without gradient
+    completion_logps = module.logprobs.completion_logps
+
+    def counted(*args, **kwargs):
+        frozen_passes.append(torch.is_grad_enabled())
+        return completion_logps(*args, **kwargs)
+
+    monkeypatch.setattr(module.logprobs, "completion_logps", counted)
     rows = torch.arange(len(LENGTHS))
     results = []
     shapes = input_shapes(module.policy)
@@ -170,6 +181,7 @@ def test_the_loss_and_every_gradient_of_a_micro_batch_equal_the_padded(untied_mo
         grads = {name: p.grad.clone() for name, p in module.policy.named_parameters() if p.grad is not None}
         results.append((stats["loss"], logps, grads))
     assert len(shapes) > 1 and all(rows == 1 for rows, _ in shapes)  # the packed run: chunks, each one sequence
+    assert frozen_passes == [False, False]  # each run's rows without gradient went forward apart, without autograd
     (padded_loss, padded_logps, padded_grads), (packed_loss, packed_logps, packed_grads) = results
     close(packed_loss, padded_loss)
     mask = scored.loss_mask[:, : padded_logps.size(1)].bool()
