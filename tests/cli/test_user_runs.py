@@ -20,6 +20,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -178,19 +179,45 @@ def recipe_overrides(recipe: dict, tmp_path: Path, tiny_model_dir: Path, tiny_qw
     return {"trainer": trainer, "model": model_overrides, "data": {**data_overrides, "batch_size": 2}}
 
 
-@pytest.mark.parametrize("recipe_name", RECIPES)
-def test_shipped_recipe_trains(tmp_path, tiny_model_dir, tiny_qwen2_dir, recipe_name, request):
-    recipe = yaml.safe_load((REPO / "configs" / recipe_name).read_text())
-    overrides = recipe_overrides(recipe, tmp_path, tiny_model_dir, tiny_qwen2_dir, request)
-    (tmp_path / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+def recipe_run(recipe_name: str, run_dir: Path, overrides: dict) -> tuple[Path, dict]:
+    """The recipe with ``overrides`` through tests/distributed_worker.py in ``run_dir``, on as many processes as
+    the overrides say: the directory (with the worker's ``result.pt``) and the overrides."""
+    (run_dir / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     processes = overrides["trainer"].get("devices", 1)
     script = [str(WORKER), "--config", str(REPO / "configs" / recipe_name), "--config", "overrides.yaml",
               "--out", "result.pt", "--record-compute-dtype"]
     command = [sys.executable, *script]
     if processes > 1:  # as the recipe says: torchrun --nproc_per_node N -m lit_grpo.cli fit --config ...
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", *script]
-    run_command(command, cwd=tmp_path)
-    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    run_command(command, cwd=run_dir)
+    return run_dir, overrides
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(request, tmp_path_factory, tiny_model_dir, tiny_qwen2_dir) -> dict:
+    """The runs of the recipes this session tests, started two at a time side by side by the first test that
+    asks (each process on one thread: on 2 cores they overlap); the recipe of the warm-started tool model
+    last, so that the warm start (a session fixture) trains while the others run.
+    ``recipe_runs[name].result()``: :func:`recipe_run`'s directory and overrides, or what failed in it."""
+    selected = {item.callspec.params["recipe_name"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_shipped_recipe_trains"}
+    recipes = {name: yaml.safe_load((REPO / "configs" / name).read_text()) for name in sorted(selected)}
+    warm_model_last = sorted(recipes, key=lambda name: recipes[name]["model"]["model_name_or_path"] == "./tiny-kv-model")
+    with ThreadPoolExecutor(2) as beside:
+        runs = {}
+        for name in warm_model_last:
+            run_dir = tmp_path_factory.mktemp(name)
+            overrides = recipe_overrides(recipes[name], run_dir, tiny_model_dir, tiny_qwen2_dir, request)
+            runs[name] = beside.submit(recipe_run, name, run_dir, overrides)
+        yield runs
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_shipped_recipe_trains(recipe_name, recipe_runs):
+    recipe = yaml.safe_load((REPO / "configs" / recipe_name).read_text())
+    run_dir, overrides = recipe_runs[recipe_name].result()
+    processes = overrides["trainer"].get("devices", 1)
+    result = torch.load(run_dir / "result.pt", weights_only=False)
 
     assert result["world_size"] == processes
     steps = result["steps"]
@@ -198,9 +225,9 @@ def test_shipped_recipe_trains(tmp_path, tiny_model_dir, tiny_qwen2_dir, recipe_
     for reward in recipe["model"]["rewards"]:
         assert f"rewards/{reward['name']}/mean" in steps[0]
     # logs under the recipe's logger, and a checkpoint
-    log_dir = tmp_path / result["log_dir"]  # relative to the working directory of the run
+    log_dir = run_dir / result["log_dir"]  # relative to the working directory of the run
     logger = recipe["trainer"]["logger"]["init_args"]
-    assert log_dir.parent == tmp_path / logger["save_dir"] / logger["name"]
+    assert log_dir.parent == run_dir / logger["save_dir"] / logger["name"]
     assert (log_dir / "completions.jsonl").exists() and "reward" in scalars(log_dir)
     assert (log_dir / "checkpoints" / "last.ckpt").exists()
     # trainable weights are float32 (the tiny hub stand-in is saved in bf16) and they moved
@@ -227,13 +254,16 @@ def test_shipped_recipe_trains(tmp_path, tiny_model_dir, tiny_qwen2_dir, recipe_
 
 
 @pytest.mark.parametrize("recipe_name", [name for name in RECIPES if "gsm8k" in name])
-def test_gsm8k_recipe_rewards_score_a_correct_answer_1_and_a_wrong_one_0(tmp_path, recipe_name):
-    """The recipe's rewards as the command parses them (``--print_config``), on hand-written
-    completions in the format the recipe asks for, against a GSM8K reference ``... #### 72``."""
+def test_gsm8k_recipe_rewards_score_a_correct_answer_1_and_a_wrong_one_0(tmp_path, recipe_name, fresh_cli, capsys,
+                                                                        monkeypatch):
+    """The recipe's rewards as the command parses them (``--print_config``, the command in this process), on
+    hand-written completions in the format the recipe asks for, against a GSM8K reference ``... #### 72``."""
+    from test_cli import print_config
+
     from lit_grpo.scoring import RewardScorer
 
-    printed = run_command([LIT_GRPO, "fit", "--config", str(REPO / "configs" / recipe_name), "--print_config"], cwd=tmp_path)
-    specs = yaml.safe_load(printed.stdout)["model"]["rewards"]
+    monkeypatch.chdir(tmp_path)
+    specs = print_config(capsys, "--config", str(REPO / "configs" / recipe_name))["model"]["rewards"]
     scorer = RewardScorer(specs)
     try:
         row = GSM8K_ROWS[0]
