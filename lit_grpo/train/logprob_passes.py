@@ -55,7 +55,7 @@ from lit_grpo.rollout.records import (
     split_chunks,
 )
 from lit_grpo.settings import RunSettings
-from lit_grpo.train import packed_forward  # padding_free: the rows of a forward packed into one sequence
+from lit_grpo.train import packed_forward, packing  # padding_free: the rows of a forward packed into one sequence
 from lit_grpo.train.sequence_parallel import SequenceParallel
 from lit_grpo.train.shared_prompt import (
     PromptGroups,
@@ -182,7 +182,11 @@ class LogProbPasses:
         if self.passes.group_by_length and group_by_length:
             # a shared prompt costs nothing per row: chunk by completion length alone
             prompt_mask = rollout.prompt_mask if prefix is None else rollout.prompt_mask[:, :0]
-            chunks = length_chunks(prompt_mask, rollout.completion_mask, self.forward_token_budget)
+            if prefix is None and self.padding_free(model):  # padding_free: a packed chunk costs its real tokens
+                row_tokens = rollout.prompt_mask.sum(dim=1) + rollout.completion_mask.sum(dim=1)  # [n]
+                chunks = packing.token_budget_chunks(row_tokens, self.forward_token_budget)
+            else:
+                chunks = length_chunks(prompt_mask, rollout.completion_mask, self.forward_token_budget)
             chunks = split_chunks(chunks, agreed_over_sharded_ranks(len(chunks), model, "max"))
         else:
             chunks = [torch.arange(rollout.completion_ids.size(0), device=rollout.completion_ids.device)]
@@ -603,10 +607,15 @@ class LogProbPasses:
         """The row chunks of a micro-batch for separate forward and backward passes: length chunks
         within ``forward_token_budget`` where the micro-batch's padded tokens exceed it (rows x
         (longest prompt + longest completion), or with shared prompts (``groups``) the distinct
-        prompts' tokens plus rows x longest completion), else one chunk."""
+        prompts' tokens plus rows x longest completion), else one chunk; packed (``padding_free``), chunks
+        of rows whose real tokens fit the budget."""
         every_row = [torch.arange(micro.completion_ids.size(0), device=micro.completion_ids.device)]
         if not self.may_chunk_backward():
             return every_row
+        if groups is None and self.padding_free(policy):  # padding_free: a packed chunk costs its real tokens
+            row_tokens = micro.prompt_mask.sum(dim=1) + micro.completion_mask.sum(dim=1)  # [n]
+            packed_chunks = packing.token_budget_chunks(row_tokens, self.forward_token_budget)
+            return split_chunks(packed_chunks, agreed_over_sharded_ranks(len(packed_chunks), policy, "max"))
         trimmed = micro.trimmed()
         if groups is None:
             tokens, prompt_mask = trimmed.prompt_ids.numel() + trimmed.completion_ids.numel(), micro.prompt_mask

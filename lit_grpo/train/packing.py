@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedRows", "pack_rows"]
+__all__ = ["PackedRows", "pack_rows", "token_budget_chunks"]
 
 
 @dataclass(frozen=True)
@@ -90,3 +90,22 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRo
         shape=(n, length),
         max_length=int(row_lengths.max()) if n else 0,
     )
+
+
+def token_budget_chunks(row_tokens: torch.Tensor, token_budget: int | None) -> list[torch.Tensor]:
+    """Rows cut into chunks for packed forwards, each of at most ``token_budget`` real tokens (a row
+    over the budget alone): packed, a chunk costs its real tokens ``row_tokens [n]``, whatever the
+    rows' lengths, so the rows go longest first into as few chunks as a greedy fill gives (one
+    without a budget). Returns row indices ``[n_chunk]`` per chunk, together a permutation of the rows."""
+    order = torch.argsort(row_tokens, descending=True, stable=True)
+    if token_budget is None:
+        return [order]
+    chunks, current, filled = [], [], 0
+    for row, tokens in zip(order.tolist(), row_tokens[order].tolist()):
+        if current and filled + tokens > token_budget:
+            chunks.append(current)
+            current, filled = [], 0
+        current.append(row)
+        filled += tokens
+    chunks.append(current)
+    return [torch.tensor(chunk, dtype=torch.long, device=row_tokens.device) for chunk in chunks]

@@ -53,3 +53,13 @@ def test_pack_is_the_inverse_of_unpack_on_the_real_tokens():
     packed = pack_rows(INPUT_IDS, MASK)
     assert packed.pack(INPUT_IDS).tolist() == packed.input_ids.tolist()
     assert torch.equal(packed.unpack(packed.pack(INPUT_IDS * MASK)), INPUT_IDS * MASK)
+
+
+def test_token_budget_chunks_fill_the_budget_with_real_tokens_longest_first():
+    from lit_grpo.train.packing import token_budget_chunks
+
+    row_tokens = torch.tensor([3, 9, 4, 12, 2, 5])
+    chunks = token_budget_chunks(row_tokens, 10)
+    # longest first: 12 alone (over the budget), 9, then 5 + 4 (9), then 3 + 2 (5)
+    assert [chunk.tolist() for chunk in chunks] == [[3], [1], [5, 2], [0, 4]]
+    assert [chunk.tolist() for chunk in token_budget_chunks(row_tokens, None)] == [[3, 1, 5, 2, 0, 4]]

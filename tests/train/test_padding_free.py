@@ -87,6 +87,18 @@ def test_packed_equals_padded_on_a_tied_head(tiny_model_dir, monkeypatch, fused_
     assert_equal_values(padded, packed, rollout.completion_mask.bool())
 
 
+def test_packed_length_chunks_count_real_tokens_and_equal_one_padded_forward(tiny_model_dir, monkeypatch):
+    module = build(tiny_model_dir, monkeypatch)
+    rollout = hand_made_rollout(module.tokenizer, LENGTHS, ORDER)
+    padded = logps_entropy_grads(module, rollout, padding_free=False, group_by_length=False, share_prompt_forward=False)
+    shapes = input_shapes(module.policy)
+    packed = logps_entropy_grads(module, rollout, padding_free=True, group_by_length=True, forward_token_budget=60)
+    assert len(shapes) > 1 and all(rows == 1 and tokens <= 60 for rows, tokens in shapes)  # chunks of real tokens
+    real_tokens = int(rollout.prompt_mask.sum() + rollout.completion_mask.sum())
+    assert real_tokens - len(LENGTHS) <= sum(tokens for _, tokens in shapes) < real_tokens  # no padding (each chunk's last column left out)
+    assert_equal_values(padded, packed, rollout.completion_mask.bool())
+
+
 @pytest.fixture(scope="module")
 def untied_model_dir(tiny_model_dir, tmp_path_factory):
     """The tiny model with an output head of its own (random), not its embeddings."""
@@ -173,6 +185,7 @@ def test_the_loss_and_every_gradient_of_a_micro_batch_equal_the_padded(untied_mo
     rows = torch.arange(len(LENGTHS))
     results = []
     shapes = input_shapes(module.policy)
+    forwards = []
     for padding_free in (False, True):
         set_hparams(module, padding_free=padding_free, share_prompt_forward=False, forward_token_budget=60)
         module.policy.zero_grad(set_to_none=True)
@@ -180,7 +193,10 @@ def test_the_loss_and_every_gradient_of_a_micro_batch_equal_the_padded(untied_mo
         stats, logps = module.logprobs.micro_batch_backward(module.policy, scored, rows, scale=1.0, sync=True)
         grads = {name: p.grad.clone() for name, p in module.policy.named_parameters() if p.grad is not None}
         results.append((stats["loss"], logps, grads))
+        forwards.append(len(shapes))
     assert len(shapes) > 1 and all(rows == 1 for rows, _ in shapes)  # the packed run: chunks, each one sequence
+    assert all(tokens <= 60 for _, tokens in shapes)  # each within the budget in real tokens,
+    assert forwards[1] < forwards[0]  # so fewer forwards than chunks counted with their padding
     assert frozen_passes == [False, False]  # each run's rows without gradient went forward apart, without autograd
     (padded_loss, padded_logps, padded_grads), (packed_loss, packed_logps, packed_grads) = results
     close(packed_loss, padded_loss)
