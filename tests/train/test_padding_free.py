@@ -250,7 +250,8 @@ def test_fsdp2_packed_run_equals_the_padded_run(run_dir):
         assert (said in result.stderr + result.stdout) == padding_free
         runs[padding_free] = torch.load(run_dir / f"{name}.pt", weights_only=False)
     padded, packed = runs[False], runs[True]
-    assert len(packed["steps"]) == len(padded["steps"]) == 1 and packed["backward_passes"] == padded["backward_passes"]
+    assert len(packed["steps"]) == len(padded["steps"]) == 1
+    assert 2 < packed["backward_passes"] <= padded["backward_passes"]  # chunks of real tokens: as many or fewer
     for name in COMPARED_METRICS:
         assert packed["steps"][0][name] == pytest.approx(padded["steps"][0][name], rel=1e-4, abs=1e-6), name
     # float32 sums in another order; Adam (lr 0.01) turns that rounding into weight differences of ~4e-5
