@@ -859,6 +859,57 @@ def vllm_server_push_bound(model_dir: Path, timeout: float = 30.0) -> dict:
     return result
 
 
+def fused_head_bf16_check(device: str, tokens: int = 4096, hidden_size: int = 2048, vocab_size: int = 151936,
+                          tile_tokens: int = 512, cuda_only: bool = True) -> dict:
+    """The fused LM head (``fused_token_logprobs`` with a bf16 ``LinearHead``, several tiles) against the
+    full bf16 logits, each as relative error to float32's log-probs, entropy and gradients; and how many
+    weight-gradient products took ``add_product_in_float32``'s CUDA branch (``addmm(out_dtype=float32)``).
+    Off CUDA "skipped" (``cuda_only=False``: run anyway, at a size given, for the mechanics' test)."""
+    from lit_grpo.algorithm import fused_lm_head
+
+    if device != "cuda" and cuda_only:
+        return {"skipped": "no CUDA"}
+    generator = torch.Generator(device).manual_seed(0)
+    hidden32 = torch.randn(1, tokens, hidden_size, device=device, generator=generator)
+    weight32 = torch.randn(vocab_size, hidden_size, device=device, generator=generator) / hidden_size**0.5
+    ids = torch.randint(0, vocab_size, (1, tokens), device=device, generator=generator)
+    grad_logps, grad_entropy = (torch.randn(1, tokens, device=device, generator=generator) for _ in range(2))
+
+    def run(dtype: torch.dtype, fused: bool) -> list[torch.Tensor]:  # logps, entropy, d hidden, d weight
+        hidden, weight = (t.to(dtype, copy=True).requires_grad_() for t in (hidden32, weight32))
+        if fused:
+            logps, entropy = fused_lm_head.fused_token_logprobs(
+                hidden, fused_lm_head.LinearHead(weight), ids, vocab_size, with_entropy=True,
+                tile_bytes=tile_tokens * 4 * vocab_size, entropy_grad=True)
+        else:  # [1, T, V] float32 logits from the product in ``dtype``, as nn.Linear in bf16 makes them
+            log_probs = (hidden @ weight.T).float().log_softmax(-1)
+            logps, entropy = log_probs.gather(-1, ids[..., None]).squeeze(-1), -(log_probs.exp() * log_probs).sum(-1)
+        ((logps * grad_logps).sum() + (entropy * grad_entropy).sum()).backward()
+        return [logps.detach(), entropy.detach(), hidden.grad.float(), weight.grad.float()]
+
+    calls = []
+    plain_add_product = fused_lm_head.add_product_in_float32
+
+    def recorded(total, left, right):
+        calls.append(total.device.type == "cuda" and left.dtype in (torch.float16, torch.bfloat16))
+        plain_add_product(total, left, right)
+
+    reference = run(torch.float32, fused=False)
+    full = run(torch.bfloat16, fused=False)
+    fused_lm_head.add_product_in_float32 = recorded
+    try:
+        fused = run(torch.bfloat16, fused=True)
+    finally:
+        fused_lm_head.add_product_in_float32 = plain_add_product
+    names = ("logps", "entropy", "grad_hidden", "grad_weight")
+    errors = {label: {name: float((x - r).norm() / r.norm()) for name, x, r in zip(names, values, reference)}
+              for label, values in (("full_bf16", full), ("fused_bf16", fused))}
+    return {"tokens": tokens, "hidden_size": hidden_size, "vocab_size": vocab_size, "tile_tokens": tile_tokens,
+            "relative_error_to_float32": errors, "add_product_calls": len(calls), "add_product_cuda_bf16_branch": sum(calls),
+            "max_abs_logp_difference_fused_full": float((fused[0] - full[0]).abs().max()),
+            "fused_within_full": all(errors["fused_bf16"][n] <= 1.2 * errors["full_bf16"][n] + 1e-6 for n in names)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -900,6 +951,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["notes"] += [f"{label} failed: {last_line(error)}" for label, error in report["fit"]["failures"].items()]
         report["decode"] = part("decode", lambda: decode_rows(checkpoint, args.shapes, args.device, sizes, hardware))
         report["padding_free"] = part("padding-free", lambda: padding_free_rows(checkpoint, args.device))
+        report["fused_head_bf16"] = part("fused head bf16", lambda: fused_head_bf16_check(args.device))  # addmm(out_dtype)
         if args.device == "cuda":  # on the CPU: tests/rollout/test_async_rollouts.py
             report["async_scoring"] = part("async scoring", lambda: scoring_thread_devices(checkpoint, args.device))
             if not report["async_scoring"]["cpu_only"]:
