@@ -21,14 +21,16 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_grpo import models
+from lit_grpo.cpu.attention import NAME as CPU_HALF_ATTENTION
 from lit_grpo.device_defaults import VARLEN_ATTENTION
 from lit_grpo.errors import ConfigError
 from lit_grpo.train.packing import PackedRows, pack_rows
 
-__all__ = ["PACKED_ATTENTION", "VARLEN_ATTENTION", "packed_hidden_states", "packed_logits", "packing_unsupported"]
+__all__ = ["PACKED_ATTENTION", "check_packing", "packed_hidden_states", "packed_inputs", "packed_logits", "packing_unsupported"]
 
-# attention implementations that keep packed rows apart given restarting position ids
-PACKED_ATTENTION = frozenset({"sdpa", "eager", "flex_attention", "lit_cpu_half"}) | VARLEN_ATTENTION
+# attention implementations that keep packed rows apart given restarting position ids (the CPU's
+# half-precision attention takes sdpa's masks)
+PACKED_ATTENTION = frozenset({"sdpa", "eager", "flex_attention", CPU_HALF_ATTENTION}) | VARLEN_ATTENTION
 
 
 def attention_implementation(model: torch.nn.Module) -> str | None:
