@@ -348,3 +348,43 @@ def test_killed_one_step_off_tools_run_resumes_with_no_prompt_lost_or_trained_tw
     assert set(logged["async/staleness_max"].values()) == {0.0, 1.0}
     saved = checkpoint_at(directory)["callbacks"]["RolloutPipeline"]["per_rank"][0]
     assert [len(batch["rollout"]["conversations"]) for batch in saved] == [2 * 4]
+
+
+def test_on_servers_a_multi_turn_batch_is_sampled_in_the_step_and_only_scored_in_the_background():
+    """``vllm_server`` samples single-turn batches in the background thread; a multi-turn one is sampled
+    in the step (its turns' seeds come from the trainer's random state), then scored in the background."""
+    from types import SimpleNamespace
+
+    from lit_grpo.data import PromptBatch
+    from lit_grpo.rollout.async_pipeline import InFlight, RolloutPipeline
+    from lit_grpo.rollout.records import Rollout
+
+    calls = []
+    ones = torch.ones(2, 3, dtype=torch.long)
+    sampled = Rollout(ones, ones, ones, ones, torch.zeros(2, dtype=torch.bool), sampling_logps=torch.full((2, 3), -1.0),
+                      tool_mask=ones, conversations=[], weight_versions=torch.tensor([4, 4]))
+
+    def generate(prompts, columns):
+        calls.append(("generate in the step", __import__("threading").current_thread().name))
+        return sampled
+
+    def score(scorer, batch, rollout, k, device):
+        calls.append(("score", __import__("threading").current_thread().name))
+        return ["done"] * 2, torch.zeros(2, 1)
+
+    collector = SimpleNamespace(tool_use=object(), background_sampler=lambda batch: calls.append("background sampler"),
+                                score=score, scorer=SimpleNamespace(last_error_counts={}), settings=SimpleNamespace(num_generations=2))
+    module = SimpleNamespace(engine=SimpleNamespace(samples_elsewhere=True), collector=collector, generate=generate)
+    pipeline = RolloutPipeline(max_staleness=1, optimizer_steps_per_batch=1)
+    item = InFlight(PromptBatch(["once 1"], {}), {"generate": 0.0})
+    pipeline._start(module, item)
+    item.finish()
+    pipeline.teardown(None, None, "fit")
+    assert [call[0] for call in calls] == ["generate in the step", "score"]
+    assert calls[0][1] == "MainThread" and calls[1][1].startswith("lit-grpo-scoring")
+    assert item.rollout.weight_versions.tolist() == [4, 4] and item.completions == ["done"] * 2 and item.failure is None
+    collector.tool_use = None  # single-turn: the servers sample in the background, as before
+    calls.clear()
+    pipeline._start(module, InFlight(PromptBatch(["once 1"], {}), {"generate": 0.0}))
+    pipeline.teardown(None, None, "fit")
+    assert calls[0] == "background sampler"
