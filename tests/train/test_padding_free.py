@@ -145,13 +145,14 @@ def test_bf16_autocast_within_the_bf16_tolerance(tiny_model_dir, monkeypatch):
         padded, packed = padded_and_packed(module, rollout)
     float32 = logps_entropy_grads(module, rollout, padding_free=False)
     mask = rollout.completion_mask.bool()
-    close(packed[0][mask], padded[0][mask], rtol=2e-2, atol=2e-2)
-    close(packed[1][mask], padded[1][mask], rtol=2e-2, atol=2e-2)
+    # tests/algorithm/test_fused_lm_head.py's bf16 tolerance (measured here: equal log-probs, gradients within 6e-5)
+    close(packed[0][mask], padded[0][mask], rtol=1e-3, atol=1e-3)
+    close(packed[1][mask], padded[1][mask], rtol=1e-3, atol=1e-3)
     # packed bf16 is as far from float32 as padded bf16 is (the same bf16 rounding, not another error)
     packed_error = (packed[0][mask] - float32[0][mask]).abs().max()
     padded_error = (padded[0][mask] - float32[0][mask]).abs().max()
     assert packed_error < 2 * padded_error + 1e-3
-    close(packed[2], padded[2], rtol=5e-2, atol=5e-2)
+    close(packed[2], padded[2], rtol=1e-2, atol=1e-2)
 
 
 def scored_rollout(rollout) -> ScoredRollout:
