@@ -101,9 +101,9 @@ import torch
 from lit_grpo.data import PromptBatch
 from lit_grpo.errors import ConfigError
 from lit_grpo.rollout.collector import RolloutCollector
+from lit_grpo.rollout.dynamic_sampling import dynamic_sampling, next_prompt_batch
 from lit_grpo.rollout.engines.base import agreed_failure
 from lit_grpo.rollout.engines.server_lost import GenerationFailed
-from lit_grpo.rollout.dynamic_sampling import dynamic_sampling, next_prompt_batch
 from lit_grpo.rollout.records import Rollout, SampledGroups, ScoredRollout
 from lit_grpo.rollout.tools.multi_turn import conversation_from_record, conversation_record
 

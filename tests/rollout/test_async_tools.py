@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import signal
 import string
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import ClassVar
 
 import lightning.pytorch as pl
 import pytest
@@ -46,12 +48,12 @@ class Ledger:
     closed them."""
 
     live = closed = 0
-    threads: set = set()
+    threads: ClassVar[set] = set()
 
     def __init__(self, bonus: float):
         self.bonus, self.calls = bonus, 0
         Ledger.live += 1
-        Ledger.threads.add(__import__("threading").current_thread().name)
+        Ledger.threads.add(threading.current_thread().name)
 
     def add(self, a: int, b: int) -> int:
         """Add two integers.
@@ -69,7 +71,7 @@ class Ledger:
     def close(self) -> None:
         Ledger.live -= 1
         Ledger.closed += 1
-        Ledger.threads.add(__import__("threading").current_thread().name)
+        Ledger.threads.add(threading.current_thread().name)
 
 
 @pytest.fixture
@@ -217,7 +219,7 @@ def test_a_verifiers_environment_trains_one_step_off(tmp_path, tiny_qwen2_dir):
     trainer.fit(module, datamodule=GRPODataModule(path="verifiers", args=args, batch_size=2))
     rows = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
-    column = lambda name: [row.split(",")[header.index(name)] for row in rows[1:] if row.split(",")[header.index(name)]]  # noqa: E731
+    column = lambda name: [row.split(",")[header.index(name)] for row in rows[1:] if row.split(",")[header.index(name)]]
     assert [float(value) for value in column("async/staleness_max")] == [0.0, 1.0]
     assert len(column("rewards/num_turns/mean")) == 2 and all(float(value) >= 1 for value in column("rewards/num_turns/mean"))
     assert len(column("tools/calls_per_rollout")) == 2
@@ -301,7 +303,7 @@ def assert_same_run(reference: Path, directory: Path) -> tuple[dict, Counter]:
     assert sorted(logged["reward"]) == sorted(expected["reward"]) == [1, 2, 3, 4, 5, 6]
     for tag, values in expected.items():
         assert logged[tag] == values, tag
-    as_key = lambda prompt: json.dumps(prompt, sort_keys=True)  # noqa: E731 - chat prompts are lists of messages
+    as_key = lambda prompt: json.dumps(prompt, sort_keys=True)
     trained = Counter(map(as_key, trained_prompts(reference)))
     assert Counter(map(as_key, trained_prompts(directory))) == trained
     return expected, trained
@@ -365,11 +367,11 @@ def test_on_servers_a_multi_turn_batch_is_sampled_in_the_step_and_only_scored_in
                       tool_mask=ones, conversations=[], weight_versions=torch.tensor([4, 4]))
 
     def generate(prompts, columns):
-        calls.append(("generate in the step", __import__("threading").current_thread().name))
+        calls.append(("generate in the step", threading.current_thread().name))
         return sampled
 
     def score(scorer, batch, rollout, k, device):
-        calls.append(("score", __import__("threading").current_thread().name))
+        calls.append(("score", threading.current_thread().name))
         return ["done"] * 2, torch.zeros(2, 1)
 
     collector = SimpleNamespace(tool_use=object(), background_sampler=lambda batch: calls.append("background sampler"),
