@@ -250,7 +250,8 @@ def cached_warm_tool_model(config: pytest.Config, target: Path) -> Path:
     for source in sources:
         digest.update(source.read_bytes())
     name = f"warm-tool-model-{digest.hexdigest()[:16]}"
-    cached = config.cache.mkdir(name) if config.cache is not None else target / name  # -p no:cacheprovider: this session's
+    cache = getattr(config, "cache", None)  # none under -p no:cacheprovider: the model is this session's
+    cached = cache.mkdir(name) if cache is not None else target / name
     if not (cached / "model.safetensors").exists():
         # a subprocess: the vLLM environment has the example on PYTHONPATH only; trained beside the cache, in a
         # directory of this process's own (two sessions at once each train one), then renamed into place
@@ -265,7 +266,7 @@ def cached_warm_tool_model(config: pytest.Config, target: Path) -> Path:
             partial.rename(cached)
         except OSError:  # another session's model got there first: the same training, so it is used
             shutil.rmtree(partial, ignore_errors=True)
-    if config.cache is None:
+    if cache is None:
         return cached
     shutil.copytree(cached, target, dirs_exist_ok=True)
     return target
