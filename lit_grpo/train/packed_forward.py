@@ -6,7 +6,9 @@ mask, which is how ``transformers`` (5.24, ``masking_utils.find_packed_sequence_
 packed sequences: ``sdpa``/``eager`` (and lit-grpo's CPU half-precision attention, which takes the
 same masks) get a block-diagonal causal mask, ``flex_attention`` a block mask, and
 ``flash_attention_2/3`` the variable-length kernel, to which the rows' ``cu_seqlens`` are also
-given (``cu_seq_lens_q/k``, ``max_length_q/k``). Every token then attends to exactly what it
+given (``cu_seq_lens_q/k``, ``max_length_q/k``): ``transformers`` would infer them from the position
+ids (``_is_packed_sequence``, then ``prepare_fa_kwargs_from_position_ids``), but that reads the
+position ids' values, a device synchronisation in every layer. Every token then attends to exactly what it
 attended to in the padded forward, at the same position: the values and gradients are the padded
 forward's. Only the positions that predict completion tokens come back, in the padded layout
 ``[n, C, ...]`` (0 at padding): the hidden states for the fused LM head, or the model's logits of
@@ -26,11 +28,14 @@ from lit_grpo.device_defaults import VARLEN_ATTENTION
 from lit_grpo.errors import ConfigError
 from lit_grpo.train.packing import PackedRows, pack_rows
 
-__all__ = ["PACKED_ATTENTION", "check_packing", "packed_hidden_states", "packed_inputs", "packed_logits", "packing_unsupported"]
+__all__ = ["PACKED_ATTENTION", "PACKED_MODEL_TYPES", "check_packing", "packed_hidden_states", "packed_inputs", "packed_logits", "packing_unsupported"]
 
 # attention implementations that keep packed rows apart given restarting position ids (the CPU's
 # half-precision attention takes sdpa's masks)
 PACKED_ATTENTION = frozenset({"sdpa", "eager", "flex_attention", CPU_HALF_ATTENTION}) | VARLEN_ATTENTION
+# model types whose decoders build their masks from the position ids (``create_causal_mask(position_ids=...)``):
+# today those whose head is known to be linear (checked in transformers 5.24), a separate fact all the same
+PACKED_MODEL_TYPES = models.FUSED_HEAD_MODEL_TYPES
 
 
 def attention_implementation(model: torch.nn.Module) -> str | None:
@@ -48,7 +53,7 @@ def packing_unsupported(model: torch.nn.Module) -> str | None:
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     if implementation not in PACKED_ATTENTION:
         return f"the model's attention implementation {implementation!r} is not one of {sorted(PACKED_ATTENTION)}"
-    if model_type not in models.FUSED_HEAD_MODEL_TYPES:
+    if model_type not in PACKED_MODEL_TYPES:
         return f"{type(base).__name__} (model_type {model_type!r}, attention {implementation!r}) is not known to mask packed rows apart"
     partial = models.partial_kv_cache_reason(model)
     if partial is not None:

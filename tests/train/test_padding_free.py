@@ -261,6 +261,38 @@ def test_fsdp2_packed_run_equals_the_padded_run(run_dir):
         torch.testing.assert_close(packed["state"][name], expected, rtol=1e-4, atol=1e-4, msg=name)
 
 
+def test_packed_chunks_are_split_to_the_number_of_forwards_the_ranks_agreed_on(tiny_model_dir, monkeypatch):
+    """Under FSDP2 every rank runs as many forwards as the rank with the most chunks (else the ranks
+    hang in the sharded forward): the packed chunks of the log-prob passes and of a micro-batch's
+    backward are split to the agreed number too. One process, the agreement said to be 2 more."""
+    from lit_grpo.train.packing import token_budget_chunks
+
+    module = build(tiny_model_dir, monkeypatch)
+    rollout = hand_made_rollout(module.tokenizer, LENGTHS, ORDER)
+    set_hparams(module, padding_free=True, group_by_length=True, share_prompt_forward=False, forward_token_budget=60)
+    own = len(token_budget_chunks(rollout.prompt_mask.sum(dim=1) + rollout.completion_mask.sum(dim=1), 60))
+    monkeypatch.setattr(lit_grpo.train.logprob_passes, "agreed_over_sharded_ranks",
+                        lambda count, model, reduce: count + 2 if reduce == "max" else count)
+    shapes = input_shapes(module.policy)
+    with torch.no_grad():
+        module.logprobs.completion_logps(module.policy, rollout)
+    assert len(shapes) == own + 2 and all(rows == 1 for rows, _ in shapes)  # packed forwards, as many as agreed
+    chunks = module.logprobs.backward_chunks(module.policy, rollout, None)
+    assert len(chunks) == own + 2 and sorted(torch.cat(chunks).tolist()) == list(range(len(LENGTHS)))
+
+
+def test_a_model_type_not_known_to_mask_packed_rows_apart_is_refused(monkeypatch):
+    """GPT-2 on sdpa: an attention implementation that packs, but a model type not listed as building
+    its mask from the position ids."""
+    from lit_grpo.train.packed_forward import check_packing
+
+    config = AutoConfig.for_model("gpt2", vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with pytest.raises(ConfigError, match=r"^model.padding_free: true .*GPT2LMHeadModel \(model_type 'gpt2', attention "
+                                          r"'sdpa'\) is not known to mask packed rows apart"):
+        check_packing(model)
+
+
 def test_padding_free_true_is_refused_when_the_optimizer_is_built_before_any_sampling(tiny_model_dir, monkeypatch):
     module = build(tiny_model_dir, monkeypatch, padding_free=True)
     module.configure_optimizers()  # sdpa on a Llama: packs
