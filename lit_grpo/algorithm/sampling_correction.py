@@ -129,7 +129,9 @@ def sampling_correction(
     high = math.inf if clip_max is None else clip_max
     changed = (ratio < low) | (ratio > high)
     if mode.endswith("truncate"):
-        weights = ratio.clamp(min=clip_min, max=clip_max)
+        # torch.clamp refuses two None bounds; with no bound the ratio is kept whole.
+        unbounded = clip_min is None and clip_max is None
+        weights = ratio if unbounded else ratio.clamp(min=clip_min, max=clip_max)
     else:
         weights = ratio.masked_fill(changed, 0.0)
     return SamplingCorrection(weights=weights, ratio=ratio, changed=changed)

@@ -48,6 +48,11 @@ def test_sequence_modes_use_the_summed_log_ratio():
     close(masked.weights, [[0.0], [0.25]])
     no_bounds = sampling_correction(TRAINER, engine, MASK, "sequence_mask", clip_max=None)
     close(no_bounds.weights, [[4.0], [0.25]])
+    for mode in ("sequence_truncate", "token_truncate"):  # both bounds null: the ratio itself, nothing changed
+        unbounded = sampling_correction(TRAINER, engine, MASK, mode, clip_min=None, clip_max=None)
+        close(unbounded.weights, unbounded.ratio)
+        assert not unbounded.changed.any()
+    close(sampling_correction(TRAINER, engine, MASK, "sequence_truncate", clip_max=None).weights, [[4.0], [0.25]])
 
 
 def test_a_token_the_engine_did_not_score_gets_weight_one():
