@@ -99,7 +99,11 @@ class Rollout:
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
-    """Stack rollouts of different widths: prompts left-padded, completions right-padded."""
+    """Stack rollouts of different widths: prompts left-padded, completions right-padded. Every part has
+    behaviour log-probs (``sampling_logps``) or none has: a mix would train the whole batch uncorrected."""
+    if len({r.sampling_logps is None for r in rollouts}) > 1:
+        raise ValueError("concat_rollouts: some rollouts have sampling_logps and others not (each round of a batch must "
+                         "carry its behaviour log-probs, or none may)")
     prompt_width = max(r.prompt_ids.size(1) for r in rollouts)
     completion_width = max(r.completion_ids.size(1) for r in rollouts)
 

@@ -115,6 +115,9 @@ def test_one_step_off_with_tools_trains_each_multi_turn_batch_with_the_weights_t
     reward_plugin(messages=lambda prompts, completions, **kw: [float(len(c)) for c in completions])
     module = GRPOModule(str(tiny_qwen2_dir), [{"name": "messages"}], num_generations=2, max_completion_length=200, tools=[ADD],
                         max_staleness=1, log_completions_every_n_steps=0, model_init_kwargs={"dtype": "float32"},
+                        # a sequence-level correction (a wrong behaviour log-prob on any token of a row moves
+                        # its ratio), unclipped: the ratios are logged as they are
+                        vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_max=1e9,
                         # the scripted rows of a group are alike (no gradient): the weight decay moves the policy
                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1, weight_decay=1.0))
     data = GRPODataModule(path="json", data_files=questions(write_jsonl, ["once 1", "twice 2"] * 4), batch_size=2,
@@ -138,6 +141,9 @@ def test_one_step_off_with_tools_trains_each_multi_turn_batch_with_the_weights_t
     # are the trainer's (to rounding: one forward of the whole rows, and the update's of prompt and
     # completion apart); the next ones by weights one step older
     assert metrics[1]["sampling/sampling_logp_difference/max"] < 1e-5
+    # so its rows' ratios (over the tokens of the loss: the tool messages' 0 would move them far) are 1
+    for bound in ("min", "max"):
+        assert metrics[1][f"sampling/importance_sampling_ratio/{bound}"] == pytest.approx(1.0, abs=1e-3)
     assert metrics[2]["sampling/sampling_logp_difference/mean"] > 1e-3
     assert [m["tools/calls_per_rollout"] for m in metrics[1:]] == [1.5] * 3  # (1 + 1 + 2 + 2) / 4
     assert [m["turns/mean"] for m in metrics[1:]] == [2.5] * 3
@@ -255,8 +261,11 @@ def test_dynamic_sampling_one_step_off_replaces_groups_without_signal_at_the_ste
     assert trained[0] is None and trained[1].prompts == ["Say a:", "Say d:"]
     assert metrics[1]["dynamic_sampling/rounds"] == 2
     assert metrics[1]["dynamic_sampling/dropped_frac"] == pytest.approx(2 / 4)
-    # the extra round was sampled by the current weights (version 0 still: no optimizer step yet)
+    # the extra round was sampled by the current weights (version 0 still: no optimizer step yet), and
+    # its behaviour log-probs join the batch's: sampled and trained by the same weights, ratio 1
     assert trained[1].rollout.weight_versions.tolist() == [0] * 8
+    assert trained[1].rollout.sampling_logps is not None
+    assert metrics[1]["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
     # step 2 samples [e, f] (after what step 1 drew) and trains [b, c], which needs no extra round
     assert trained[2].prompts == ["Say b:", "Say c:"]
     assert metrics[2]["dynamic_sampling/rounds"] == 1 and metrics[2]["async/staleness_max"] == 1.0
@@ -390,3 +399,17 @@ def test_on_servers_a_multi_turn_batch_is_sampled_in_the_step_and_only_scored_in
     pipeline._start(module, InFlight(PromptBatch(["once 1"], {}), {"generate": 0.0}))
     pipeline.teardown(None, None, "fit")
     assert calls[0] == "background sampler"
+
+
+def test_rounds_with_and_without_behaviour_log_probs_are_not_concatenated():
+    """A round without ``sampling_logps`` joining one with them would leave the whole batch uncorrected:
+    refused (an async extra round always carries them)."""
+    from lit_grpo.rollout.records import Rollout, concat_rollouts
+
+    ones = torch.ones(1, 2, dtype=torch.long)
+    with_logps = Rollout(ones, ones, ones, ones, torch.zeros(1, dtype=torch.bool), sampling_logps=torch.full((1, 2), -1.0))
+    without = Rollout(ones, ones, ones, ones, torch.zeros(1, dtype=torch.bool))
+    assert concat_rollouts([with_logps, with_logps], pad_token_id=0).sampling_logps.tolist() == [[-1.0, -1.0]] * 2
+    assert concat_rollouts([without, without], pad_token_id=0).sampling_logps is None
+    with pytest.raises(ValueError, match="some rollouts have sampling_logps and others not"):
+        concat_rollouts([with_logps, without], pad_token_id=0)
