@@ -173,6 +173,9 @@ def test_environments_live_within_the_step_and_their_rewards_are_scored_in_the_b
     conversations = saved["rollout"]["conversations"]
     assert [c["environment_reward"] for c in conversations] == [11.0, 11.0, 22.0, 22.0]
     assert [c["tool_calls"] for c in conversations] == [1, 1, 2, 2]
+    # the tokens are the rollout's tensors' alone (not again as lists in every conversation)
+    assert not {"prompt_ids", "token_ids", "tool_mask", "sampling_logps"} & set(conversations[0])
+    assert saved["rollout"]["completion_ids"].shape[0] == 4
 
 
 def _saved(state: dict) -> str:

@@ -114,7 +114,9 @@ class Conversation:
 
 # What a checkpoint keeps of an ended conversation: its live parts (the tools' functions, the
 # environment's instance, calls not yet run) are gone once its rollout ended and its reward was read.
-NOT_RECORDED = frozenset({"tools", "environment_instance", "pending"})
+# Not in a checkpoint's record: the live objects, and the token lists the Rollout's tensors already hold
+# (as Python lists they would cost ~15 bytes a token in the pickle gathered to rank 0).
+NOT_RECORDED = frozenset({"tools", "environment_instance", "pending", "prompt_ids", "token_ids", "tool_mask", "sampling_logps"})
 
 
 def conversation_record(conversation: Conversation) -> dict[str, Any]:
@@ -125,8 +127,9 @@ def conversation_record(conversation: Conversation) -> dict[str, Any]:
 
 
 def conversation_from_record(record: dict[str, Any]) -> Conversation:
-    """The conversation of :func:`conversation_record`, ended, with no tools and no environment instance."""
-    return Conversation(tools={}, **{name: value for name, value in record.items() if name not in NOT_RECORDED})
+    """The conversation of :func:`conversation_record`, ended, with no tools and no environment instance
+    (its tokens are its Rollout's)."""
+    return Conversation(tools={}, prompt_ids=[], **{name: value for name, value in record.items() if name not in NOT_RECORDED})
 
 
 def run_conversations(
