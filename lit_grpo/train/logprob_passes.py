@@ -246,7 +246,10 @@ class LogProbPasses:
         if isinstance(head, str):
             if head not in self._fused_head_notes:
                 self._fused_head_notes.add(head)
-                rank_zero_info(f"log-probs from the model's full logits, not the fused LM head: {head}")
+                split = "" if self.sequence_parallel is None else (  # sequence_parallel: it splits only fused-head forwards
+                    f"; model.sequence_parallel_size {self.sequence_parallel.size}: each rank runs these forwards whole, "
+                    "no sequence split, no memory saved")
+                rank_zero_info(f"log-probs from the model's full logits, not the fused LM head: {head}{split}")
             return None
         tile_bytes = fused_lm_head.tile_bytes_for(next(model.parameters()).device.type, head.vocab_size)
         small = tokens is not None and tokens <= fused_lm_head.tokens_per_tile(head.vocab_size, tile_bytes)

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from transformers import GenerationConfig
 
 from lit_grpo import algorithm, cpu, device_defaults, models
@@ -411,6 +411,9 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         if hp.sequence_parallel_size > 1 and self.logprobs.sequence_parallel is None:
             self.logprobs.sequence_parallel = SequenceParallel.of_world(hp.sequence_parallel_size)
             self.logprobs.all_gather = self.logprobs.sequence_parallel.one_rank_per_group(self.all_gather)
+            if hp.share_prompt_forward == "auto" and self.logprobs.device_defaults["share_prompt_forward"]:
+                rank_zero_info(f"model.share_prompt_forward auto: off with model.sequence_parallel_size {hp.sequence_parallel_size} "
+                               "(every forward is one packed sequence split over the group)")
 
     def on_train_start(self) -> None:
         """``dynamic_sampling`` draws prompt batches through the fit loop's data fetcher (no public
@@ -527,8 +530,11 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         """The step's completions to the loggers' table, ``completions.jsonl`` and the console (:mod:`lit_grpo.run.completions`)."""
         step = logged_step(self.trainer)  # the step of this batch's scalars
         prompts = [prompt for prompt in scored.prompts for _ in range(self.settings.generation.num_generations)]
+        sequence_parallel = self.logprobs.sequence_parallel
 
         def make_records() -> list[dict[str, Any]]:  # only on a step that logs them
+            if sequence_parallel is not None and sequence_parallel.rank != 0:  # sequence_parallel: its group's first rank has them
+                return []
             return completion_records(step, prompts, completions, self.collector.reward_names, scored.rewards_per_func.tolist(),
                                       scored.rewards.tolist(), scored.group.advantages.tolist())
 
@@ -588,7 +594,8 @@ class GRPOModule(RedactedSettings, pl.LightningModule):
         # of its own rows (not half of one with two steps per pass)
         # (sequence_parallel: over the W / k data-parallel groups, whose k ranks hold the same rows)
         all_tokens = float(self._data_parallel_reduce()(loss_mask.sum().float(), "sum"))
-        data_parallel_size = self.trainer.world_size // self.hparams.sequence_parallel_size
+        sequence_parallel = self.logprobs.sequence_parallel
+        data_parallel_size = self.trainer.world_size // (sequence_parallel.size if sequence_parallel is not None else 1)
         num_items_in_batch = algorithm.dapo_normaliser(all_tokens, data_parallel_size, update.steps_per_generation)
         start = time.perf_counter()
         ref_logps = self.logprobs.reference_logps(self.policy, self.ref_model, rollout) if with_reference and self.settings.loss.beta > 0 else None

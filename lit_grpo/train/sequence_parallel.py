@@ -56,6 +56,10 @@ __all__ = ["NAME", "SequenceParallel", "check_model", "check_settings", "ulysses
 
 NAME = "lit_ulysses"
 
+# what a transformers attention layer may pass that ulysses_attention does not apply (a sliding window,
+# soft-capped attention logits, attention sinks): refused, never ignored
+UNSUPPORTED_ATTENTION_ARGUMENTS = ("sliding_window", "softcap", "s_aux")
+
 
 @dataclass(frozen=True)
 class _PackedAttention:
@@ -139,6 +143,9 @@ def ulysses_attention(
 ) -> tuple[torch.Tensor, None]:
     """A ``transformers`` attention function: exact causal attention within each packed row over the
     whole sequence, with heads split over the SP group. Returns ``[1, t, heads, D]`` and no weights."""
+    unsupported = [name for name in UNSUPPORTED_ATTENTION_ARGUMENTS if kwargs.get(name) is not None]
+    if unsupported:  # check_model refuses such models at start: this attention would silently ignore them
+        raise RuntimeError(f"attention implementation {NAME!r} cannot apply {', '.join(unsupported)}")
     state = _ACTIVE.get()
     if state is None:
         raise RuntimeError(f"attention implementation {NAME!r} runs only inside SequenceParallel.hidden_states")
@@ -242,9 +249,10 @@ class SequenceParallel:
     def shared_generator(self, device: torch.device) -> torch.Generator:
         """A generator seeded alike on the group's ranks (from the first one's random stream), so that
         the update shuffles the union's rows alike on each."""
-        seed = torch.randint(0, 2**62, (1,), dtype=torch.long)
+        # on ``device``: on CUDA the group's backend (NCCL, as Lightning's process group) has no CPU tensors
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.long, device=device)
         dist.broadcast(seed, src=dist.get_global_rank(self.group, 0), group=self.group)
-        return torch.Generator(device=device).manual_seed(int(seed))
+        return torch.Generator(device=device).manual_seed(int(seed.cpu()))
 
 
 def _first_rank_of_each_group(all_gather: Callable, size: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -275,22 +283,24 @@ def check_settings(hparams: Any, world_size: int) -> None:
         raise ConfigError(f"model.sequence_parallel_size must be at least 1, got {k}")
     if k == 1:
         return
-    refusals = {
-        world_size % k != 0: f"the number of processes ({world_size}) must be a multiple of model.sequence_parallel_size ({k})",
-        hparams.max_staleness > 0: "model.max_staleness > 0 (asynchronous GRPO) does not run with it yet",
-        bool(hparams.gradient_checkpointing): "model.gradient_checkpointing does not run with it yet (the recomputed "
-                                              "attention would leave its sequence-parallel group)",
-        hparams.share_prompt_forward is True: "model.share_prompt_forward: true does not run with it (set auto or false)",
-        bool(hparams.tools or hparams.environment): "model.tools and model.environment do not run with it yet",
-    }
-    for refused, why in refusals.items():
-        if refused:
-            raise ConfigError(f"model.sequence_parallel_size {k}: {why}")
+    refusals = [  # (refused, why): every refusal that applies is named
+        (world_size % k != 0, f"the number of processes ({world_size}) must be a multiple of model.sequence_parallel_size ({k})"),
+        (hparams.max_staleness > 0, "model.max_staleness > 0 (asynchronous GRPO) does not run with it yet"),
+        (bool(hparams.gradient_checkpointing), "model.gradient_checkpointing does not run with it yet (the recomputed "
+                                               "attention would leave its sequence-parallel group)"),
+        (hparams.share_prompt_forward is True, "model.share_prompt_forward: true does not run with it (set auto or false)"),
+        (bool(hparams.tools or hparams.environment), "model.tools and model.environment do not run with it yet"),
+    ]
+    reasons = [why for refused, why in refusals if refused]
+    if reasons:
+        raise ConfigError(f"model.sequence_parallel_size {k}: {'; '.join(reasons)}")
 
 
 def check_model(model: torch.nn.Module, k: int) -> None:
     """A model sequence parallelism cannot split, refused in one line: no ``transformers`` attention
-    interface, a head not known to be linear (no fused LM head), or query heads that k does not divide."""
+    interface, a head not known to be linear (no fused LM head), sliding-window, linear or soft-capped
+    attention (attention sinks: at the first forward, by :func:`ulysses_attention`), or query heads
+    that k does not divide."""
     head = models.output_head(model)
     if isinstance(head, str):
         raise ConfigError(f"model.sequence_parallel_size {k} needs the fused LM head: {head}")
@@ -299,6 +309,11 @@ def check_model(model: torch.nn.Module, k: int) -> None:
         raise ConfigError(f"model.sequence_parallel_size {k}: {type(base).__name__} does not take a transformers "
                           "attention function (AttentionInterface)")
     config = models.text_config(model)
+    partial = models.partial_kv_cache_reason(model)
+    if partial is not None or getattr(config, "attn_logit_softcapping", None):
+        why = partial if partial is not None else f"soft-capped attention logits (attn_logit_softcapping {config.attn_logit_softcapping})"
+        raise ConfigError(f"model.sequence_parallel_size {k}: {type(base).__name__} has {why}, which the Ulysses attention "
+                          "does not apply (full causal attention within each row only)")
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % k or heads % kv_heads:

@@ -61,7 +61,7 @@ def padded_hidden_and_grads(model_dir: str) -> tuple[torch.Tensor, dict[str, tor
     return hidden.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def sequence_parallel_worker(rank: int, port: int, model_dir: str, out: str, fail_on_rank: int | None) -> None:
+def sequence_parallel_worker(rank: int, port: int, model_dirs: list[str], out: str, fail_on_rank: int | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from datetime import timedelta
@@ -73,17 +73,18 @@ def sequence_parallel_worker(rank: int, port: int, model_dir: str, out: str, fai
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=20))
     try:
         sp = SequenceParallel.of_world(2)
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-        if fail_on_rank == rank:  # one rank's layer raises inside the forward
-            def broken(*args, **kwargs):
-                raise RuntimeError("layer broke on rank 1")
-            model.model.layers[1].mlp.forward = broken
-        head = models.output_head(model)
-        hidden = sp.hidden_states(model, head, input_ids=INPUT_IDS, attention_mask=MASK)  # [n, L, H]
-        weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
-        (hidden * weights).sum().backward()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        torch.save({"hidden": hidden.detach(), "grads": grads}, f"{out}.{rank}")
+        for index, model_dir in enumerate(model_dirs):  # one pair of processes for every model: they start slowly
+            model = AutoModelForCausalLM.from_pretrained(model_dir)
+            if fail_on_rank == rank:  # one rank's layer raises inside the forward
+                def broken(*args, **kwargs):
+                    raise RuntimeError("layer broke on rank 1")
+                model.model.layers[1].mlp.forward = broken
+            head = models.output_head(model)
+            hidden = sp.hidden_states(model, head, input_ids=INPUT_IDS, attention_mask=MASK)  # [n, L, H]
+            weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+            (hidden * weights).sum().backward()
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+            torch.save({"hidden": hidden.detach(), "grads": grads}, f"{out}.{index}.{rank}")
     except Exception as error:  # what the parent checks: every rank ended with an error
         Path(f"{out}.{rank}.error").write_text(f"{type(error).__name__}: {error}")
         raise
@@ -91,22 +92,42 @@ def sequence_parallel_worker(rank: int, port: int, model_dir: str, out: str, fai
         dist.destroy_process_group()
 
 
-def spawn(model_dir: Path, out: Path, fail_on_rank: int | None = None) -> mp.ProcessContext:
-    context = mp.start_processes(sequence_parallel_worker, args=(free_port(), str(model_dir), str(out), fail_on_rank),
+def spawn(model_dirs: list[Path], out: Path, fail_on_rank: int | None = None) -> mp.ProcessContext:
+    context = mp.start_processes(sequence_parallel_worker, args=(free_port(), [str(path) for path in model_dirs], str(out), fail_on_rank),
                                  nprocs=2, join=False, start_method="spawn")
     return context
 
 
-def test_ulysses_forward_and_gradients_equal_the_padded_forward(tiny_model_dir, tmp_path):
+def join_within(context: mp.ProcessContext, seconds: float, grace_period: float | None = None) -> None:
+    """``context.join`` until every process ended (raising for the first that failed), failing after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=5, grace_period=grace_period):
+        assert time.monotonic() < deadline, f"the processes did not end within {seconds} s"
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_model_dir(tmp_path_factory):
+    """The tiny model with 1 key/value head (4 query heads): fewer kv heads than k = 2."""
+    from lit_grpo.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-one-kv-head"), num_key_value_heads=1)
+
+
+def test_ulysses_forward_and_gradients_equal_the_padded_forward(tiny_model_dir, one_kv_head_model_dir, tmp_path):
     """Two ranks (k = 2) each run the body on half of the three rows' 15 packed tokens (padded to 16);
     the gathered hidden states equal one process's padded forward, and the gradients, summed over the
     two ranks and divided by k (DDP's average), equal that forward's: every head of the tiny model's
-    4 query and 2 key/value heads crossed the all-to-all."""
-    context = spawn(tiny_model_dir, tmp_path / "sp")
-    while not context.join(timeout=120):
-        pass
-    expected_hidden, expected_grads = padded_hidden_and_grads(str(tiny_model_dir))
-    ranks = [torch.load(tmp_path / f"sp.{rank}", weights_only=False) for rank in range(2)]
+    4 query and 2 key/value heads crossed the all-to-all. The same with 1 key/value head, which each
+    rank repeats for its query heads (fewer kv heads than k)."""
+    model_dirs = [tiny_model_dir, one_kv_head_model_dir]
+    context = spawn(model_dirs, tmp_path / "sp")
+    join_within(context, 240)
+    for index, model_dir in enumerate(model_dirs):
+        check_ulysses_against_padded(model_dir, [torch.load(tmp_path / f"sp.{index}.{rank}", weights_only=False) for rank in range(2)])
+
+
+def check_ulysses_against_padded(model_dir: Path, ranks: list[dict]) -> None:
+    expected_hidden, expected_grads = padded_hidden_and_grads(str(model_dir))
     for result in ranks:
         torch.testing.assert_close(result["hidden"], expected_hidden, rtol=1e-5, atol=1e-5)
     assert expected_hidden.abs().sum() > 0
@@ -125,13 +146,13 @@ def test_a_failure_inside_one_ranks_forward_ends_every_rank_within_the_timeout(t
     next all-to-all, ends with an error too (the peer gone or the process group's 20 s timeout), well
     within 120 s: nothing hangs."""
     start = time.monotonic()
-    context = spawn(tiny_model_dir, tmp_path / "sp", fail_on_rank=1)
-    with pytest.raises(mp.ProcessRaisedException):  # the first rank to end with an error, either one
-        while not context.join(timeout=120):
-            pass
-    for process in context.processes:  # the other rank must end too
-        process.join(timeout=120)
-        assert process.exitcode is not None and process.exitcode != 0
+    context = spawn([tiny_model_dir], tmp_path / "sp", fail_on_rank=1)
+    # the first rank to end with an error, either one; the other gets 60 s to end by itself before a SIGTERM
+    with pytest.raises(mp.ProcessRaisedException):
+        join_within(context, 120, grace_period=60)
+    for process in context.processes:  # both ended with their error (exit code 1), neither by a signal
+        process.join(timeout=5)
+        assert process.exitcode == 1, (process.pid, process.exitcode)
     assert time.monotonic() - start < 150
     assert "layer broke on rank 1" in (tmp_path / "sp.1.error").read_text()
     # rank 0 waited in a collective of the forward: its peer's crash (or the timeout) ended it
@@ -151,6 +172,8 @@ def hparams(**changes) -> SimpleNamespace:
     ({"share_prompt_forward": True}, 2, "model.share_prompt_forward: true"),
     ({"tools": ["math:sqrt"]}, 2, "model.tools"),
     ({"sequence_parallel_size": 0}, 2, "must be at least 1"),
+    # every refusal that applies is named, not only the last
+    ({"max_staleness": 1, "tools": ["math:sqrt"]}, 3, r"processes \(3\).*; model.max_staleness > 0.*; model.tools"),
 ])
 def test_settings_that_cannot_run_are_refused_in_one_line(changes, world_size, message):
     with pytest.raises(ConfigError, match=message) as error:
@@ -174,6 +197,48 @@ def test_the_attention_function_refuses_to_run_outside_a_sequence_parallel_forwa
     query = torch.zeros(1, 2, 3, 4)
     with pytest.raises(RuntimeError, match="only inside SequenceParallel.hidden_states"):
         sequence_parallel.ulysses_attention(torch.nn.Module(), query, query, query, None)
+    # a sliding window, soft-capped logits or attention sinks would be ignored: refused instead
+    with pytest.raises(RuntimeError, match="'lit_ulysses' cannot apply sliding_window, s_aux"):
+        sequence_parallel.ulysses_attention(torch.nn.Module(), query, query, query, None, sliding_window=3, s_aux=torch.zeros(2))
+
+
+def test_sliding_window_and_soft_capped_attention_are_refused_in_one_line(tiny_model_dir):
+    """The Ulysses attention is full causal attention within each row: a Mistral with a 3-token
+    window, or attention logits soft-capped (Gemma 2), would train on other values than the model's."""
+    from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=3))
+    with pytest.raises(ConfigError, match=r"^model.sequence_parallel_size 2: MistralForCausalLM has sliding-window attention, "):
+        check_model(mistral, 2)
+    capped = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    capped.config.attn_logit_softcapping = 50.0
+    with pytest.raises(ConfigError, match=r"LlamaForCausalLM has soft-capped attention logits \(attn_logit_softcapping 50.0\)"):
+        check_model(capped, 2)
+
+
+def test_forwards_without_the_fused_head_say_once_that_they_are_not_split(tiny_model_dir, monkeypatch):
+    """A head not known to be linear: the log-probs come from the model's full logits, which every rank
+    of the group computes whole (no sequence split, no memory saved): the log line says so, once."""
+    from transformers import AutoModelForCausalLM
+
+    import lit_grpo.models
+    import lit_grpo.train.logprob_passes
+    from lit_grpo.settings import (EvaluationSettings, GenerationSettings, LogProbSettings, LossSettings, RunSettings,
+                                   SamplingSettings, ToolSettings, UpdateSettings)
+    from lit_grpo.train.logprob_passes import LogProbPasses
+
+    monkeypatch.setattr(lit_grpo.models, "FUSED_HEAD_MODEL_TYPES", frozenset())
+    messages = []
+    monkeypatch.setattr(lit_grpo.train.logprob_passes, "rank_zero_info", messages.append)
+    settings = RunSettings(loss=LossSettings(max_completion_length=8), sampling=SamplingSettings(), logprobs=LogProbSettings(), generation=GenerationSettings(),
+                           update=UpdateSettings(), tools=ToolSettings(), evaluation=EvaluationSettings(num_generations_eval=1))
+    passes = LogProbPasses(settings, None, None, lambda: 1.0)
+    passes.sequence_parallel = SimpleNamespace(size=2)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert passes.fused_head(model) is None and passes.fused_head(model) is None
+    (message,) = messages
+    assert message.endswith("; model.sequence_parallel_size 2: each rank runs these forwards whole, no sequence split, no memory saved")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,6 +292,10 @@ def test_two_ranks_with_k_2_train_exactly_as_one_process_on_the_union_of_their_r
         # every metric but the seconds, the throughput and the CPU threads each process was given
         for name in [name for name in expected if not name.startswith(("time/", "step_time", "tokens_per_second", "cpu/"))]:
             assert actual[name] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), (step, name)
+    # completions.jsonl holds each row once: the group's first rank gives its rows (the union), the other none
+    lines = {name: sum(len(path.read_text().splitlines()) for path in (sp_run_dir / name).glob("**/completions.jsonl"))
+             for name in ("sp_single", f"sp_{strategy}")}
+    assert lines["sp_single"] == 2 * GLOBAL_BATCH * 4 and lines[f"sp_{strategy}"] == lines["sp_single"], lines  # 2 steps x 16 rows
     assert any(step["clip_ratio/region_mean"] > 0 for step in one["steps"])  # not vacuous
     assert all(step["kl"] > 0 for step in one["steps"][1:])
     # the gradients agree to float32 rounding (test_ulysses_forward_and_gradients_equal_the_padded_forward: 1e-6 of
@@ -260,6 +329,8 @@ def test_lit_grpo_fit_on_two_processes_with_sequence_parallel_size_2_logs_its_st
     finished = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert finished.returncode == 0, finished.stderr[-4000:]
     assert "model.sequence_parallel_size 2: the first forward's" in finished.stdout + finished.stderr
+    # the CPU's default share_prompt_forward (auto: on) is off with it, and the log says so
+    assert "model.share_prompt_forward auto: off with model.sequence_parallel_size 2" in finished.stdout + finished.stderr
     (metrics_file,) = (tmp_path / "runs").glob("**/metrics.csv")
     rows = list(csv.DictReader(metrics_file.open()))
     logged = [row for row in rows if row.get("loss")]
