@@ -416,3 +416,38 @@ def test_rounds_with_and_without_behaviour_log_probs_are_not_concatenated():
     assert concat_rollouts([without, without], pad_token_id=0).sampling_logps is None
     with pytest.raises(ValueError, match="some rollouts have sampling_logps and others not"):
         concat_rollouts([with_logps, without], pad_token_id=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tool calls in flight
+# ----------------------------------------------------------------------------------------------
+
+
+def test_tool_calls_run_at_most_the_bound_at_once_each_timed_from_its_own_start(monkeypatch):
+    """With a bound of 2, five 0.2 s calls run two at a time (never three threads at once), and each
+    finishes within a 0.35 s timeout though the last starts ~0.4 s after the first."""
+    import time
+
+    from lit_grpo.rollout.tools import calls as tool_calls
+
+    monkeypatch.setattr(tool_calls, "MAX_CONCURRENT_TOOL_CALLS", 2)
+    lock, active, most = threading.Lock(), [0], [0]
+
+    def nap(x: int) -> int:
+        """Sleep a little and return x.
+
+        Args:
+            x: a number
+        """
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.2)
+        with lock:
+            active[0] -= 1
+        return x
+
+    tools = {"nap": tool_calls.make_tool(nap, "t")}
+    results = tool_calls.run_tool_calls([(tool_calls.ToolCall("nap", {"x": i}), tools) for i in range(5)], timeout=0.35)
+    assert [(r.content, r.failed) for r in results] == [(str(i), False) for i in range(5)]
+    assert most[0] == 2

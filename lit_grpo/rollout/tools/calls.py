@@ -44,6 +44,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,9 @@ __all__ = [
     "tool_schema",
 ]
 
+# tool calls running at once, each in a thread of its own (thousands of rows' calls would exhaust the
+# threads a process may start); the others wait their turn, in order
+MAX_CONCURRENT_TOOL_CALLS = 64
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 # timed-out calls whose threads still run (a thread cannot be stopped); warned about past this many
 _ABANDONED: weakref.WeakSet = weakref.WeakSet()
@@ -364,34 +368,57 @@ def _argument_problem(function: Callable, arguments: dict) -> str | None:
     return None
 
 
+def _call_problem(call: ToolCall, tools: dict[str, Tool]) -> str | None:
+    """Why ``call`` cannot run (unparsed, an unknown tool, arguments its signature refuses), or None."""
+    if call.error is not None:
+        return call.error
+    if call.name not in tools:
+        return f"no tool named {call.name!r}; the tools are: {', '.join(sorted(tools)) or 'none'}"
+    problem = _argument_problem(tools[call.name].function, call.arguments)
+    return None if problem is None else f"{call.name}: {problem}"
+
+
+def _finished(name: str, future: concurrent.futures.Future, seconds: float, timeout: float | None) -> ToolResult:
+    try:
+        return ToolResult(name, _as_text(future.result()), False, seconds)
+    except (concurrent.futures.TimeoutError, asyncio.TimeoutError):  # a coroutine's own wait_for
+        return ToolResult(name, f"error: {name} timed out after {timeout:g} s", True, seconds)
+    except Exception as error:  # noqa: BLE001 - the model reads what went wrong
+        kind = type(error.error if isinstance(error, _Escaped) else error).__name__
+        return ToolResult(name, f"error: {kind}: {error}", True, seconds)
+
+
 def run_tool_calls(calls: Sequence[tuple[ToolCall, dict[str, Tool]]], timeout: float | None) -> list[ToolResult]:
-    """Run each ``(call, tools by name)`` concurrently; one :class:`ToolResult` per call, in order."""
-    started: list[tuple[ToolCall, tuple | None, str | None, float]] = []
-    for call, tools in calls:
-        problem = call.error
-        if problem is None and call.name not in tools:
-            problem = f"no tool named {call.name!r}; the tools are: {', '.join(sorted(tools)) or 'none'}"
+    """Run each ``(call, tools by name)`` concurrently, at most :data:`MAX_CONCURRENT_TOOL_CALLS` at a
+    time in the order given (each call's timeout counted from its own start; a call past it is abandoned
+    and frees its place); one :class:`ToolResult` per call, in order."""
+    results: list[ToolResult | None] = [None] * len(calls)
+    waiting: deque[int] = deque()
+    for index, (call, tools) in enumerate(calls):
+        problem = _call_problem(call, tools)
         if problem is None:
-            problem = _argument_problem(tools[call.name].function, call.arguments)
-            if problem is not None:
-                problem = f"{call.name}: {problem}"
-        running = None if problem else _start(call.name, tools[call.name].function, call.arguments, timeout)
-        started.append((call, running, problem, time.perf_counter()))
-    results = []
-    for call, running, problem, start in started:
-        name = call.name or "unknown"
-        if running is None:
-            results.append(ToolResult(name, f"error: {problem}", True, 0.0))
-            continue
-        future, thread = running
-        remaining = None if timeout is None else max(0.0, timeout - (time.perf_counter() - start))
-        try:
-            value = future.result(timeout=remaining)
-            results.append(ToolResult(name, _as_text(value), False, time.perf_counter() - start))
-        except (concurrent.futures.TimeoutError, asyncio.TimeoutError):
-            _abandon(thread, name, timeout)
-            results.append(ToolResult(name, f"error: {name} timed out after {timeout:g} s", True, time.perf_counter() - start))
-        except Exception as error:  # noqa: BLE001 - the model reads what went wrong
-            kind = type(error.error if isinstance(error, _Escaped) else error).__name__
-            results.append(ToolResult(name, f"error: {kind}: {error}", True, time.perf_counter() - start))
+            waiting.append(index)
+        else:
+            results[index] = ToolResult(call.name or "unknown", f"error: {problem}", True, 0.0)
+    running: dict[concurrent.futures.Future, tuple[int, threading.Thread, float]] = {}  # future -> (index, thread, start)
+    while waiting or running:
+        while waiting and len(running) < MAX_CONCURRENT_TOOL_CALLS:
+            index = waiting.popleft()
+            call, tools = calls[index]
+            future, thread = _start(call.name, tools[call.name].function, call.arguments, timeout)
+            running[future] = (index, thread, time.perf_counter())
+        first_deadline = None if timeout is None else min(start for _, _, start in running.values()) + timeout
+        concurrent.futures.wait(running, timeout=None if first_deadline is None else max(0.0, first_deadline - time.perf_counter()),
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+        now = time.perf_counter()
+        for future, (index, thread, start) in list(running.items()):
+            name = calls[index][0].name
+            if future.done():
+                results[index] = _finished(name, future, now - start, timeout)
+            elif timeout is not None and now - start >= timeout:
+                _abandon(thread, name, timeout)
+                results[index] = ToolResult(name, f"error: {name} timed out after {timeout:g} s", True, now - start)
+            else:
+                continue
+            del running[future]
     return results
