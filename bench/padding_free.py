@@ -7,8 +7,11 @@ tokens (sigma 0.4, 16 to 512). For micro-batches of ``--rows`` such rows (no sha
 applies to the forwards without one) it counts the tokens that go through the model in one forward of
 the whole micro-batch (padded to its longest prompt and completion), in today's length chunks
 (``group_by_length`` with the CPU's ``forward_token_budget`` of 1,024: every chunk padded to its own
-longest rows), and packed (the real tokens only); then it times one forward + backward of each on a
-small random model (float32, on the CPU: ``transformers``' block-diagonal mask over the packed sequence).
+longest rows), packed in chunks of at most that many real tokens (``padding_free: true`` with the
+default ``group_by_length``: :func:`lit_grpo.train.packing.token_budget_chunks`) and packed as one
+sequence without a budget (the real tokens only, either way); then it times one forward + backward of
+each on a small random model (float32, on the CPU: ``transformers``' block-diagonal mask over each
+packed sequence, whose attention scores are ``T x T``).
 
     python -m bench.padding_free --threads 1
 """
@@ -26,10 +29,11 @@ import torch
 from bench.harness import command_line, fmt, load_line, machine_description, markdown_table, write_outputs
 from lit_grpo.rollout.records import FORWARD_OVERHEAD_TOKENS, Rollout, length_chunks
 from lit_grpo.tiny import build_tiny_model
+from lit_grpo.train.packing import token_budget_chunks
 
 MEDIAN_FRACTION, SIGMA = 0.4, 0.6  # completion lengths: log-normal, median 40 % of the maximum
 PROMPT_MEDIAN, PROMPT_SIGMA, PROMPT_RANGE = 120, 0.4, (16, 512)
-WAYS = ("padded", "length chunks", "packed")
+WAYS = ("padded", "length chunks", "packed chunks", "packed")  # "packed": one sequence, no budget
 
 
 def draw_lengths(rows: int, max_completion_length: int, generator: torch.Generator) -> tuple[list[int], list[int]]:
@@ -61,15 +65,17 @@ def tokens_through_the_model(prompt_lengths: list[int], completion_lengths: list
     return {
         "padded": rows * (max(prompt_lengths) + max(completion_lengths) - 1),
         "length chunks": chunked,
+        "packed chunks": sum(prompt_lengths) + sum(completion_lengths) - rows,
         "packed": sum(prompt_lengths) + sum(completion_lengths) - rows,
         "chunks": len(length_chunks(prompt_mask, completion_mask, budget)),
+        "packed_chunks": len(token_budget_chunks(torch.tensor(prompt_lengths) + torch.tensor(completion_lengths), budget)),
     }
 
 
 def token_counts(args: argparse.Namespace) -> dict:
     """Mean tokens per micro-batch each way over ``--micro-batches`` draws."""
     generator = torch.Generator().manual_seed(args.seed)
-    totals = {way: 0 for way in (*WAYS, "chunks")}
+    totals = {way: 0 for way in (*WAYS, "chunks", "packed_chunks")}
     truncated = 0
     for _ in range(args.micro_batches):
         prompts, completions = draw_lengths(args.rows, args.max_completion_length, generator)
@@ -129,6 +135,7 @@ def set_way(module, way: str) -> None:
     """The module's settings for one of :data:`WAYS`."""
     settings = {"padded": dict(padding_free=False, group_by_length=False),
                 "length chunks": dict(padding_free=False, group_by_length=True),
+                "packed chunks": dict(padding_free=True, group_by_length=True),
                 "packed": dict(padding_free=True, group_by_length=False)}[way]
     for name, value in settings.items():
         setattr(module.hparams, name, value)
@@ -172,13 +179,14 @@ def timings(args: argparse.Namespace, model_dir: Path) -> list[dict]:
 
 def markdown_report(args: argparse.Namespace, counts: dict, timed: list[dict], machine: dict, command: str) -> str:
     padded = counts["padded"]
-    count_rows = [[way, fmt(counts[way], 0), f"{100 * (1 - counts['packed'] / counts[way]):.1f} %", f"{counts[way] / padded:.2f}"]
+    label = {"packed": "packed, one sequence"}
+    count_rows = [[label.get(way, way), fmt(counts[way], 0), f"{100 * (1 - counts['packed'] / counts[way]):.1f} %", f"{counts[way] / padded:.2f}"]
                   for way in WAYS]
     time_rows = []
     for way in WAYS:
         seconds = [row["seconds"][way] for row in timed]
         tokens = [row["tokens"][way] for row in timed]
-        time_rows.append([way, fmt(statistics.mean(tokens), 0), fmt(statistics.mean(seconds), 3),
+        time_rows.append([label.get(way, way), fmt(statistics.mean(tokens), 0), fmt(statistics.mean(seconds), 3),
                           f"{statistics.mean(seconds) / statistics.mean(row['seconds']['padded'] for row in timed):.2f}"])
     return "\n".join([
         f"# Padding through the model (`bench/padding_free.py`)\n\n`{command}`\n",
@@ -188,7 +196,8 @@ def markdown_report(args: argparse.Namespace, counts: dict, timed: list[dict], m
         f"max_completion_length {args.max_completion_length} (sigma {SIGMA}; {counts['truncated_fraction']:.1%} of the rows hit "
         f"the maximum), prompts log-normal around {PROMPT_MEDIAN} tokens; length chunks with forward_token_budget "
         f"{args.budget} ({counts['chunks']:.2f} forwards per micro-batch on average, {FORWARD_OVERHEAD_TOKENS} tokens' "
-        "overhead each in the chunking's cost).\n",
+        f"overhead each in the chunking's cost); packed chunks of at most {args.budget} real tokens "
+        f"({counts['packed_chunks']:.2f} forwards per micro-batch on average).\n",
         markdown_table(["forward", "tokens through the model", "of them padding", "x padded"], count_rows),
         f"\nOne forward + backward of the log-probs (median of {args.repeats}, float32, {args.threads or torch.get_num_threads()} "
         f"thread(s)) on {args.timed} drawn micro-batches, a {args.layers}-layer random Llama (hidden {args.hidden_size}):\n",

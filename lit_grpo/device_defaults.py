@@ -15,9 +15,10 @@ once, at the start of a run (``GRPOModule.setup``) and said in one line:
   cache): on on the CPU, where it was measured to pay; off on other devices, where the fused
   attention kernels it replaces by its own path have not been measured against it.
 * ``padding_free`` (the rows of each log-prob forward packed into one sequence,
-  :mod:`lit_grpo.train.packed_forward`): off on the CPU, where ``transformers``' packed path is a
-  block-diagonal mask over all ``T x T`` scores and the length chunks already leave little padding
-  (measured: ``bench/padding_free.py``, bench/results/padding_free_cpu.md); on CUDA on where the
+  :mod:`lit_grpo.train.packed_forward`): off on the CPU, where packing in chunks of real tokens
+  measured level with the length chunks (they already leave little padding; ``transformers``'
+  packed path there is a block-diagonal mask over all ``T x T`` scores) and one packed sequence
+  without a budget slower (measured: ``bench/padding_free.py``, bench/results/padding_free_cpu.md); on CUDA on where the
   model's attention is ``flash_attention_2``/``flash_attention_3`` (the variable-length kernel,
   no wasted scores), off otherwise.
 
