@@ -39,8 +39,9 @@ restored, never sampled again.
 Dynamic sampling (``model.dynamic_sampling``) runs at the step that trains a batch, whose rewards are
 known then (:meth:`RolloutPipeline._scored`): its groups without signal are replaced by the prompts the
 data loader gives in that step, sampled there with the current weights and scored by the scoring thread
-after the batches handed in before (:meth:`RolloutPipeline._extra_round`). They are drawn and trained in
-one step, so no checkpoint holds one and the data position stays exact.
+after the batches handed in at earlier steps (:meth:`RolloutPipeline._extra_round`); the step's own batch
+is started after them (step 1 after step 2), so that they do not wait for its job. They are drawn and
+trained in one step, so no checkpoint holds one and the data position stays exact.
 
 Failures. Every exception of the background job (a server lost or refusing a request, a reward that
 raised) is the batch's ``failure``, never raised in the thread; the ranks agree on it at a point every
@@ -281,7 +282,9 @@ class RolloutPipeline(pl.Callback):
     def exchange(self, module, batch: PromptBatch) -> tuple[ScoredRollout | None, list | None]:
         """Sample ``batch`` with the current weights and start scoring it; return the oldest batch
         of the pipeline scored and ready for the update (steps 1-4), or ``(None, None)`` while the
-        pipeline fills (or when every batch in it was too old)."""
+        pipeline fills (or when every batch in it was too old). With dynamic sampling ``batch`` starts
+        after the oldest is ready: its extra rounds are scored behind the batches already in flight
+        only, not behind this one's whole job (on servers, its sampling)."""
         self._restore(module)
         waited = 0.0
         if module.engine.samples_elsewhere:
@@ -296,10 +299,25 @@ class RolloutPipeline(pl.Callback):
             wait_for_weights = module.collector.sync_weights()
         for item in self.in_flight:  # restored unsampled (sampled again first) or unscored (scored again)
             if item.work is None and item.rewards_per_func is None and item.failure is None:
-                self._start(module, item)
+                self.start(module, item)
         current = InFlight(batch, {"generate": 0.0, "rewards": 0.0, "logprobs": 0.0})
-        self._start(module, current)
-        self.in_flight.append(current)
+        start_first = not module.collector.settings.dynamic_sampling
+        if start_first:
+            self.start(module, current)
+        self.in_flight.append(current)  # depth >= 1: the loop below never pops it
+        ready, waited = self._oldest_ready(module, current, waited)
+        if not start_first:
+            self.start(module, current)
+        if ready is None:
+            return None, None
+        scored, completions = ready
+        scored.timings.update(wait_for_samples=waited, wait_for_weights=wait_for_weights)
+        return scored, completions
+
+    def _oldest_ready(self, module, current: InFlight, waited: float) -> tuple[tuple[ScoredRollout, list] | None, float]:
+        """Pop the batches past the pipeline's depth, dropping those older than ``max_staleness``, and
+        prepare the first that is not (:meth:`_scored`): it and its completions (None if none), and
+        ``waited`` plus the seconds waited for their jobs. On a failure ``current`` leaves the pipeline."""
         while len(self.in_flight) > self.depth:
             item = self.in_flight.popleft()
             waited += item.finish()
@@ -315,10 +333,9 @@ class RolloutPipeline(pl.Callback):
                 self.in_flight.appendleft(item)  # its prompts (and any batch after it) stay in the checkpoint
                 self.in_flight.remove(current)  # the data loader gives this step's batch (and extra rounds') again
                 raise
-            scored.timings.update(wait_for_samples=waited, wait_for_weights=wait_for_weights)
             self.metrics = self._metrics(module, scored.rollout, reward_errors)
-            return scored, completions
-        return None, None
+            return (scored, completions), waited
+        return None, waited
 
     def _metrics(self, module, rollout: Rollout, reward_errors: dict[str, int]) -> dict[str, torch.Tensor]:
         """``async/*`` of the rows trained (with dynamic sampling, those its rounds kept: the extra rounds'
@@ -337,7 +354,7 @@ class RolloutPipeline(pl.Callback):
             metrics[f"rewards/{name}/errors"] = reduce(errors, reduce_op="sum")
         return metrics
 
-    def _start(self, module, item: InFlight, in_step: bool = False) -> None:
+    def start(self, module, item: InFlight, in_step: bool = False) -> None:
         """Sample ``item`` unless it is (on servers, without tools, and unless ``in_step``: in the
         background) and score it in the background. The background thread gets the rollout on the CPU
         and never touches the trainer's device. A multi-turn rollout is sampled in the step on every
@@ -421,7 +438,7 @@ class RolloutPipeline(pl.Callback):
         the step on every backend, and scored by the scoring thread after the batches handed in before
         (one scoring at a time); every rank agrees on how it ended."""
         extra = InFlight(batch, {"generate": 0.0, "rewards": 0.0, "logprobs": 0.0})
-        self._start(module, extra, in_step=True)
+        self.start(module, extra, in_step=True)
         extra.finish()
         agree_on_background_failure(extra.failure, module.device)
         return extra

@@ -9,6 +9,7 @@ pipeline's ``exchange`` is wrapped to record the batch each step trains. The pro
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import string
@@ -178,9 +179,8 @@ def test_environments_live_within_the_step_and_their_rewards_are_scored_in_the_b
     assert saved["rollout"]["completion_ids"].shape[0] == 4
 
 
-def _saved(state: dict) -> str:
-    import io
-
+def _saved(state: dict) -> io.BytesIO:
+    """``state`` written by ``torch.save``, ready to read."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
@@ -258,11 +258,20 @@ def test_dynamic_sampling_one_step_off_replaces_groups_without_signal_at_the_ste
     rows = [{"prompt": p} for p in ["Say z:", "Say a:", "Say b:", "Say c:", "Say z:", "Say d:", "Say e:", "Say f:",
                                      "Say g:", "Say h:"]]
     module = make_module(tiny_model_dir, rewards=[{"name": "gated"}], dynamic_sampling=True, max_staleness=1)
+    started, start = [], module.rollout_pipeline.start
+
+    def recording_start(module_, item, in_step=False):
+        started.append(item.batch.prompts)
+        start(module_, item, in_step)
+
+    module.rollout_pipeline.start = recording_start
     trained, metrics = fit_recording(module, make_data(write_jsonl(rows), batch_size=2, shuffle=False), fast_trainer(max_steps=2))
     # step 0 samples [z, a] (the pipeline fills); step 1 samples [b, c], then trains [z, a]: z has no
     # signal, the next batch of the loader, [z, d], is sampled now and gives d
     assert trained[0] is None and trained[1].prompts == ["Say a:", "Say d:"]
     assert metrics[1]["dynamic_sampling/rounds"] == 2
+    # the extra round starts before step 1's own batch: its scoring waits behind no job of [b, c]
+    assert started[:3] == [["Say z:", "Say a:"], ["Say z:", "Say d:"], ["Say b:", "Say c:"]]
     assert metrics[1]["dynamic_sampling/dropped_frac"] == pytest.approx(2 / 4)
     # the extra round was sampled by the current weights (version 0 still: no optimizer step yet), and
     # its behaviour log-probs join the batch's: sampled and trained by the same weights, ratio 1
@@ -391,7 +400,7 @@ def test_on_servers_a_multi_turn_batch_is_sampled_in_the_step_and_only_scored_in
     module = SimpleNamespace(engine=SimpleNamespace(samples_elsewhere=True), collector=collector, generate=generate)
     pipeline = RolloutPipeline(max_staleness=1, optimizer_steps_per_batch=1)
     item = InFlight(PromptBatch(["once 1"], {}), {"generate": 0.0})
-    pipeline._start(module, item)
+    pipeline.start(module, item)
     item.finish()
     pipeline.teardown(None, None, "fit")
     assert [call[0] for call in calls] == ["generate in the step", "score"]
@@ -399,7 +408,7 @@ def test_on_servers_a_multi_turn_batch_is_sampled_in_the_step_and_only_scored_in
     assert item.rollout.weight_versions.tolist() == [4, 4] and item.completions == ["done"] * 2 and item.failure is None
     collector.tool_use = None  # single-turn: the servers sample in the background, as before
     calls.clear()
-    pipeline._start(module, InFlight(PromptBatch(["once 1"], {}), {"generate": 0.0}))
+    pipeline.start(module, InFlight(PromptBatch(["once 1"], {}), {"generate": 0.0}))
     pipeline.teardown(None, None, "fit")
     assert calls[0] == "background sampler"
 
