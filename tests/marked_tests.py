@@ -185,8 +185,7 @@ INTEGRATION: dict[str, str | tuple[str, ...]] = {
         "test_one_step_off_quickstart_with_a_math_verify_reward_scores_as_in_the_main_thread",
     ),
     "tests/train/test_sequence_parallel.py": (
-        "test_ulysses_forward_and_gradients_equal_the_padded_forward",
-        "test_a_failure_inside_one_ranks_forward_ends_every_rank_within_the_timeout",
+        "test_ulysses_forward_and_gradients_equal_the_padded_forward_and_a_failure_in_one_rank_ends_every_rank",
         "test_two_ranks_with_k_2_train_exactly_as_one_process_on_the_union_of_their_rows",
         "test_lit_grpo_fit_on_two_processes_with_sequence_parallel_size_2_logs_its_steps",
         "test_lit_grpo_fit_on_one_process_with_sequence_parallel_size_2_is_refused_in_one_line",
@@ -304,8 +303,7 @@ SLOW: dict[str, str | tuple[str, ...]] = {
         "test_a_one_process_checkpoint_resumed_on_two_processes_mid_epoch_stops_before_any_step",
     ),
     "tests/train/test_sequence_parallel.py": (
-        "test_ulysses_forward_and_gradients_equal_the_padded_forward",
-        "test_a_failure_inside_one_ranks_forward_ends_every_rank_within_the_timeout",
+        "test_ulysses_forward_and_gradients_equal_the_padded_forward_and_a_failure_in_one_rank_ends_every_rank",
         "test_two_ranks_with_k_2_train_exactly_as_one_process_on_the_union_of_their_rows",
         "test_lit_grpo_fit_on_two_processes_with_sequence_parallel_size_2_logs_its_steps",
         "test_lit_grpo_fit_on_one_process_with_sequence_parallel_size_2_is_refused_in_one_line",

@@ -73,18 +73,26 @@ def sequence_parallel_worker(rank: int, port: int, model_dirs: list[str], out: s
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=20))
     try:
         sp = SequenceParallel.of_world(2)
+
+        def forward_and_backward(model: torch.nn.Module) -> dict:
+            hidden = sp.hidden_states(model, models.output_head(model), input_ids=INPUT_IDS, attention_mask=MASK)  # [n, L, H]
+            weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+            (hidden * weights).sum().backward()
+            return {"hidden": hidden.detach(), "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
+
         for index, model_dir in enumerate(model_dirs):  # one pair of processes for every model: they start slowly
-            model = AutoModelForCausalLM.from_pretrained(model_dir)
-            if fail_on_rank == rank:  # one rank's layer raises inside the forward
+            torch.save(forward_and_backward(AutoModelForCausalLM.from_pretrained(model_dir)), f"{out}.{index}.{rank}")
+        # the update's shuffle: each rank's own random stream (seeded apart here), one generator on both
+        torch.manual_seed(100 + rank)
+        torch.save(torch.randperm(16, generator=sp.shared_generator(torch.device("cpu"))), f"{out}.shuffle.{rank}")
+        if fail_on_rank is not None:  # then one rank's layer raises inside a forward
+            model = AutoModelForCausalLM.from_pretrained(model_dirs[0])
+            if fail_on_rank == rank:
                 def broken(*args, **kwargs):
                     raise RuntimeError("layer broke on rank 1")
                 model.model.layers[1].mlp.forward = broken
-            head = models.output_head(model)
-            hidden = sp.hidden_states(model, head, input_ids=INPUT_IDS, attention_mask=MASK)  # [n, L, H]
-            weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
-            (hidden * weights).sum().backward()
-            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-            torch.save({"hidden": hidden.detach(), "grads": grads}, f"{out}.{index}.{rank}")
+            Path(f"{out}.{rank}.failing_forward").write_text(str(time.time()))
+            forward_and_backward(model)
     except Exception as error:  # what the parent checks: every rank ended with an error
         Path(f"{out}.{rank}.error").write_text(f"{type(error).__name__}: {error}")
         raise
@@ -113,17 +121,43 @@ def one_kv_head_model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-one-kv-head"), num_key_value_heads=1)
 
 
-def test_ulysses_forward_and_gradients_equal_the_padded_forward(tiny_model_dir, one_kv_head_model_dir, tmp_path):
+def test_ulysses_forward_and_gradients_equal_the_padded_forward_and_a_failure_in_one_rank_ends_every_rank(
+        tiny_model_dir, one_kv_head_model_dir, tmp_path):
     """Two ranks (k = 2) each run the body on half of the three rows' 15 packed tokens (padded to 16);
     the gathered hidden states equal one process's padded forward, and the gradients, summed over the
     two ranks and divided by k (DDP's average), equal that forward's: every head of the tiny model's
     4 query and 2 key/value heads crossed the all-to-all. The same with 1 key/value head, which each
-    rank repeats for its query heads (fewer kv heads than k)."""
+    rank repeats for its query heads (fewer kv heads than k). The two ranks' shuffles of the update
+    agree. Then (the same processes: they start slowly) rank 1's layer raises inside a forward: rank 1
+    ends with its error, and rank 0, waiting in the next all-to-all, ends with an error too (the peer
+    gone or the process group's 20 s timeout), well within 120 s: nothing hangs."""
     model_dirs = [tiny_model_dir, one_kv_head_model_dir]
-    context = spawn(model_dirs, tmp_path / "sp")
-    join_within(context, 240)
+    context = spawn(model_dirs, tmp_path / "sp", fail_on_rank=1)
+    # the first rank to end with an error, either one; the other gets 60 s to end by itself before a SIGTERM
+    with pytest.raises(mp.ProcessRaisedException):
+        join_within(context, 240, grace_period=60)
+    for process in context.processes:  # both ended with their error (exit code 1), neither by a signal
+        process.join(timeout=5)
+        assert process.exitcode == 1, (process.pid, process.exitcode)
+    failing_since = min(float((tmp_path / f"sp.{rank}.failing_forward").read_text()) for rank in range(2))
+    assert time.time() - failing_since < 120
+    assert "layer broke on rank 1" in (tmp_path / "sp.1.error").read_text()
+    # rank 0 waited in a collective of the forward: its peer's crash (or the timeout) ended it
+    assert (tmp_path / "sp.0.error").read_text().startswith(("RuntimeError", "DistBackendError"))
     for index, model_dir in enumerate(model_dirs):
         check_ulysses_against_padded(model_dir, [torch.load(tmp_path / f"sp.{index}.{rank}", weights_only=False) for rank in range(2)])
+    # the group's ranks shuffle the union's rows alike, as the first rank's random stream (seed 100) draws
+    # (the update's micro-batches must hold the same rows on both: steps_per_generation > 1)
+    shuffles = [torch.load(tmp_path / f"sp.shuffle.{rank}") for rank in range(2)]
+    first_rank, second_rank = (shuffle_from_stream(seed) for seed in (100, 101))
+    assert torch.equal(shuffles[0], first_rank) and torch.equal(shuffles[1], first_rank)
+    assert not torch.equal(first_rank, second_rank)  # rank 1's own stream would have shuffled otherwise
+
+
+def shuffle_from_stream(seed: int) -> torch.Tensor:
+    """What :meth:`SequenceParallel.shared_generator` draws on a rank whose random stream has ``seed``."""
+    stream = torch.Generator().manual_seed(seed)  # as torch.manual_seed(seed)'s global CPU stream
+    return torch.randperm(16, generator=torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=stream))))
 
 
 def check_ulysses_against_padded(model_dir: Path, ranks: list[dict]) -> None:
@@ -139,24 +173,6 @@ def check_ulysses_against_padded(model_dir: Path, ranks: list[dict]) -> None:
     # each rank holds part of the body's gradient: neither rank alone has it
     attention = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.allclose(ranks[0]["grads"][attention], expected_grads[attention], atol=1e-6)
-
-
-def test_a_failure_inside_one_ranks_forward_ends_every_rank_within_the_timeout(tiny_model_dir, tmp_path):
-    """Rank 1's layer raises inside the forward: rank 1 ends with its error, and rank 0, waiting in the
-    next all-to-all, ends with an error too (the peer gone or the process group's 20 s timeout), well
-    within 120 s: nothing hangs."""
-    start = time.monotonic()
-    context = spawn([tiny_model_dir], tmp_path / "sp", fail_on_rank=1)
-    # the first rank to end with an error, either one; the other gets 60 s to end by itself before a SIGTERM
-    with pytest.raises(mp.ProcessRaisedException):
-        join_within(context, 120, grace_period=60)
-    for process in context.processes:  # both ended with their error (exit code 1), neither by a signal
-        process.join(timeout=5)
-        assert process.exitcode == 1, (process.pid, process.exitcode)
-    assert time.monotonic() - start < 150
-    assert "layer broke on rank 1" in (tmp_path / "sp.1.error").read_text()
-    # rank 0 waited in a collective of the forward: its peer's crash (or the timeout) ended it
-    assert (tmp_path / "sp.0.error").read_text().startswith(("RuntimeError", "DistBackendError"))
 
 
 def hparams(**changes) -> SimpleNamespace:
