@@ -34,6 +34,8 @@ about 1 GB at 0.5B), for the trainers and vLLM to load; the others are built in 
    rows whose completions are spread as a reasoning run's (``bench/padding_free.py``), padded against
    packed (flash attention's variable-length kernel where ``flash-attn`` is installed, else sdpa's
    block-diagonal mask), and the largest difference of their log-probs.
+7. **Sequence parallelism's shared shuffle** (``model.sequence_parallel_size``): the seed broadcast over a
+   one-process NCCL group, as Lightning's CUDA runs make them (NCCL takes no CPU tensors).
 
 Results go to ``bench/results/gpu_check_<device>.json`` and ``.md`` (the GPU's name on CUDA;
 ``--out`` and ``--name`` elsewhere).
@@ -910,6 +912,30 @@ def fused_head_bf16_check(device: str, tokens: int = 4096, hidden_size: int = 20
             "fused_within_full": all(errors["fused_bf16"][n] <= 1.2 * errors["full_bf16"][n] + 1e-6 for n in names)}
 
 
+def sequence_parallel_seed_check(device: str, backend: str = "nccl", cuda_only: bool = True) -> dict:
+    """``SequenceParallel.shared_generator`` (``model.sequence_parallel_size``: the seed of the update's
+    shuffle, broadcast over the group) on an NCCL group as Lightning's CUDA runs make them, which
+    takes no CPU tensors: a one-process group, so one GPU suffices. Off CUDA "skipped" (``cuda_only=False``
+    and ``backend="gloo"``: run anyway, for the mechanics' test; two ranks: tests/train/test_sequence_parallel.py)."""
+    import torch.distributed as dist
+
+    from lit_grpo.train.sequence_parallel import SequenceParallel
+
+    if device != "cuda" and cuda_only:
+        return {"skipped": "no CUDA"}
+    if dist.is_initialized():
+        return {"skipped": "a process group is already initialised in this process"}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        generator = SequenceParallel(size=1, rank=0, group=group).shared_generator(torch.device(device))
+        return {"ok": True, "backend": str(dist.get_backend(group)), "generator_device": str(generator.device)}
+    except Exception as error:  # noqa: BLE001 - the failure is the finding
+        return {"ok": False, "error": f"{type(error).__name__}: {last_line(error)}"}
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -952,6 +978,10 @@ def main(argv: list[str] | None = None) -> dict:
         report["decode"] = part("decode", lambda: decode_rows(checkpoint, args.shapes, args.device, sizes, hardware))
         report["padding_free"] = part("padding-free", lambda: padding_free_rows(checkpoint, args.device))
         report["fused_head_bf16"] = part("fused head bf16", lambda: fused_head_bf16_check(args.device))  # addmm(out_dtype)
+        report["sequence_parallel_seed"] = part("sequence-parallel seed", lambda: sequence_parallel_seed_check(args.device))
+        if report["sequence_parallel_seed"].get("ok") is False:
+            report["notes"].append(f"model.sequence_parallel_size's shared shuffle failed on NCCL: "
+                                   f"{report['sequence_parallel_seed']['error']} (issue 53.3)")
         if args.device == "cuda":  # on the CPU: tests/rollout/test_async_rollouts.py
             report["async_scoring"] = part("async scoring", lambda: scoring_thread_devices(checkpoint, args.device))
             if not report["async_scoring"]["cpu_only"]:

@@ -240,8 +240,16 @@ def test_forwards_without_the_fused_head_say_once_that_they_are_not_split(tiny_m
 
     import lit_grpo.models
     import lit_grpo.train.logprob_passes
-    from lit_grpo.settings import (EvaluationSettings, GenerationSettings, LogProbSettings, LossSettings, RunSettings,
-                                   SamplingSettings, ToolSettings, UpdateSettings)
+    from lit_grpo.settings import (
+        EvaluationSettings,
+        GenerationSettings,
+        LogProbSettings,
+        LossSettings,
+        RunSettings,
+        SamplingSettings,
+        ToolSettings,
+        UpdateSettings,
+    )
     from lit_grpo.train.logprob_passes import LogProbPasses
 
     monkeypatch.setattr(lit_grpo.models, "FUSED_HEAD_MODEL_TYPES", frozenset())
@@ -255,6 +263,17 @@ def test_forwards_without_the_fused_head_say_once_that_they_are_not_split(tiny_m
     assert passes.fused_head(model) is None and passes.fused_head(model) is None
     (message,) = messages
     assert message.endswith("; model.sequence_parallel_size 2: each rank runs these forwards whole, no sequence split, no memory saved")
+
+
+def test_the_gpu_checks_shared_shuffle_part_runs_its_mechanics_on_a_gloo_group():
+    """bench/gpu_check.py broadcasts the shuffle's seed over a one-process NCCL group on CUDA (no CPU
+    tensors there); without CUDA it is skipped, and its mechanics run on gloo."""
+    from bench import gpu_check
+
+    assert gpu_check.sequence_parallel_seed_check("cpu") == {"skipped": "no CUDA"}
+    row = gpu_check.sequence_parallel_seed_check("cpu", backend="gloo", cuda_only=False)
+    assert row == {"ok": True, "backend": "gloo", "generator_device": "cpu"}
+    assert not dist.is_initialized()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -314,9 +333,9 @@ def test_two_ranks_with_k_2_train_exactly_as_one_process_on_the_union_of_their_r
     assert lines["sp_single"] == 2 * GLOBAL_BATCH * 4 and lines[f"sp_{strategy}"] == lines["sp_single"], lines  # 2 steps x 16 rows
     assert any(step["clip_ratio/region_mean"] > 0 for step in one["steps"])  # not vacuous
     assert all(step["kl"] > 0 for step in one["steps"][1:])
-    # the gradients agree to float32 rounding (test_ulysses_forward_and_gradients_equal_the_padded_forward: 1e-6 of
-    # their scale); AdamW at lr 0.01 turns that rounding into weight differences of ~4e-5 after 4 steps for a few
-    # entries whose gradient is near 0 (as test_distributed's chunked runs), where a lost or doubled part moves ~1e-2
+    # the gradients agree to float32 rounding (the Ulysses forward test above: 1e-6 of their scale); AdamW at lr
+    # 0.01 turns that rounding into weight differences of ~4e-5 after 4 steps for a few entries whose gradient is
+    # near 0 (as test_distributed's chunked runs), where a lost or doubled part moves ~1e-2
     for name, expected in one["state"].items():
         torch.testing.assert_close(two["state"][name], expected, rtol=1e-4, atol=1e-4, msg=lambda text, name=name: f"{name}: {text}")
 
