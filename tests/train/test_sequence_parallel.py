@@ -327,6 +327,9 @@ def test_two_ranks_with_k_2_train_exactly_as_one_process_on_the_union_of_their_r
         # every metric but the seconds, the throughput and the CPU threads each process was given
         for name in [name for name in expected if not name.startswith(("time/", "step_time", "tokens_per_second", "cpu/"))]:
             assert actual[name] == pytest.approx(expected[name], rel=1e-4, abs=1e-6), (step, name)
+        # the completion tokens behind tokens_per_second: those of the W / k data-parallel groups, not k times them
+        sampled_tokens = [metrics["tokens_per_second"] * metrics["step_time"] for metrics in (expected, actual)]
+        assert sampled_tokens[1] == pytest.approx(sampled_tokens[0], rel=1e-4) and sampled_tokens[0] > 16, (step, sampled_tokens)
     # completions.jsonl holds each row once: the group's first rank gives its rows (the union), the other none
     lines = {name: sum(len(path.read_text().splitlines()) for path in (sp_run_dir / name).glob("**/completions.jsonl"))
              for name in ("sp_single", f"sp_{strategy}")}
