@@ -286,8 +286,8 @@ def check_settings(hparams: Any, world_size: int) -> None:
     refusals = [  # (refused, why): every refusal that applies is named
         (world_size % k != 0, f"the number of processes ({world_size}) must be a multiple of model.sequence_parallel_size ({k})"),
         (hparams.max_staleness > 0, "model.max_staleness > 0 (asynchronous GRPO) does not run with it yet"),
-        (bool(hparams.gradient_checkpointing), "model.gradient_checkpointing does not run with it yet (the recomputed "
-                                               "attention would leave its sequence-parallel group)"),
+        (bool(hparams.gradient_checkpointing), ("model.gradient_checkpointing does not run with it yet (the recomputed "
+                                                "attention would leave its sequence-parallel group)")),
         (hparams.share_prompt_forward is True, "model.share_prompt_forward: true does not run with it (set auto or false)"),
         (bool(hparams.tools or hparams.environment), "model.tools and model.environment do not run with it yet"),
     ]
