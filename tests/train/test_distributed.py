@@ -62,7 +62,11 @@ COMPARED_METRICS = ["loss", "reward", "reward_std", "kl", "entropy", "clip_ratio
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tiny_model_dir):
-    path = tmp_path_factory.mktemp("distributed")
+    return write_run_dir(tmp_path_factory.mktemp("distributed"), tiny_model_dir)
+
+
+def write_run_dir(path: Path, tiny_model_dir: Path) -> Path:
+    """``path`` with BASE_CONFIG for the tiny model (``base.yaml``) and its 12 prompts (``prompts.jsonl``)."""
     rows = [{"prompt": f"Say {c} {i}:"} for i, c in enumerate("abcdefghijkl")]
     (path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = json.loads(json.dumps(BASE_CONFIG))

@@ -7,7 +7,6 @@ cannot run is refused in one line."""
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import re
@@ -23,7 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
-from test_distributed import BASE_CONFIG, COMPARED_METRICS, GLOBAL_BATCH, STRATEGIES, run_worker, start_worker
+from test_distributed import (
+    COMPARED_METRICS,
+    GLOBAL_BATCH,
+    STRATEGIES,
+    run_worker,
+    start_worker,
+    write_run_dir,
+)
 
 from lit_grpo.errors import ConfigError
 from lit_grpo.rollout.records import position_ids_from_mask
@@ -285,14 +291,7 @@ def test_the_gpu_checks_shared_shuffle_part_runs_its_mechanics_on_a_gloo_group()
 @pytest.fixture(scope="module")
 def sp_run_dir(tmp_path_factory, tiny_model_dir):
     """test_distributed's base config (KL to a reference model, 2 iterations, dapo, batch-scaled rewards) and prompts."""
-    path = tmp_path_factory.mktemp("sequence_parallel")
-    rows = [{"prompt": f"Say {c} {i}:"} for i, c in enumerate("abcdefghijkl")]
-    (path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    config = json.loads(json.dumps(BASE_CONFIG))
-    config["model"]["model_name_or_path"] = str(tiny_model_dir)
-    config["data"]["data_files"] = str(path / "prompts.jsonl")
-    (path / "base.yaml").write_text(yaml.safe_dump(config))
-    return path
+    return write_run_dir(tmp_path_factory.mktemp("sequence_parallel"), tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
